@@ -1,0 +1,2 @@
+"""LazyTrain for Hugging Face."""
+__version__ = "0.1.0"
