@@ -1,0 +1,385 @@
+"""The layer-streaming executor: runs one micro-batch's forward and backward under a Schedule.
+
+Data flow (DESIGN.md §2): the resident parts (embedding, rotary, final norm, lm_head) live on the compute device;
+decoder layers live in the HostParamStore and are streamed into device slots. Forward runs each layer without
+grad and stashes the boundaries the schedule materializes; the head computes the chunked loss and dL/dh_L;
+backward walks the segments in reverse, recomputes the inputs inside each segment, runs each layer forward with
+grad on its slot, backpropagates, and adds the layer's parameter gradients into fp32 host buffers.
+
+The per-layer keyword arguments (rotary cos/sin, attention masks, position ids) are captured by running the HF
+base model's own forward with stand-in layers (`_Capture`), so the executor follows each architecture's and
+each transformers version's own mask and position logic instead of re-implementing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import LazyTrainConfig
+from ..models import check_supported
+from ..planning.fixed import fixed_schedule
+from ..planning.schedule import Schedule
+from .head import chunked_lm_loss, chunked_logits, shift_labels
+from .host_store import HostParamStore, ParamSpec, structure_key
+from .tiers import ActivationStash
+from .weights import Slot, WeightStreamer
+
+__all__ = ["StreamingExecutor", "StepStats", "plan_ops", "find_decoder"]
+
+
+class _StopCapture(Exception):
+    pass
+
+
+class _Capture(nn.Module):
+    """Stands in for decoder layer `index` during capture: records its call and passes hidden states through."""
+
+    def __init__(self, index: int, sink: list, last: bool, attrs: dict[str, Any]) -> None:
+        super().__init__()
+        self.index, self.sink, self.last = index, sink, last
+        for k, v in attrs.items():
+            setattr(self, k, v)  # e.g. attention_type, which some model forwards read from the layer
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.sink.append((hidden_states, args, kwargs))
+        if self.last:
+            raise _StopCapture
+        return hidden_states
+
+
+def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
+    """The base model holding `.layers`, `.norm`, `.embed_tokens`, and the parameter-name prefix of its layers.
+
+    Raises:
+        ValueError: the model has no `model.layers` decoder stack (unsupported architecture).
+    """
+    base = getattr(model, "model", None)
+    if base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList) or not hasattr(base, "norm"):
+        raise ValueError(f"{type(model).__name__} has no `model.layers` / `model.norm` decoder stack; the LazyTrain "
+                         "executor streams decoder-only causal LMs such as Qwen2/Qwen3/Qwen3.5")
+    return base, "model.layers."
+
+
+def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
+    """The step as a list of ops, the single source of truth for the executor and its weight prefetcher.
+
+    Ops: ("fwd", i) layer i forward (stash boundary if checkpointed); ("recompute", j) no-grad forward of layer j
+    to rebuild layer j+1's input; ("bwd", j) layer j forward-with-grad (or retained graph) + backward;
+    ("load", s) fetch boundary s at the start of a segment's backward.
+    """
+    L = schedule.num_layers
+    lay = schedule.layers
+    ops: list[tuple[str, int]] = [("fwd", i) for i in range(L)]
+    for s, e in reversed(schedule.segments()):
+        ops.append(("load", s))
+        for j in range(s, e - 1):
+            if not lay[j].retain and not lay[j + 1].retain:
+                ops.append(("recompute", j))
+        ops.extend(("bwd", j) for j in range(e - 1, s - 1, -1))
+    return ops
+
+
+@dataclass
+class StepStats:
+    """Counters of the last micro-batch (bytes, counts, seconds)."""
+
+    tokens: int = 0
+    h2d_weight_bytes: int = 0
+    d2h_grad_bytes: int = 0
+    act_d2h_bytes: int = 0
+    act_h2d_bytes: int = 0
+    weight_loads: int = 0
+    recomputed_layers: int = 0
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class StreamingExecutor:
+    """Runs a Hugging Face causal LM with its decoder layers streamed from host memory.
+
+    Args:
+        model: a supported HF causal LM (Qwen2 / Qwen3 / Qwen3.5 text / Llama) on the CPU. Its decoder-layer
+            parameters are moved into pinned host buffers (views; one copy) and its other modules to `device`.
+        config: LazyTrainConfig (loss chunking, pinning, NVMe dir, fixed-policy defaults).
+        device: compute device ("cuda" or "cpu"; the CPU path runs the same code with plain copies).
+        schedule: the plan; defaults to the fixed policy from `config`.
+
+    Raises:
+        ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
+    """
+
+    def __init__(self, model: nn.Module, config: LazyTrainConfig | None = None,
+                 device: torch.device | str | None = None, schedule: Schedule | None = None) -> None:
+        self.config = config or LazyTrainConfig()
+        check_supported(model.config)
+        self.model = model
+        self.device = torch.device(device or self.config.resolved_device())
+        self.base, self.layer_prefix = find_decoder(model)
+        self.layers: nn.ModuleList = self.base.layers
+        self.num_layers = len(self.layers)
+        ltypes = getattr(model.config, "layer_types", None) or [None] * self.num_layers
+        self.keys = [structure_key(layer, ltypes[i]) for i, layer in enumerate(self.layers)]
+        pin = self.config.pin_memory and self.device.type == "cuda"
+        self._place_resident()
+        self.store = HostParamStore(self.layers, pin=pin)
+        self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
+        self._param_specs: dict[int, tuple[int, ParamSpec]] = {}
+        for i, layer in enumerate(self.layers):
+            params = dict(layer.named_parameters())
+            for spec in self.store.buffers[i].specs:
+                self._param_specs[id(params[spec.name])] = (i, spec)
+        self.streamer: WeightStreamer | None = None
+        self.schedule: Schedule = None  # type: ignore[assignment]
+        self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
+                                                     self.config.activation_tier, self.config.prefetch_depth))
+        self.stats = StepStats()
+        self._unpack_slot: Slot | None = None
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def _place_resident(self) -> None:
+        """Move everything but the decoder layers to the compute device (tied weights stay tied)."""
+        layers = self.base.layers
+        self.base.layers = nn.ModuleList()
+        try:
+            self.model.to(self.device)
+        finally:
+            self.base.layers = layers
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """Use `schedule` from the next step on (rebuilds weight slots if the prefetch depth changes).
+
+        Raises:
+            ValueError: the schedule's layer count differs from the model's.
+        """
+        if schedule.num_layers != self.num_layers:
+            raise ValueError(f"schedule has {schedule.num_layers} layers but the model has {self.num_layers}; "
+                             "re-plan for this model (lazytrain-hf plan) or delete the stale schedule file")
+        if self.streamer is None or self.streamer.depth != schedule.prefetch_depth:
+            self.streamer = None
+            self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
+        self.schedule = schedule
+        self._ops = plan_ops(schedule)
+
+    # ---- parameters and gradients ------------------------------------------------------------------------
+    def is_streamed(self, p: torch.Tensor) -> bool:
+        return id(p) in self._param_specs
+
+    def grad_source(self, p: torch.Tensor) -> torch.Tensor | None:
+        """fp32 accumulated gradient of `p`: the host buffer view for streamed params, else `p.grad`."""
+        hit = self._param_specs.get(id(p))
+        if hit is None:
+            return p.grad
+        return self.store.grad_view(*hit)
+
+    def resident_parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for p in self.model.parameters():
+            if id(p) not in self._param_specs and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm (fp32 scalar, CPU) of all trainable gradients: host buffers + resident grads."""
+        sq = self.store.grad_sq_sum().double()
+        for p in self.resident_parameters():
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum().cpu()
+        return sq.sqrt().float()
+
+    def zero_grad(self) -> None:
+        self.store.zero_grads()
+        for p in self.resident_parameters():
+            p.grad = None
+
+    # ---- one micro-batch ---------------------------------------------------------------------------------
+    def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        sink: list = []
+        attr_names = ("attention_type", "layer_idx", "layer_type")
+        stubs = nn.ModuleList(
+            _Capture(i, sink, i == self.num_layers - 1,
+                     {a: getattr(layer, a) for a in attr_names if hasattr(layer, a)})
+            for i, layer in enumerate(self.layers))
+        layers = self.base.layers
+        self.base.layers = stubs
+        try:
+            self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        except _StopCapture:
+            pass
+        finally:
+            self.base.layers = layers
+        if len(sink) != self.num_layers:
+            raise RuntimeError(f"captured {len(sink)} of {self.num_layers} decoder-layer calls; the model's forward "
+                               "does not call every layer once (unsupported architecture)")
+        return sink[0][0], [(a, k) for _, a, k in sink]
+
+    def _run(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        out = slot.module(x, *call[0], **call[1])
+        return out[0] if isinstance(out, tuple) else out
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                         denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients are ADDED to the host / resident accumulators.
+
+        Args:
+            input_ids, labels, attention_mask, position_ids: [B, T] tensors as the HF model takes them.
+            denominator: the summed token loss is divided by this (the Trainer's `num_items_in_batch`); None: the
+                number of valid shifted labels in this micro-batch (a per-micro-batch mean).
+
+        Returns:
+            The micro-batch loss, an fp32 scalar on the compute device (detached).
+        """
+        t0 = time.perf_counter()
+        sched, lay = self.schedule, self.schedule.layers
+        targets = shift_labels(labels.to(self.device))
+        if denominator is None:
+            denominator = targets.ne(-100).sum().clamp(min=1)
+        train = self.model.training
+        for s in self.streamer.slots:
+            s.module.train(train)
+        self.streamer.invalidate()
+        h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
+        self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
+        self.stash.d2h_bytes = self.stash.h2d_bytes = 0
+        d2h = 0
+
+        with torch.enable_grad():
+            h0, calls = self._capture(input_ids.to(self.device),
+                                      None if attention_mask is None else attention_mask.to(self.device),
+                                      None if position_ids is None else position_ids.to(self.device))
+        h = h0.detach()
+        retained: dict[int, tuple[torch.Tensor, torch.Tensor, Slot]] = {}  # layer -> (input, output, fwd slot)
+        inputs: dict[int, torch.Tensor] = {}
+        g: torch.Tensor | None = None
+        recomputed = 0
+        for op, i in self._ops:
+            if op == "fwd":
+                if lay[i].checkpoint:
+                    self.stash.put(i, h, lay[i].tier)
+                slot = self.streamer.acquire(i)
+                if lay[i].retain:
+                    x = h.detach().requires_grad_()
+                    with torch.enable_grad(), self._weight_refs(slot):
+                        y = self._run(slot, x, calls[i])
+                    retained[i] = (x, y, slot)
+                    h = y.detach()
+                else:
+                    with torch.no_grad():
+                        h = self._run(slot, h, calls[i])
+                self.streamer.release(slot)
+                if i == self.num_layers - 1:
+                    loss, g = chunked_lm_loss(h, targets, self.base.norm, self.model.get_output_embeddings(),
+                                              denominator, self.config.loss_chunk_tokens)
+                    del h
+            elif op == "load":
+                inputs = {i: self.stash.get(i)}
+                seg_end = next(e for s, e in sched.segments() if s == i)
+                for j in range(i, seg_end - 1):  # retained layers hand their outputs over for free
+                    if lay[j].retain:
+                        inputs[j + 1] = retained[j][1].detach()
+            elif op == "recompute":
+                slot = self.streamer.acquire(i)
+                with torch.no_grad():
+                    inputs[i + 1] = self._run(slot, inputs[i], calls[i])
+                self.streamer.release(slot)
+                recomputed += 1
+            else:  # "bwd"
+                slot = self.streamer.acquire(i)
+                grad_slot = slot
+                if lay[i].retain:
+                    # The graph's AccumulateGrad nodes belong to the forward-time slot's parameters, so the
+                    # grads land in that slot's grad buffers; weights are rebuilt from `slot` (Note [retained weights]).
+                    x, y, grad_slot = retained.pop(i)
+                    self._unpack_slot = slot
+                    torch.autograd.backward(y, g)
+                    self._unpack_slot = None
+                else:
+                    x = inputs.pop(i).detach().requires_grad_()
+                    with torch.enable_grad():
+                        y = self._run(slot, x, calls[i])
+                    torch.autograd.backward(y, g)
+                g = x.grad
+                del x, y
+                d2h += self._grads_to_host(grad_slot, i)
+                self.streamer.release(slot)
+        h0.backward(g)  # embedding gradient (and anything else before layer 0)
+        self.stash.clear()
+        self.stats = StepStats(
+            tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
+            d2h_grad_bytes=d2h, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
+            weight_loads=self.streamer.loads - loads0, recomputed_layers=recomputed,
+            seconds=time.perf_counter() - t0)
+        return loss
+
+    def _grads_to_host(self, slot: Slot, layer: int) -> int:
+        """Add the slot's parameter grads into layer `layer`'s fp32 host buffers and zero them. Returns bytes."""
+        host = self.store.buffers[layer].grads
+        n = 0
+        for dt, gd in slot.grads.items():
+            host[dt].add_(gd.to("cpu", torch.float32) if gd.device.type != "cpu" else gd.float())
+            n += gd.numel() * gd.element_size()
+            gd.zero_()
+        return n
+
+    @contextlib.contextmanager
+    def _weight_refs(self, slot: Slot):
+        """Note [retained weights]: a retained layer's autograd graph must not pin its weight slot (the slot is
+        reused by later layers). Saved tensors that live in the slot's weight buffers are packed as
+        (dtype, offset, size, stride) and rebuilt in backward from whichever slot then holds the layer."""
+        ptr_dtype = {t.untyped_storage().data_ptr(): dt for dt, t in slot.weights.items()}
+
+        def pack(t: torch.Tensor):
+            try:
+                dt = ptr_dtype.get(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                dt = None
+            if dt is None:
+                return t
+            return ("w", dt, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+        def unpack(obj):
+            if isinstance(obj, tuple) and obj and obj[0] == "w":
+                _, dt, off, size, stride = obj
+                return self._unpack_slot.weights[dt].as_strided(size, stride, off)
+            return obj
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    # ---- inference ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_inference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                          labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                          return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None)."""
+        for s in self.streamer.slots:
+            s.module.train(self.model.training)
+        self.streamer.invalidate()
+        self.streamer.begin(list(range(self.num_layers)))
+        h, calls = self._capture(input_ids.to(self.device),
+                                 None if attention_mask is None else attention_mask.to(self.device),
+                                 None if position_ids is None else position_ids.to(self.device))
+        for i in range(self.num_layers):
+            slot = self.streamer.acquire(i)
+            h = self._run(slot, h, calls[i])
+            self.streamer.release(slot)
+        norm, head = self.base.norm, self.model.get_output_embeddings()
+        loss = None
+        if labels is not None:
+            targets = shift_labels(labels.to(self.device))
+            loss, _ = chunked_lm_loss(h, targets, norm, head, targets.ne(-100).sum().clamp(min=1),
+                                      self.config.loss_chunk_tokens, backward=False)
+        logits = chunked_logits(h, norm, head, self.config.loss_chunk_tokens) if return_logits else None
+        return loss, logits
+
+    def close(self) -> None:
+        self.stash.clear()
+        self.store.release()

@@ -1,0 +1,150 @@
+"""Host parameter store: each decoder layer's parameters in contiguous (pinned) host buffers.
+
+The module's parameters are re-pointed as views into the buffers, so host RAM holds one copy of the weights, not
+two, and `save_pretrained` / the optimizer see the same bytes the executor streams. Gradients live beside the
+weights in fp32 host buffers (accumulated across gradient-accumulation micro-batches in fp32, DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "structure_key", "pin_tensor"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Where one parameter lives inside its layer's flat buffer of dtype `dtype` (offsets in elements)."""
+
+    name: str
+    dtype: torch.dtype
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LayerBuffers:
+    """One decoder layer's host memory.
+
+    Attributes:
+        weights: dtype -> flat 1-D tensor holding every parameter of that dtype (pinned when CUDA is used).
+        grads: dtype -> flat 1-D fp32 tensor, same length as `weights[dtype]` (gradient accumulators).
+        specs: one ParamSpec per parameter, in `named_parameters()` order.
+    """
+
+    weights: dict[torch.dtype, torch.Tensor]
+    grads: dict[torch.dtype, torch.Tensor]
+    specs: list[ParamSpec]
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.grads.values())
+
+
+def structure_key(layer: nn.Module, layer_type: str | None = None) -> tuple:
+    """Hashable description of a layer's structure: layers with equal keys can share GPU templates/slots."""
+    mods = tuple(type(m).__name__ for m in layer.modules())
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+    return (type(layer).__name__, layer_type, mods, params)
+
+
+def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Page-lock `t`'s memory in place with cudaHostRegister (exact size: no power-of-two rounding of the caching
+    host allocator). Falls back to `t.pin_memory()` (a pinned copy). Returns (tensor, registered_in_place)."""
+    if t.numel() == 0:
+        return t, False
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(rc) == 0 and t.is_pinned():
+            return t, True
+    except Exception as e:  # pragma: no cover - CUDA only
+        logger.debug("cudaHostRegister failed (%s); using pin_memory()", e)
+    return t.pin_memory(), False
+
+
+class HostParamStore:
+    """Owns the host buffers of every streamed decoder layer.
+
+    Args:
+        layers: the model's decoder layers (their parameters are re-pointed into the store's buffers).
+        pin: page-lock the buffers (only meaningful with a CUDA device; needed for async H2D/D2H).
+
+    Attributes:
+        buffers: one LayerBuffers per layer.
+        pinned_bytes: bytes this store page-locked (weights + grads).
+    """
+
+    def __init__(self, layers: nn.ModuleList, pin: bool = False) -> None:
+        self.buffers: list[LayerBuffers] = []
+        self.pinned_bytes = 0
+        self._registered: list[torch.Tensor] = []
+        for layer in layers:
+            self.buffers.append(self._adopt(layer, pin))
+
+    def _adopt(self, layer: nn.Module, pin: bool) -> LayerBuffers:
+        named = list(layer.named_parameters())
+        sizes: dict[torch.dtype, int] = {}
+        specs = []
+        for name, p in named:
+            off = sizes.get(p.dtype, 0)
+            specs.append(ParamSpec(name, p.dtype, off, p.numel(), tuple(p.shape)))
+            sizes[p.dtype] = off + p.numel()
+        weights = {dt: torch.empty(n, dtype=dt) for dt, n in sizes.items()}
+        grads = {dt: torch.zeros(n, dtype=torch.float32) for dt, n in sizes.items()}
+        if pin:
+            for store in (weights, grads):
+                for dt in list(store):
+                    store[dt], in_place = pin_tensor(store[dt])
+                    if in_place:
+                        self._registered.append(store[dt])
+                    self.pinned_bytes += store[dt].numel() * store[dt].element_size()
+        for (_, p), s in zip(named, specs):
+            view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+            view.copy_(p.data)
+            p.data = view  # the module now reads and writes the store's bytes: one copy in host RAM
+        return LayerBuffers(weights, grads, specs)
+
+    def grad_view(self, layer: int, spec: ParamSpec) -> torch.Tensor:
+        """fp32 gradient of one parameter, shape `spec.shape` (a view into the layer's grad buffer)."""
+        return self.buffers[layer].grads[spec.dtype][spec.offset:spec.offset + spec.numel].view(spec.shape)
+
+    def zero_grads(self) -> None:
+        for b in self.buffers:
+            for g in b.grads.values():
+                g.zero_()
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squared host gradients (fp32 scalar, CPU)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for b in self.buffers:
+            for g in b.grads.values():
+                total += torch.dot(g, g).double()
+        return total.float()
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(b.param_bytes for b in self.buffers)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(b.grad_bytes for b in self.buffers)
+
+    def release(self) -> None:
+        """Unregister page-locked memory (the tensors stay valid as ordinary memory)."""
+        for t in self._registered:
+            try:  # pragma: no cover - CUDA only
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            except Exception:
+                pass
+        self._registered.clear()
