@@ -24,7 +24,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-tiny": ("qwen3", dict(_TINY, head_dim=16, tie_word_embeddings=True)),
     "qwen3-tiny-untied": ("qwen3", dict(_TINY, head_dim=16, tie_word_embeddings=False)),
     # A tiny model with the real Qwen vocabulary, for the CPU recipe with the real tokenizer.
-    "qwen3-tiny-vocab": ("qwen3", dict(_TINY, hidden_size=128, intermediate_size=384, head_dim=32,
+    "qwen3-tiny-vocab": ("qwen3", dict(_TINY, hidden_size=64, intermediate_size=256, head_dim=16,
                                        vocab_size=151936, tie_word_embeddings=True)),
     "qwen3.5-tiny": ("qwen3_5_text", dict(_TINY, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
                                           linear_key_head_dim=16, linear_value_head_dim=16,

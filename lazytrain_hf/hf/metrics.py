@@ -17,6 +17,10 @@ from ..config import GIB
 __all__ = ["StepMeter", "tflops_6nd"]
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
 def tflops_6nd(num_params: int, tokens: int, seconds: float) -> float:
     """6·N·tokens / seconds in TFLOP/s (0.0 when seconds <= 0)."""
     return 6.0 * num_params * tokens / seconds / 1e12 if seconds > 0 else 0.0
@@ -47,11 +51,11 @@ class StepMeter:
         self._sync()
         dt = time.perf_counter() - self._t0
         self._t0 = None
-        m = {"step_time_s": round(dt, 4),
-             "tokens_per_second": round(self.tokens / dt, 2) if dt > 0 else 0.0,
-             "tflops": round(tflops_6nd(self.num_params, self.tokens, dt), 3)}
+        m = {"step_time_s": _sig(dt),
+             "tokens_per_second": _sig(self.tokens / dt) if dt > 0 else 0.0,
+             "tflops": _sig(tflops_6nd(self.num_params, self.tokens, dt))}
         if self.peak_tflops:
-            m["mfu"] = round(m["tflops"] / self.peak_tflops, 4)
+            m["mfu"] = _sig(m["tflops"] / self.peak_tflops)
         if self.device.type == "cuda":
             m["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(self.device) / GIB, 3)
         m.update(extra or {})

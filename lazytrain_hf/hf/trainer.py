@@ -59,7 +59,9 @@ class LazyTrainerMixin:
             if kwargs.get("compute_loss_func") is not None:
                 raise ValueError("compute_loss_func is not supported by the executor's chunked loss; remove it or "
                                  "set lazytrain_config.policy='none'")
-            if getattr(model, "is_gradient_checkpointing", False):
+            flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else \
+                "is_gradient_checkpointing"
+            if getattr(model, flag, False):
                 raise ValueError("the model has gradient checkpointing enabled; call "
                                  "model.gradient_checkpointing_disable() (the executor owns recomputation)")
         super().__init__(model, args, *pos, **kwargs)
@@ -78,7 +80,7 @@ class LazyTrainerMixin:
     # ---- planning ------------------------------------------------------------------------------------------
     def plan_schedule(self) -> Schedule:
         """Solve the MILP for this run's batch shape (per_device_train_batch_size x max sequence length)."""
-        from ..planning.hf_plan import plan_for_trainer
+        from .plan import plan_for_trainer
 
         return plan_for_trainer(self)
 

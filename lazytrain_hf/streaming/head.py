@@ -2,8 +2,9 @@
 
 Matches transformers' `ForCausalLMLoss` (loss_utils.py): logits are cast to fp32, labels are shifted left by
 one with -100 padding, cross-entropy ignores -100, and the sum is divided by `denominator` (the Trainer's
-`num_items_in_batch`, or the micro-batch's valid-label count for a mean). Each chunk of `chunk_tokens` rows runs
-forward and backward at once, so peak logits memory is chunk_tokens x V x 4 bytes.
+`num_items_in_batch`, or the micro-batch's valid-label count for a mean). Only positions with a target are projected; each
+chunk of `chunk_tokens` of them runs forward and backward at once, so peak logits memory is chunk_tokens x V x 4
+bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module
         targets: [B, T] int64 shifted targets (see `shift_labels`), -100 = ignored.
         norm, lm_head: the model's final norm and output projection (on hidden's device).
         denominator: divide the summed token losses by this (token-weighted mean across micro-batches).
-        chunk_tokens: rows of the flattened [B*T, H] hidden processed at once.
+        chunk_tokens: target-carrying rows of the flattened [B*T, H] hidden processed at once.
 
     Returns:
         (loss, grad_hidden): fp32 scalar loss (detached), and [B, T, H] gradient in hidden's dtype or None.
@@ -40,21 +41,21 @@ def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module
     B, T, H = hidden.shape
     flat = hidden.reshape(B * T, H)
     tgt = targets.reshape(B * T)
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    # Only rows with a target reach the V-wide projection: ignored rows (prompt, padding) contribute zero loss and
+    # zero gradient exactly, and on SFT data they are often half the tokens.
+    rows = tgt.ne(IGNORE_INDEX).nonzero().squeeze(1)
+    loss = torch.zeros((), dtype=torch.promote_types(torch.float32, hidden.dtype), device=hidden.device)
     grad = torch.zeros_like(flat) if backward else None
     denom = denominator.to(hidden.device, torch.float32) if torch.is_tensor(denominator) else float(denominator)
-    valid = tgt.ne(IGNORE_INDEX)
-    for r0 in range(0, B * T, chunk_tokens):
-        r1 = min(r0 + chunk_tokens, B * T)
-        if not bool(valid[r0:r1].any()):
-            continue  # all ignored: zero loss and zero gradient, skip the V-wide matmul
+    for c0 in range(0, rows.numel(), chunk_tokens):
+        idx = rows[c0:c0 + chunk_tokens]
         with torch.enable_grad() if backward else torch.no_grad():
-            x = flat[r0:r1].detach().requires_grad_(backward)
+            x = flat.index_select(0, idx).detach().requires_grad_(backward)
             logits = lm_head(norm(x)).float()  # [n, V] fp32, as ForCausalLMLoss upcasts
-            part = F.cross_entropy(logits, tgt[r0:r1], ignore_index=IGNORE_INDEX, reduction="sum") / denom
+            part = F.cross_entropy(logits, tgt.index_select(0, idx), reduction="sum") / denom
             if backward:
                 part.backward()
-                grad[r0:r1] = x.grad
+                grad.index_copy_(0, idx, x.grad)
         loss += part.detach()
     return loss, (grad.view(B, T, H) if backward else None)
 

@@ -67,7 +67,7 @@ def test_chunked_head_exact_in_float64():
     ref_loss, ref_grads = _reference(copy.deepcopy(model), ids, mask, labels)
     ex = StreamingExecutor(model, LazyTrainConfig(loss_chunk_tokens=7), "cpu", fixed_schedule(4, 2, "cpu", 2))
     loss = ex.forward_backward(ids, labels, mask)
-    assert rel_err(loss, ref_loss) < 1e-12
+    assert rel_err(loss, ref_loss) < 1e-6  # ForCausalLMLoss computes the CE in fp32 even for float64 models
     for name, p in model.named_parameters():
         assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-6, name  # host grad buffers are fp32
 
