@@ -56,7 +56,7 @@ def resolve_config(name_or_path: str, **overrides: Any):
     """A transformers `PretrainedConfig` for a registry name, a Hub id or a local path.
 
     Raises:
-        ValueError: the resolved `model_type` is not one the executor supports (names the supported ones).
+        ValueError: the name is neither a registry name, a local directory nor a reachable Hub id.
     """
     from transformers import AutoConfig
 
@@ -64,8 +64,14 @@ def resolve_config(name_or_path: str, **overrides: Any):
         model_type, kwargs = ARCHITECTURES[name_or_path]
         config = AutoConfig.for_model(model_type, **{**kwargs, **overrides})
     else:
-        config = AutoConfig.from_pretrained(name_or_path, **overrides)
-        config = getattr(config, "text_config", None) or config if config.model_type == "qwen3_5" else config
+        try:
+            config = AutoConfig.from_pretrained(name_or_path, **overrides)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"model {name_or_path!r} is not a registry name ({', '.join(ARCHITECTURES)}), a local model "
+                f"directory, or a reachable Hub id: {str(e).splitlines()[0]}") from e
+        if config.model_type == "qwen3_5":  # the multimodal wrapper: train its text model
+            config = config.text_config
     return config
 
 

@@ -71,7 +71,9 @@ class LazyTrainerMixin:
         if device.type == "cuda" and cfg.cap_gpu_memory and cfg.gpu_memory_budget:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_budget / total), device)
-        self.executor = StreamingExecutor(self.model, cfg, device)
+        # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
+        grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
+        self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         self.streaming_model = StreamingModel(self.executor)
         n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
         self.meter = StepMeter(n_params, device)

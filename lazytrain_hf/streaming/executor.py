@@ -25,8 +25,9 @@ from ..config import LazyTrainConfig
 from ..models import check_supported
 from ..planning.fixed import fixed_schedule
 from ..planning.schedule import Schedule
+from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
-from .host_store import HostParamStore, ParamSpec, structure_key
+from .host_store import HostParamStore, ParamSpec, sq_norm, structure_key
 from .tiers import ActivationStash
 from .weights import Slot, WeightStreamer
 
@@ -109,13 +110,16 @@ class StreamingExecutor:
         config: LazyTrainConfig (loss chunking, pinning, NVMe dir, fixed-policy defaults).
         device: compute device ("cuda" or "cpu"; the CPU path runs the same code with plain copies).
         schedule: the plan; defaults to the fixed policy from `config`.
+        host_grad_dtype: "fp32" (accumulate gradient-accumulation micro-batches in fp32 on the host) or "param"
+            (keep the autograd gradient in the parameter dtype; one micro-batch per optimizer step).
 
     Raises:
         ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
     """
 
     def __init__(self, model: nn.Module, config: LazyTrainConfig | None = None,
-                 device: torch.device | str | None = None, schedule: Schedule | None = None) -> None:
+                 device: torch.device | str | None = None, schedule: Schedule | None = None,
+                 host_grad_dtype: str = "fp32") -> None:
         self.config = config or LazyTrainConfig()
         check_supported(model.config)
         self.model = model
@@ -127,7 +131,8 @@ class StreamingExecutor:
         self.keys = [structure_key(layer, ltypes[i]) for i, layer in enumerate(self.layers)]
         pin = self.config.pin_memory and self.device.type == "cuda"
         self._place_resident()
-        self.store = HostParamStore(self.layers, pin=pin)
+        self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
+        self.grads = GradSink(self.store, self.device)
         self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
         self._param_specs: dict[int, tuple[int, ParamSpec]] = {}
         for i, layer in enumerate(self.layers):
@@ -175,6 +180,8 @@ class StreamingExecutor:
         hit = self._param_specs.get(id(p))
         if hit is None:
             return p.grad
+        if not self.grads.has_grad(hit[0]):
+            return None  # no backward reached this layer in the current window (like p.grad is None)
         return self.store.grad_view(*hit)
 
     def resident_parameters(self) -> list[nn.Parameter]:
@@ -186,15 +193,24 @@ class StreamingExecutor:
         return out
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm (fp32 scalar, CPU) of all trainable gradients: host buffers + resident grads."""
-        sq = self.store.grad_sq_sum().double()
+        """Global L2 norm (fp32 scalar, on the compute device) of every trainable gradient.
+
+        With one micro-batch in the window the streamed layers' part was accumulated on the device as gradients
+        passed (no extra pass); otherwise the fp32 host accumulators are summed.
+        """
+        self.grads.flush()
+        if self.grads.norm_from_device:
+            sq = self.grads.sq.clone()
+        else:
+            done = [i for i in range(self.num_layers) if self.grads.has_grad(i)]
+            sq = self.store.grad_sq_sum(done).to(self.device)
         for p in self.resident_parameters():
             if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
+                sq = sq + sq_norm(p.grad)
         return sq.sqrt().float()
 
     def zero_grad(self) -> None:
-        self.store.zero_grads()
+        self.grads.zero()
         for p in self.resident_parameters():
             p.grad = None
 
@@ -249,7 +265,8 @@ class StreamingExecutor:
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
         self.stash.d2h_bytes = self.stash.h2d_bytes = 0
-        d2h = 0
+        self.grads.begin_microbatch()
+        d2h0 = self.grads.d2h_bytes
 
         with torch.enable_grad():
             h0, calls = self._capture(input_ids.to(self.device),
@@ -293,41 +310,34 @@ class StreamingExecutor:
                 recomputed += 1
             else:  # "bwd"
                 slot = self.streamer.acquire(i)
-                grad_slot = slot
                 if lay[i].retain:
                     # The graph's AccumulateGrad nodes belong to the forward-time slot's parameters, so the
                     # grads land in that slot's grad buffers; weights are rebuilt from `slot` (Note [retained weights]).
                     x, y, grad_slot = retained.pop(i)
+                    self.grads.prepare(grad_slot)
                     self._unpack_slot = slot
                     torch.autograd.backward(y, g)
                     self._unpack_slot = None
                 else:
+                    grad_slot = slot
+                    self.grads.prepare(grad_slot)
                     x = inputs.pop(i).detach().requires_grad_()
                     with torch.enable_grad():
                         y = self._run(slot, x, calls[i])
                     torch.autograd.backward(y, g)
                 g = x.grad
                 del x, y
-                d2h += self._grads_to_host(grad_slot, i)
+                self.grads.push(grad_slot, i)
                 self.streamer.release(slot)
         h0.backward(g)  # embedding gradient (and anything else before layer 0)
+        self.grads.flush()
         self.stash.clear()
         self.stats = StepStats(
             tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
-            d2h_grad_bytes=d2h, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
+            d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
             weight_loads=self.streamer.loads - loads0, recomputed_layers=recomputed,
             seconds=time.perf_counter() - t0)
         return loss
-
-    def _grads_to_host(self, slot: Slot, layer: int) -> int:
-        """Add the slot's parameter grads into layer `layer`'s fp32 host buffers and zero them. Returns bytes."""
-        host = self.store.buffers[layer].grads
-        n = 0
-        for dt, gd in slot.grads.items():
-            host[dt].add_(gd.to("cpu", torch.float32) if gd.device.type != "cpu" else gd.float())
-            n += gd.numel() * gd.element_size()
-            gd.zero_()
-        return n
 
     @contextlib.contextmanager
     def _weight_refs(self, slot: Slot):

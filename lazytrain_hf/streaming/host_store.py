@@ -13,9 +13,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "structure_key", "pin_tensor"]
+__all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "structure_key", "pin_tensor", "sq_norm"]
 
 logger = logging.getLogger(__name__)
+
+
+def sq_norm(t: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm as an fp64 scalar on t's device, reduced in at least fp32 (bf16 input is not upcast
+    into a temporary: the reduction casts on the fly)."""
+    return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).double().square()
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,8 @@ class LayerBuffers:
 
     Attributes:
         weights: dtype -> flat 1-D tensor holding every parameter of that dtype (pinned when CUDA is used).
-        grads: dtype -> flat 1-D fp32 tensor, same length as `weights[dtype]` (gradient accumulators).
+        grads: dtype -> flat 1-D gradient buffer, same length as `weights[dtype]`: fp32 (accumulators) or the
+            parameter dtype (`grad_dtype="param"`: no accumulation, the autograd gradient as is).
         specs: one ParamSpec per parameter, in `named_parameters()` order.
     """
 
@@ -79,13 +86,18 @@ class HostParamStore:
     Args:
         layers: the model's decoder layers (their parameters are re-pointed into the store's buffers).
         pin: page-lock the buffers (only meaningful with a CUDA device; needed for async H2D/D2H).
+        grad_dtype: "fp32" (accumulate micro-batches in fp32) or "param" (gradients kept in the parameter dtype:
+            half the host bytes for bf16 models; right when there is one micro-batch per optimizer step).
 
     Attributes:
         buffers: one LayerBuffers per layer.
         pinned_bytes: bytes this store page-locked (weights + grads).
     """
 
-    def __init__(self, layers: nn.ModuleList, pin: bool = False) -> None:
+    def __init__(self, layers: nn.ModuleList, pin: bool = False, grad_dtype: str = "fp32") -> None:
+        if grad_dtype not in ("fp32", "param"):
+            raise ValueError(f"grad_dtype must be 'fp32' or 'param', but got {grad_dtype!r}")
+        self.grad_dtype = grad_dtype
         self.buffers: list[LayerBuffers] = []
         self.pinned_bytes = 0
         self._registered: list[torch.Tensor] = []
@@ -101,7 +113,8 @@ class HostParamStore:
             specs.append(ParamSpec(name, p.dtype, off, p.numel(), tuple(p.shape)))
             sizes[p.dtype] = off + p.numel()
         weights = {dt: torch.empty(n, dtype=dt) for dt, n in sizes.items()}
-        grads = {dt: torch.zeros(n, dtype=torch.float32) for dt, n in sizes.items()}
+        gdt = (lambda dt: torch.float32) if self.grad_dtype == "fp32" else (lambda dt: dt)
+        grads = {dt: torch.zeros(n, dtype=gdt(dt)) for dt, n in sizes.items()}
         if pin:
             for store in (weights, grads):
                 for dt in list(store):
@@ -116,7 +129,7 @@ class HostParamStore:
         return LayerBuffers(weights, grads, specs)
 
     def grad_view(self, layer: int, spec: ParamSpec) -> torch.Tensor:
-        """fp32 gradient of one parameter, shape `spec.shape` (a view into the layer's grad buffer)."""
+        """Gradient of one parameter, shape `spec.shape` (a view into the layer's grad buffer)."""
         return self.buffers[layer].grads[spec.dtype][spec.offset:spec.offset + spec.numel].view(spec.shape)
 
     def zero_grads(self) -> None:
@@ -124,13 +137,13 @@ class HostParamStore:
             for g in b.grads.values():
                 g.zero_()
 
-    def grad_sq_sum(self) -> torch.Tensor:
-        """Sum of squared host gradients (fp32 scalar, CPU)."""
+    def grad_sq_sum(self, layers: list[int] | None = None) -> torch.Tensor:
+        """Sum of squared host gradients of `layers` (default: all), fp64 scalar on the CPU."""
         total = torch.zeros((), dtype=torch.float64)
-        for b in self.buffers:
-            for g in b.grads.values():
-                total += torch.dot(g, g).double()
-        return total.float()
+        for i in range(len(self.buffers)) if layers is None else layers:
+            for g in self.buffers[i].grads.values():
+                total += sq_norm(g)
+        return total
 
     @property
     def param_bytes(self) -> int:

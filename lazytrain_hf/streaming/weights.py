@@ -43,6 +43,7 @@ class Slot:
     layer: int = -1
     ready: torch.cuda.Event | None = None
     free: torch.cuda.Event | None = None
+    grads_free: torch.cuda.Event | None = None  # recorded on the D2H stream once `grads` were copied out
     storage_ptrs: set[int] = field(default_factory=set)
 
 

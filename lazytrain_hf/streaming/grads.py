@@ -1,0 +1,137 @@
+"""Gradient sink: moves each layer's parameter gradients from its device slot into the host store.
+
+Streams and events (CUDA):
+  d2h stream: waits on `done` (recorded on the compute stream after the layer's backward), copies the slot's
+              flat grad buffers to host memory, records `slot.grads_free`; the compute stream waits on
+              `grads_free` before the slot's grad buffers are zeroed for their next layer.
+Two paths:
+  direct:     the host buffer has the slot's dtype and holds nothing yet this accumulation window: one async copy
+              straight into the pinned host buffer, no CPU work at all (the usual case without accumulation).
+  accumulate: D2H into the slot's pinned staging buffer; the CPU adds (or, first micro-batch, converts) it into the
+              fp32 host buffer one layer later, while the GPU computes the next layer, or at `flush()`.
+The squared L2 norm of every gradient is accumulated on the device in fp32 as it passes; it is the global norm's
+square only when the window holds one micro-batch (`norm_from_device`), otherwise the host buffers are summed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .host_store import HostParamStore, sq_norm
+from .weights import Slot
+
+__all__ = ["GradSink"]
+
+
+@dataclass
+class _Pending:
+    layer: int
+    staging: dict[torch.dtype, torch.Tensor]
+    event: torch.cuda.Event
+    first: bool
+
+
+class GradSink:
+    """Args: store (host buffers), device (compute device), pin (page-lock staging buffers)."""
+
+    def __init__(self, store: HostParamStore, device: torch.device) -> None:
+        self.store = store
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._staging: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # id(slot) -> dtype -> pinned staging
+        self._pending: deque[_Pending] = deque()  # staged copies whose CPU add is still to do, FIFO
+        self.sq = torch.zeros((), dtype=torch.float64, device=device)  # sum of squares seen this window
+        self.microbatches = 0  # micro-batches since the last zero_grad
+        self._fresh: set[int] = set(range(len(store.buffers)))  # layers whose host grads hold nothing yet
+        self.d2h_bytes = 0
+        self.staging_pinned_bytes = 0
+
+    def has_grad(self, layer: int) -> bool:
+        return layer not in self._fresh
+
+    def begin_microbatch(self) -> None:
+        self.microbatches += 1
+
+    @property
+    def norm_from_device(self) -> bool:
+        """True when `sq` is the square of the whole window's gradient norm (one micro-batch since zero)."""
+        return self.microbatches == 1
+
+    def prepare(self, slot: Slot) -> None:
+        """Before a backward on `slot`: wait until its grads were copied out, then zero them (compute stream)."""
+        if self.cuda and slot.grads_free is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.grads_free)
+        for g in slot.grads.values():
+            g.zero_()
+
+    def push(self, slot: Slot, layer: int) -> None:
+        """After layer `layer`'s backward on `slot`: send its grads to the host (async on CUDA)."""
+        host = self.store.buffers[layer].grads
+        first = layer in self._fresh
+        self._fresh.discard(layer)
+        for g in slot.grads.values():
+            self.sq += sq_norm(g)
+            self.d2h_bytes += g.numel() * g.element_size()
+        direct = first and all(host[dt].dtype == g.dtype for dt, g in slot.grads.items())
+        if not self.cuda:
+            for dt, g in slot.grads.items():
+                host[dt].copy_(g) if first else host[dt].add_(g)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.d2h_stream.wait_stream(compute)
+        if direct:
+            with torch.cuda.stream(self.d2h_stream):
+                for dt, g in slot.grads.items():
+                    host[dt].copy_(g, non_blocking=True)
+                slot.grads_free = self._record()
+            return
+        staging = self._staging_for(slot)
+        for p in [p for p in self._pending if p.staging is staging]:  # staging still holds an earlier layer
+            self._finish(p)
+        with torch.cuda.stream(self.d2h_stream):
+            for dt, g in slot.grads.items():
+                staging[dt].copy_(g, non_blocking=True)
+            ev = self._record()
+        slot.grads_free = ev
+        self._pending.append(_Pending(layer, staging, ev, first))
+        while len(self._pending) > 1:  # add the previous layer's grads while the GPU runs this one
+            self._finish(self._pending[0])
+
+    def _record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.d2h_stream)
+        return ev
+
+    def _staging_for(self, slot: Slot) -> dict[torch.dtype, torch.Tensor]:
+        key = id(slot)
+        if key not in self._staging:
+            self._staging[key] = {dt: torch.empty(g.numel(), dtype=g.dtype, pin_memory=True)
+                                  for dt, g in slot.grads.items()}
+            self.staging_pinned_bytes += sum(t.numel() * t.element_size() for t in self._staging[key].values())
+        return self._staging[key]
+
+    def _finish(self, p: _Pending) -> None:
+        p.event.synchronize()
+        host = self.store.buffers[p.layer].grads
+        for dt, s in p.staging.items():
+            host[dt].copy_(s) if p.first else host[dt].add_(s)
+        self._pending.remove(p)
+
+    def flush(self) -> None:
+        """Make every pushed gradient visible in the host buffers (end of a micro-batch)."""
+        if self.cuda:
+            self.d2h_stream.synchronize()
+        while self._pending:
+            self._finish(self._pending[0])
+
+    def zero(self) -> None:
+        """Start a new accumulation window. No memset: each layer's first push overwrites its host buffer, and a
+        layer with no push this window reports no gradient (`has_grad`)."""
+        self.flush()
+        self._fresh = set(range(len(self.store.buffers)))
+        self.sq.zero_()
+        self.microbatches = 0
