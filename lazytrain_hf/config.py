@@ -78,6 +78,9 @@ class LazyTrainConfig:
         nvme_budget (str or int, defaults to None): bytes the plan may write to `nvme_dir`.
         pin_memory (bool, defaults to True): keep host weights and gradients in pinned (page-locked) memory
             when the device is CUDA (needed for asynchronous H2D/D2H copies).
+        max_rows_per_pass (int, defaults to None): rows (sequences) of a micro-batch a decoder layer processes at
+            once; the layer runs over the micro-batch in row chunks with its weights loaded once, so a layer's
+            activation memory scales with this instead of the micro-batch size. None: the whole micro-batch.
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
@@ -103,6 +106,7 @@ class LazyTrainConfig:
     nvme_dir: str | None = None
     nvme_budget: int | str | None = None
     pin_memory: bool = True
+    max_rows_per_pass: int | None = None
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None
     solver_time_limit_s: float = 10.0
@@ -142,6 +146,8 @@ class LazyTrainConfig:
         _check_int(problems, "checkpoint_every", self.checkpoint_every, 1, 10_000)
         _check_int(problems, "prefetch_depth", self.prefetch_depth, 1, 3)
         _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
+        if self.max_rows_per_pass is not None:
+            _check_int(problems, "max_rows_per_pass", self.max_rows_per_pass, 1, 1 << 20)
         _check_int(problems, "block_size", self.block_size, 64, 1 << 16)
         _check_int(problems, "min_8bit_size", self.min_8bit_size, 0, 1 << 40)
         if isinstance(self.block_size, int) and self.block_size & (self.block_size - 1):
@@ -208,7 +214,7 @@ def _coerce_env(text: str, type_hint: Any) -> Any:
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError("expected true/false")
-    if hint == "int":
+    if hint.startswith("int"):
         return int(text)
     if hint == "float":
         return float(text)

@@ -67,6 +67,18 @@ def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
     return base, "model.layers."
 
 
+def _slice_rows(obj: Any, B: int, a: int, b: int) -> Any:
+    """Rows a:b of every batch-indexed tensor in a layer call's arguments (tensors of >= 2 dims whose first dim
+    is B: hidden states, rotary cos/sin [B, T, D], masks [B, 1, T, T] / [B, T]); anything else is shared."""
+    if torch.is_tensor(obj):
+        return obj[a:b] if obj.dim() >= 2 and obj.shape[0] == B else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_slice_rows(o, B, a, b) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _slice_rows(v, B, a, b) for k, v in obj.items()}
+    return obj
+
+
 def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
     """The step as a list of ops, the single source of truth for the executor and its weight prefetcher.
 
@@ -240,6 +252,45 @@ class StreamingExecutor:
         out = slot.module(x, *call[0], **call[1])
         return out[0] if isinstance(out, tuple) else out
 
+    def _row_chunks(self, B: int) -> list[tuple[int, int]]:
+        rows = self.config.max_rows_per_pass or B
+        return [(a, min(a + rows, B)) for a in range(0, B, rows)]
+
+    def _forward(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        """No-grad layer forward over the micro-batch in row chunks (weights loaded once)."""
+        B = x.shape[0]
+        chunks = self._row_chunks(B)
+        if len(chunks) == 1:
+            return self._run(slot, x, call)
+        return torch.cat([self._run(slot, x[a:b], _slice_rows(call, B, a, b)) for a, b in chunks])
+
+    def _forward_retained(self, slot: Slot, h: torch.Tensor, call: tuple[tuple, dict]) -> list[tuple]:
+        """Forward with grad, per row chunk, keeping each chunk's graph: [(x_chunk, y_chunk, rows), ...]."""
+        B = h.shape[0]
+        out = []
+        for a, b in self._row_chunks(B):
+            x = h[a:b].detach().requires_grad_()
+            with torch.enable_grad(), self._weight_refs(slot):
+                y = self._run(slot, x, _slice_rows(call, B, a, b))
+            out.append((x, y, (a, b)))
+        return out
+
+    def _backward(self, slot: Slot, x_full: torch.Tensor, g: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        """Re-forward with grad and backpropagate `g` per row chunk; returns dL/dx. Weight grads accumulate in the
+        slot's grad buffers across chunks."""
+        B = x_full.shape[0]
+        chunks = self._row_chunks(B)
+        gx = None if len(chunks) == 1 else torch.empty_like(x_full)
+        for a, b in chunks:
+            x = x_full[a:b].detach().requires_grad_()
+            with torch.enable_grad():
+                y = self._run(slot, x, _slice_rows(call, B, a, b))
+            torch.autograd.backward(y, g[a:b])
+            if gx is None:
+                return x.grad
+            gx[a:b] = x.grad
+        return gx
+
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                          denominator: float | torch.Tensor | None = None) -> torch.Tensor:
@@ -273,7 +324,7 @@ class StreamingExecutor:
                                       None if attention_mask is None else attention_mask.to(self.device),
                                       None if position_ids is None else position_ids.to(self.device))
         h = h0.detach()
-        retained: dict[int, tuple[torch.Tensor, torch.Tensor, Slot]] = {}  # layer -> (input, output, fwd slot)
+        retained: dict[int, tuple[list, Slot]] = {}  # layer -> ([(input, output, rows) per row chunk], fwd slot)
         inputs: dict[int, torch.Tensor] = {}
         g: torch.Tensor | None = None
         recomputed = 0
@@ -283,14 +334,12 @@ class StreamingExecutor:
                     self.stash.put(i, h, lay[i].tier)
                 slot = self.streamer.acquire(i)
                 if lay[i].retain:
-                    x = h.detach().requires_grad_()
-                    with torch.enable_grad(), self._weight_refs(slot):
-                        y = self._run(slot, x, calls[i])
-                    retained[i] = (x, y, slot)
-                    h = y.detach()
+                    parts = self._forward_retained(slot, h, calls[i])
+                    retained[i] = (parts, slot)
+                    h = torch.cat([y.detach() for _, y, _ in parts]) if len(parts) > 1 else parts[0][1].detach()
                 else:
                     with torch.no_grad():
-                        h = self._run(slot, h, calls[i])
+                        h = self._forward(slot, h, calls[i])
                 self.streamer.release(slot)
                 if i == self.num_layers - 1:
                     loss, g = chunked_lm_loss(h, targets, self.base.norm, self.model.get_output_embeddings(),
@@ -301,11 +350,13 @@ class StreamingExecutor:
                 seg_end = next(e for s, e in sched.segments() if s == i)
                 for j in range(i, seg_end - 1):  # retained layers hand their outputs over for free
                     if lay[j].retain:
-                        inputs[j + 1] = retained[j][1].detach()
+                        parts = retained[j][0]
+                        inputs[j + 1] = torch.cat([y.detach() for _, y, _ in parts]) if len(parts) > 1 else \
+                            parts[0][1].detach()
             elif op == "recompute":
                 slot = self.streamer.acquire(i)
                 with torch.no_grad():
-                    inputs[i + 1] = self._run(slot, inputs[i], calls[i])
+                    inputs[i + 1] = self._forward(slot, inputs[i], calls[i])
                 self.streamer.release(slot)
                 recomputed += 1
             else:  # "bwd"
@@ -313,20 +364,23 @@ class StreamingExecutor:
                 if lay[i].retain:
                     # The graph's AccumulateGrad nodes belong to the forward-time slot's parameters, so the
                     # grads land in that slot's grad buffers; weights are rebuilt from `slot` (Note [retained weights]).
-                    x, y, grad_slot = retained.pop(i)
+                    parts, grad_slot = retained.pop(i)
                     self.grads.prepare(grad_slot)
                     self._unpack_slot = slot
-                    torch.autograd.backward(y, g)
+                    gx = torch.empty_like(g) if len(parts) > 1 else None
+                    for x, y, (a, b) in parts:
+                        torch.autograd.backward(y, g[a:b])
+                        if gx is None:
+                            gx = x.grad
+                        else:
+                            gx[a:b] = x.grad
                     self._unpack_slot = None
+                    del parts
+                    g = gx
                 else:
                     grad_slot = slot
                     self.grads.prepare(grad_slot)
-                    x = inputs.pop(i).detach().requires_grad_()
-                    with torch.enable_grad():
-                        y = self._run(slot, x, calls[i])
-                    torch.autograd.backward(y, g)
-                g = x.grad
-                del x, y
+                    g = self._backward(slot, inputs.pop(i), g, calls[i])
                 self.grads.push(grad_slot, i)
                 self.streamer.release(slot)
         h0.backward(g)  # embedding gradient (and anything else before layer 0)
@@ -379,7 +433,7 @@ class StreamingExecutor:
                                  None if position_ids is None else position_ids.to(self.device))
         for i in range(self.num_layers):
             slot = self.streamer.acquire(i)
-            h = self._run(slot, h, calls[i])
+            h = self._forward(slot, h, calls[i])
             self.streamer.release(slot)
         norm, head = self.base.norm, self.model.get_output_embeddings()
         loss = None
