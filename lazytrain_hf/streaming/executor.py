@@ -158,6 +158,11 @@ class StreamingExecutor:
         self.stats = StepStats()
         self._unpack_slot: Slot | None = None
 
+    def instrument(self, on: bool = True) -> None:
+        """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
+        `stats.extra` as exposed_h2d_ms / exposed_d2h_ms after each micro-batch (CUDA only; adds events)."""
+        self.streamer.instrument = self.grads.instrument = on
+
     # ---- setup -------------------------------------------------------------------------------------------
     def _place_resident(self) -> None:
         """Move everything but the decoder layers to the compute device (tied weights stay tied)."""
@@ -386,11 +391,17 @@ class StreamingExecutor:
         h0.backward(g)  # embedding gradient (and anything else before layer 0)
         self.grads.flush()
         self.stash.clear()
+        extra = {}
+        if self.device.type == "cuda" and self.streamer.instrument:
+            torch.cuda.synchronize(self.device)
+            for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):
+                extra[key] = sum(a.elapsed_time(b) for a, b in owner.stalls)
+                owner.stalls.clear()
         self.stats = StepStats(
             tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
             d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
             weight_loads=self.streamer.loads - loads0, recomputed_layers=recomputed,
-            seconds=time.perf_counter() - t0)
+            seconds=time.perf_counter() - t0, extra=extra)
         return loss
 
     @contextlib.contextmanager

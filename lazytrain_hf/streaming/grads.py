@@ -49,6 +49,8 @@ class GradSink:
         self._fresh: set[int] = set(range(len(store.buffers)))  # layers whose host grads hold nothing yet
         self.d2h_bytes = 0
         self.staging_pinned_bytes = 0
+        self.instrument = False  # record compute-stream stalls on gradient copies (exposed D2H), as WeightStreamer
+        self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def has_grad(self, layer: int) -> bool:
         return layer not in self._fresh
@@ -64,7 +66,15 @@ class GradSink:
     def prepare(self, slot: Slot) -> None:
         """Before a backward on `slot`: wait until its grads were copied out, then zero them (compute stream)."""
         if self.cuda and slot.grads_free is not None:
-            torch.cuda.current_stream(self.device).wait_event(slot.grads_free)
+            stream = torch.cuda.current_stream(self.device)
+            if self.instrument:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(slot.grads_free)
+                after.record(stream)
+                self.stalls.append((before, after))
+            else:
+                stream.wait_event(slot.grads_free)
         for g in slot.grads.values():
             g.zero_()
 

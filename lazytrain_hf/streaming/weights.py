@@ -71,6 +71,10 @@ class WeightStreamer:
             if key not in self.pools:
                 self.pools[key] = [self._make_slot(layers[i], i) for _ in range(prefetch_depth + 1)]
         self.h2d_bytes = 0  # bytes loaded since the last reset (for metrics)
+        # (before, after) events on the compute stream around each wait for a weight load: their elapsed time is
+        # how long compute stalled on H2D (exposed transfer). Filled only when `instrument` is set.
+        self.instrument = False
+        self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.loads = 0
         self._seq: list[int] = []
         self._pos = 0
@@ -115,7 +119,15 @@ class WeightStreamer:
         if self._pos + self.depth < len(self._seq):
             self._issue(self._pos + self.depth)
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            stream = torch.cuda.current_stream(self.device)
+            if self.instrument:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(slot.ready)
+                after.record(stream)
+                self.stalls.append((before, after))
+            else:
+                stream.wait_event(slot.ready)
         self._pos += 1
         return slot
 

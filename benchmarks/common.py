@@ -1,0 +1,124 @@
+"""Shared benchmark helpers: machine facts, results JSON (shared/RESULTS_FORMAT.md), GSM8K token streams,
+fast random-weight models of the real shapes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 1024**3
+ROW_KEYS = ("system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len", "status", "reason",
+            "step_s_median", "step_s_p10", "step_s_p90", "steps_timed", "tokens_per_s", "tflops_6nd",
+            "tflops_executed", "peak_gpu_gib", "peak_host_rss_gib", "pinned_planned_gib", "pinned_locked_gib",
+            "exposed_h2d_ms", "exposed_d2h_ms", "optimizer_ms", "predicted_step_s", "solve_ms", "mip_gap", "extra")
+
+
+def machine() -> dict[str, Any]:
+    import transformers
+
+    m = {"cpu_cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+         "python": platform.python_version()}
+    try:
+        import psutil
+
+        m["host_memory_gib"] = round(psutil.virtual_memory().total / GIB, 1)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        m.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / GIB, 1))
+    return m
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("LAZYTRAIN_GIT_COMMIT")
+
+
+def row(**kw: Any) -> dict[str, Any]:
+    """A results row with every key of the format present (None where it does not apply)."""
+    r = {k: None for k in ROW_KEYS}
+    r["extra"] = {}
+    r.update(kw)
+    return r
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    q = lambda f: xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]  # noqa: E731
+    return {"step_s_median": statistics.median(xs), "step_s_p10": q(0.1), "step_s_p90": q(0.9),
+            "steps_timed": len(xs)}
+
+
+def append_results(path: str | Path, suite: str, rows: list[dict[str, Any]]) -> None:
+    """Merge rows into `path` (created with the format's header if absent); written atomically."""
+    path = Path(path)
+    doc = json.loads(path.read_text()) if path.is_file() else {
+        "suite": suite, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+        "git_commit": git_commit(), "machine": machine(), "rows": []}
+    doc.setdefault("commands", [])
+    doc["commands"].append(" ".join([Path(sys.executable).name, *sys.argv]))
+    doc["rows"].extend(rows)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(path)
+
+
+def gsm8k_token_rows(seq_len: int, num_rows: int, data_dir: str | None = None) -> torch.Tensor:
+    """[num_rows, seq_len] int64: GSM8K train problems (question + answer, eos-separated) tokenized with the real
+    Qwen tokenizer and packed into rows; repeats the stream if needed."""
+    from lazytrain_hf.data import load_tokenizer
+
+    data_dir = data_dir or os.environ.get("LAZYTRAIN_GSM8K_DIR") or str(
+        Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
+    tok = load_tokenizer("qwen-offline")
+    ids: list[int] = []
+    need = seq_len * num_rows
+    with open(Path(data_dir) / "train.jsonl") as f:
+        for line in f:
+            ex = json.loads(line)
+            ids.extend(tok(ex["question"] + "\n" + ex["answer"])["input_ids"] + [tok.eos_token_id])
+            if len(ids) >= need:
+                break
+    while len(ids) < need:
+        ids.extend(ids[: need - len(ids)])
+    return torch.tensor(ids[:need]).view(num_rows, seq_len)
+
+
+def fast_random_model(name: str, dtype: torch.dtype = torch.bfloat16):
+    """The registry shape `name` on the CPU with N(0, 0.02) weights, unit norms, zero biases; built on the meta
+    device and filled in place (seconds for 7B instead of minutes of per-module init)."""
+    from transformers import AutoModelForCausalLM
+
+    from lazytrain_hf.models import resolve_config
+
+    config = resolve_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            elif "norm" in n:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for parent in list(model.modules()):  # rebuild rotary modules (to_empty left their tables uninitialized)
+            for child_name, child in list(parent.named_children()):
+                if hasattr(child, "inv_freq") and hasattr(child, "config"):
+                    setattr(parent, child_name, type(child)(child.config))
+    model.tie_weights()
+    return model
