@@ -1,0 +1,126 @@
+"""Kernels behind lazytrain_hf/optim/functional.py: the fused C++ CPU kernel equals the pure-torch reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lazytrain_hf.optim import functional as F
+from lazytrain_hf.optim.hybrid8 import Hybrid8bitOptimizer
+
+from .test_quant import requires_cpu_kernel
+
+# (name, param dtype, grad dtype, master_weights, state_dtype, numel, block_size)
+CASES = [
+    ("fp32-8bit", torch.float32, torch.float32, "auto", "8bit", 4097, 256),
+    ("fp32-fp32state", torch.float32, torch.float32, "auto", "fp32", 4097, 256),
+    ("fp32-bf16grad", torch.float32, torch.bfloat16, "auto", "8bit", 5000, 64),
+    ("bf16-master", torch.bfloat16, torch.float32, "fp32", "8bit", 4097, 256),
+    ("bf16-master-fp32state", torch.bfloat16, torch.float32, "fp32", "fp32", 300, 256),
+    ("bf16-kahan", torch.bfloat16, torch.float32, "kahan", "8bit", 70_000, 256),
+    ("bf16-kahan-bf16grad", torch.bfloat16, torch.bfloat16, "kahan", "8bit", 4097, 128),
+    ("bf16-none", torch.bfloat16, torch.bfloat16, "none", "8bit", 4097, 256),
+    ("fp32-one-element", torch.float32, torch.float32, "auto", "fp32", 1, 256),
+    ("bf16-block-not-dividing", torch.bfloat16, torch.float32, "fp32", "8bit", 100_003, 1024),
+]
+
+
+def _prepared_state(pdtype, gdtype, master, state_dtype, n, block_size, seed=0):
+    """A parameter, its gradient and a non-trivial state after two reference (torch-kernel) steps."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter((torch.randn(n, generator=g) * 0.05).to(pdtype))
+    grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 2) for _ in range(3)]
+    opt = Hybrid8bitOptimizer([p], lr=1e-3, weight_decay=0.1, block_size=block_size, min_8bit_size=1,
+                              state_dtype=state_dtype, master_weights=master)
+    opt._init_state(p, opt.param_groups[0])
+    st = opt.state[p]
+    for gr in grads[:2]:
+        st["step"] += 1
+        F.adamw_step(p, gr, st, F.AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, st["step"]), opt._books_for(p.device),
+                     block_size=block_size, kernel="torch")
+    return p, grads[2].to(gdtype), opt
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_cpp_kernel_equals_torch_reference(case):
+    requires_cpu_kernel()
+    _, pdtype, gdtype, master, state_dtype, n, block_size = case
+    p, grad, opt = _prepared_state(pdtype, gdtype, master, state_dtype, n, block_size)
+    books = opt._books_for(p.device)
+    results = {}
+    for kernel in ("torch", "cpp"):
+        q = p.detach().clone()
+        st = copy.deepcopy(opt.state[p])
+        st["step"] += 1
+        grad_before = grad.clone()
+        hyper = F.AdamWHyper(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=st["step"],
+                             clip_coef=0.37)
+        used = F.adamw_step(q, grad, st, hyper, books, block_size=block_size, kernel=kernel, threads=2)
+        assert used == kernel
+        assert torch.equal(grad, grad_before), "kernels must not modify the gradient"
+        results[kernel] = (q, st)
+    (q_t, s_t), (q_c, s_c) = results["torch"], results["cpp"]
+    # parameters: fp32 rounding order only (bf16: the same rounding of nearly the same fp32 value)
+    if pdtype == torch.float32:
+        torch.testing.assert_close(q_c, q_t, rtol=1e-6, atol=1e-7)
+    else:
+        ulp = (q_t.float().abs() * 2.0**-7).clamp(min=1e-30)
+        assert bool(((q_c.float() - q_t.float()).abs() <= ulp).all()), "bf16 params differ by more than one ulp"
+    for key in ("master", "kahan"):
+        if key in s_t:
+            # the represented value (master, or param + kahan) agrees to fp32 rounding
+            val_t = s_t[key].float() + (q_t.float() if key == "kahan" else 0)
+            val_c = s_c[key].float() + (q_c.float() if key == "kahan" else 0)
+            # Kahan: the bf16 residual holds ~8 bits below the param's last bit, so values agree to ~2**-16
+            rtol = 1e-6 if key == "master" else 2.0**-15
+            torch.testing.assert_close(val_c, val_t, rtol=rtol, atol=1e-7)
+    if state_dtype == "8bit":
+        for a in ("absmax1", "absmax2"):
+            torch.testing.assert_close(s_c[a], s_t[a], rtol=1e-6, atol=0)
+        for s in ("state1", "state2"):
+            diff = (s_c[s].int() - s_t[s].int()).abs()
+            assert int(diff.max()) <= 1, f"{s}: codes differ by {int(diff.max())} steps"
+            assert float((diff > 0).float().mean()) < 0.01, f"{s}: too many codes differ"
+    else:
+        torch.testing.assert_close(s_c["state1"], s_t["state1"], rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(s_c["state2"], s_t["state2"], rtol=1e-6, atol=1e-12)
+
+
+def test_env_forces_cpu_kernel(monkeypatch):
+    p = torch.zeros(8)
+    st = {"state1": torch.zeros(8), "state2": torch.zeros(8)}
+    monkeypatch.setenv(F.CPU_KERNEL_ENV, "torch")
+    assert F.select_kernel(p, p, st, 256) == "torch"
+    monkeypatch.setenv(F.CPU_KERNEL_ENV, "cpp")
+    if F.cpu_kernel_status()[0]:
+        assert F.select_kernel(p, p, st, 256) == "cpp"
+        # a dtype the fused kernel does not take falls back to torch even when forced
+        assert F.select_kernel(p.half(), p.half(), st, 256) == "torch"
+    monkeypatch.setenv(F.CPU_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="LAZYTRAIN_CPU_KERNEL"):
+        F.select_kernel(p, p, st, 256)
+
+
+def test_forced_cpp_without_build_raises(monkeypatch):
+    from lazytrain_hf.optim import _cpu_kernel
+
+    monkeypatch.setattr(_cpu_kernel, "_status", (False, "no compiler (simulated)"))
+    monkeypatch.setattr(_cpu_kernel, "_lib", None)
+    monkeypatch.setattr(F, "load_cpu_kernel", lambda: None)
+    p = torch.zeros(8)
+    st = {"state1": torch.zeros(8), "state2": torch.zeros(8)}
+    monkeypatch.setenv(F.CPU_KERNEL_ENV, "cpp")
+    with pytest.raises(RuntimeError, match="simulated"):
+        F.select_kernel(p, p, st, 256)
+    monkeypatch.delenv(F.CPU_KERNEL_ENV)
+    assert F.select_kernel(p, p, st, 256) == "torch"   # auto: falls back (and logs the reason once)
+
+
+def test_adamw_step_rejects_mismatched_sizes():
+    books = F.Codebooks.for_device("cpu")
+    st = {"state1": torch.zeros(8), "state2": torch.zeros(8), "step": 1}
+    with pytest.raises(ValueError, match="elements"):
+        F.adamw_step(torch.zeros(8), torch.zeros(7), st, F.AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1), books,
+                     block_size=256)
