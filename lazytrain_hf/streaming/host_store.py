@@ -71,6 +71,8 @@ def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     host allocator). Falls back to `t.pin_memory()` (a pinned copy). Returns (tensor, registered_in_place)."""
     if t.numel() == 0:
         return t, False
+    if t.is_pinned():  # a leaked registration of this address range: registering again would fail
+        return t, False
     try:
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(rc) == 0 and t.is_pinned():
@@ -153,11 +155,17 @@ class HostParamStore:
     def grad_bytes(self) -> int:
         return sum(b.grad_bytes for b in self.buffers)
 
+    def __del__(self) -> None:
+        # Note [host registration lifetime]: memory freed while still registered stays registered in the driver,
+        # and a later allocation at the same address then fails cudaHostRegister ("already mapped"); unregister
+        # while this store still holds the tensors (views in the model may keep them alive, as pageable memory).
+        self.release()
+
     def release(self) -> None:
         """Unregister page-locked memory (the tensors stay valid as ordinary memory)."""
-        for t in self._registered:
+        for t in getattr(self, "_registered", []):
             try:  # pragma: no cover - CUDA only
                 torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
             except Exception:
                 pass
-        self._registered.clear()
+        getattr(self, "_registered", []).clear()

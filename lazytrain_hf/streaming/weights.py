@@ -91,7 +91,7 @@ class WeightStreamer:
             p.grad = grads[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
         ptrs = {t.untyped_storage().data_ptr() for t in weights.values()}
         ev = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else (None, None)
-        return Slot(module, weights, grads, -1, ev[0], ev[1], ptrs)
+        return Slot(module=module, weights=weights, grads=grads, layer=-1, ready=ev[0], free=ev[1], storage_ptrs=ptrs)
 
     @property
     def slots(self) -> list[Slot]:

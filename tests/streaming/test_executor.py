@@ -116,6 +116,17 @@ def test_weights_are_one_copy_in_host_buffers():
             assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
+def test_slots_are_built_with_their_fields():
+    model = load_model("qwen3.5-tiny", "float32")
+    ex = StreamingExecutor(model, LazyTrainConfig(prefetch_depth=2), "cpu")
+    assert len(ex.streamer.pools) == 2  # linear- and full-attention layers get their own slots
+    for slot in ex.streamer.slots:
+        assert slot.grads_free is None and slot.layer in range(-1, 4)
+        assert isinstance(slot.storage_ptrs, set) and slot.storage_ptrs
+        for p in slot.module.parameters():
+            assert p.untyped_storage().data_ptr() in slot.storage_ptrs
+
+
 def test_weight_loads_follow_plan_ops():
     sched = fixed_schedule(8, 4, "gpu", 1)
     ops = plan_ops(sched)
