@@ -1,0 +1,110 @@
+"""`lazytrain-hf train`: the main job end to end on a tiny budget, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from lazytrain_hf import cli
+
+from .conftest import GSM8K_DIR, requires_gsm8k
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu_default.yaml"
+
+
+def _small(tmp_path: Path) -> list[str]:
+    return ["--set", f"training.output_dir={tmp_path / 'out'}", "--set", f"data.source={GSM8K_DIR}",
+            "--set", "training.max_steps=3", "--set", "data.train_limit=24", "--set", "data.test_limit=4",
+            "--set", "eval.max_new_tokens=8", "--set", "training.save_steps=2", "--set", "training.logging_steps=1"]
+
+
+@requires_gsm8k
+def test_main_job_end_to_end(tmp_path, capsys):
+    assert cli.main(["train", "--config", str(RECIPE), *_small(tmp_path)]) == 0
+    final = tmp_path / "out" / "final"
+    model, info = AutoModelForCausalLM.from_pretrained(str(final), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights still tied
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert 0.0 <= metrics["eval"]["exact_match"] <= 1.0 and metrics["eval"]["num_examples"] == 4
+    losses = [h["loss"] for h in metrics["log_history"] if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert list((tmp_path / "out").glob("checkpoint-*/lazytrain_schedule.json")), "schedule saved with checkpoints"
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["checkpoint"] == str(final)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Errors must come before any model is loaded."""
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the input error was raised")
+    monkeypatch.setattr("lazytrain_hf.models.load_model", boom)
+
+
+def _write_recipe(tmp_path: Path, **changes) -> Path:
+    raw = yaml.safe_load(RECIPE.read_text())
+    raw["training"]["output_dir"] = str(tmp_path / "out")
+    raw["data"]["source"] = str(GSM8K_DIR)
+    for dotted, value in changes.items():
+        sec, key = dotted.split("__")
+        raw.setdefault(sec, {})
+        if value is None:
+            raw[sec].pop(key, None)
+        else:
+            raw[sec][key] = value
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _bad_jsonl(tmp_path: Path) -> str:
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"text": "hello", "label": 1}) + "\n")
+    return str(p)
+
+
+@requires_gsm8k
+@pytest.mark.parametrize("changes, match", [
+    ({"training__learning_rat": 1e-3}, r"training\.learning_rat"),
+    ({"model__nam": "x"}, r"model\.nam"),
+    ({"lazytrain__policy": "fastest"}, "policy must be one of"),
+    ({"training__gradient_checkpointing": True}, "gradient_checkpointing=True conflicts"),
+    ({"data__source": "/nonexistent/gsm8k"}, "/nonexistent/gsm8k"),
+    ({"model__name_or_path": "gpt2-tiny-unknown-arch"}, None),
+])
+def test_bad_input_one_clear_error(tmp_path, capsys, no_model_load, changes, match):
+    recipe = _write_recipe(tmp_path, **changes)
+    code = cli.main(["train", "--config", str(recipe)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("error:") == 1
+    if match:
+        import re
+        assert re.search(match, err), err
+
+
+@requires_gsm8k
+def test_data_with_neither_schema(tmp_path, capsys, no_model_load):
+    recipe = _write_recipe(tmp_path)
+    assert cli.main(["train", "--config", str(recipe), "--set", f"data.source={_bad_jsonl(tmp_path)}"]) == 2
+    err = capsys.readouterr().err
+    assert "question" in err and "query" in err, err
+
+
+def test_unsupported_architecture_before_training(tmp_path, capsys, no_model_load, monkeypatch):
+    from transformers import GPT2Config
+
+    monkeypatch.setattr("lazytrain_hf.models.resolve_config", lambda *a, **k: GPT2Config())
+    recipe = _write_recipe(tmp_path)
+    assert cli.main(["train", "--config", str(recipe)]) == 2
+    assert "does not support model_type='gpt2'" in capsys.readouterr().err
+
+
+def test_missing_recipe(capsys):
+    assert cli.main(["train", "--config", "recipes/nope.yaml"]) == 2
+    assert "no recipe at" in capsys.readouterr().err
