@@ -98,6 +98,35 @@ def register() -> None:
         if not isinstance(OptimizerNames.__dict__.get("__reduce_ex__"), _PlainStrReduce):
             type.__setattr__(OptimizerNames, "__reduce_ex__", _PlainStrReduce(enum.Enum.__reduce_ex__))
     handlers[OptimizerNames(OPTIM_NAME)] = _handler
+    from transformers import Trainer
+
+    if not getattr(Trainer._clip_grad_norm, "_lazytrain_fused", False):
+        Trainer._clip_grad_norm = _fused_clip_grad_norm(Trainer._clip_grad_norm)
+
+
+def _fused_clip_grad_norm(original: Any) -> Any:
+    """Wrap `Trainer._clip_grad_norm`: with a Hybrid8bitOptimizer on a plain single-device or DDP run (gradients
+    already reduced, no fp16 loss scaler), the optimizer computes the pre-clip global norm and folds the clip
+    coefficient into its next update instead of the Trainer scaling every gradient in a separate pass. Anything
+    else (FSDP, DeepSpeed, XLA, mixed device meshes, fp16 scaling, other optimizers) takes the original path."""
+
+    def _clip_grad_norm(self: Any, model: Any) -> Any:
+        from accelerate.utils import DistributedType
+
+        from ..optim import Hybrid8bitOptimizer
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)
+        plain = (self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU,
+                                                       DistributedType.MULTI_CPU)
+                 and getattr(self.accelerator, "scaler", None) is None
+                 and not getattr(self, "is_fsdp_enabled", False) and not getattr(self, "is_deepspeed_enabled", False)
+                 and not (hasattr(self, "_has_mixed_mesh_grads") and self._has_mixed_mesh_grads(model)))
+        if isinstance(opt, Hybrid8bitOptimizer) and plain:
+            return opt.clip_grad_norm(self.args.max_grad_norm)
+        return original(self, model)
+
+    _clip_grad_norm._lazytrain_fused = True  # type: ignore[attr-defined]
+    return _clip_grad_norm
 
 
 def is_registered() -> bool:

@@ -54,3 +54,37 @@ def test_stock_trainer_trains_saves_resumes(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == OPTIM_NAME
+
+
+def test_stock_trainer_fused_clipping_equals_adamw(tmp_path, monkeypatch):
+    """Stock Trainer + lazytrain_hybrid8 (fp32 states): the clip coefficient folded into the update gives the same
+    loss, logged pre-clip grad_norm and parameters as adamw_torch with the Trainer's own clipping pass."""
+    import copy
+    import math
+
+    from ..conftest import rel_err
+
+    model = load_model("qwen3-tiny", "float32", seed=4)
+    ds = _dataset(model.config.vocab_size, n=12)
+    runs = {}
+    passes = []
+    original = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: passes.append(1) or original(*a, **k))
+    for optim, optim_args in (("adamw_torch", None), (OPTIM_NAME, "state_dtype=fp32,master_weights=none")):
+        args = TrainingArguments(output_dir=str(tmp_path / optim), optim=optim, optim_args=optim_args, max_steps=3,
+                                 per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
+                                 weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1,
+                                 save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        t = Trainer(model=copy.deepcopy(model), args=args, train_dataset=ds, data_collator=_collate)
+        passes.clear()
+        t.train()
+        runs[optim] = (t, len(passes))
+    (ref, ref_passes), (ours, our_passes) = runs["adamw_torch"], runs[OPTIM_NAME]
+    assert ref_passes == 3 and our_passes == 0, "hybrid8 must fold clipping into its update (no scaling pass)"
+    norms = [(h["grad_norm"], g["grad_norm"]) for h, g in zip(ref.state.log_history, ours.state.log_history)
+             if "grad_norm" in h]
+    assert norms and any(a > 1.0 for a, _ in norms), "clipping must be active"
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in norms), norms
+    mine = dict(ours.model.named_parameters())
+    for name, p in ref.model.named_parameters():
+        assert rel_err(mine[name].detach(), p.detach()) < 1e-5, name
