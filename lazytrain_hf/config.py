@@ -81,6 +81,9 @@ class LazyTrainConfig:
         max_rows_per_pass (int, defaults to None): rows (sequences) of a micro-batch a decoder layer processes at
             once; the layer runs over the micro-batch in row chunks with its weights loaded once, so a layer's
             activation memory scales with this instead of the micro-batch size. None: the whole micro-batch.
+        overlap_optimizer (bool, defaults to True): run the streamed layers' optimizer updates on a CPU worker
+            overlapped with the next forward (layer i's update must land before layer i is streamed in) instead
+            of serially inside `optimizer.step()`.
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
@@ -107,6 +110,7 @@ class LazyTrainConfig:
     nvme_budget: int | str | None = None
     pin_memory: bool = True
     max_rows_per_pass: int | None = None
+    overlap_optimizer: bool = True
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None
     solver_time_limit_s: float = 10.0

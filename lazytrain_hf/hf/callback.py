@@ -48,6 +48,12 @@ class LazyTrainCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.trainer.meter.stop(self.trainer.executor_metrics())
+        if control.should_save or control.should_evaluate or control.should_training_stop or \
+                state.global_step >= state.max_steps:
+            self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.trainer.executor.flush_updates()
 
     def on_save(self, args, state, control, **kwargs: Any):
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

@@ -110,8 +110,21 @@ class LazyTrainerMixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         opt = super().create_optimizer(model)
         if self.executor is not None:
-            self._inner_optimizer(opt).set_grad_source(self.executor.grad_source)
+            inner = self._inner_optimizer(opt)
+            inner.set_grad_source(self.executor.grad_source)
+            if self.lazy_config.overlap_optimizer:
+                self.executor.attach_optimizer(inner)
         return opt
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        if self.executor is not None:
+            self.executor.flush_updates()  # deferred layer updates land before the weights are written
+        super()._save(output_dir, state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.executor is not None:
+            self.executor.flush_updates()
+        super()._save_optimizer_and_scheduler(output_dir)
 
     @staticmethod
     def _inner_optimizer(opt: Any) -> Any:

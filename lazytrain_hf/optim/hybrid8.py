@@ -117,6 +117,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         self._books: dict[torch.device, F.Codebooks] = {}
         self._grad_source: GradSource | None = None
         self._pending: _PendingClip | None = None
+        self._deferred_ids: set[int] = set()  # params whose update `step` hands to `_on_deferred_step`
+        self._on_deferred_step: Callable[[dict[str, Any]], None] | None = None
         self.last_step_skipped: bool = False
         super().__init__(params, defaults)
 
@@ -259,10 +261,38 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._update([p for group in self.param_groups for p in group["params"]])
+            params = [p for group in self.param_groups for p in group["params"]]
+            if self._on_deferred_step is None:
+                self._update(params)
+            else:
+                snapshot = self.step_snapshot()
+                self._update([p for p in params if id(p) not in self._deferred_ids], snapshot)
+                self._on_deferred_step(snapshot)
         finally:
             self._pending = None
         return loss
+
+    def set_deferred(self, params: list[Tensor] | None,
+                     on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Hand the updates of `params` to their owner: `step` updates every other parameter at once, then calls
+        ``on_step(snapshot)``; the owner later applies ``step_deferred(some_params, snapshot)`` (for example layer
+        by layer, overlapped with the next forward), with the learning rates and clip coefficient of that step
+        even when the LR scheduler has moved on. None: every parameter is updated in `step` again.
+        """
+        self._deferred_ids = {id(p) for p in params or []}
+        self._on_deferred_step = on_step if params else None
+
+    def step_snapshot(self) -> dict[str, Any]:
+        """What an update needs from this moment: clip (coefficient, skip) and each group's hyper-parameters."""
+        coef, skip = self._resolve_clip()
+        self.last_step_skipped = skip
+        keys = ("lr", "betas", "eps", "weight_decay")
+        return {"clip": (coef, skip), "groups": {id(g): {k: g[k] for k in keys} for g in self.param_groups}}
+
+    @torch.no_grad()
+    def step_deferred(self, params: list[Tensor], snapshot: dict[str, Any]) -> None:
+        """Apply the update of `params` that a `step` deferred (see `set_deferred`)."""
+        self._update(list(params), snapshot)
 
     @torch.no_grad()
     def step_params(self, params: list[Tensor]) -> None:
@@ -276,13 +306,17 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         """
         self._update(list(params))
 
-    def _update(self, params: list[Tensor]) -> None:
-        clip_coef, skip = self._resolve_clip()
-        self.last_step_skipped = skip
+    def _update(self, params: list[Tensor], snapshot: dict[str, Any] | None = None) -> None:
+        if snapshot is None:
+            clip_coef, skip = self._resolve_clip()
+            self.last_step_skipped = skip
+        else:
+            clip_coef, skip = snapshot["clip"]
         if skip:
             return
         for p in params:
             group = self._group_of(p)
+            hp = group if snapshot is None else {**group, **snapshot["groups"][id(group)]}
             g = self._grad_of(p)
             if g is None:
                 continue
@@ -291,9 +325,9 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                 self._init_state(p, group)
             if g.device != p.device:
                 g = g.to(p.device)
-            beta1, beta2 = group["betas"]
-            hyper = F.AdamWHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                                 eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            beta1, beta2 = hp["betas"]
+            hyper = F.AdamWHyper(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2),
+                                 eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
                                  step=int(state["step"]) + 1, clip_coef=clip_coef)
             F.adamw_step(p, g, state, hyper, self._books_for(p.device), block_size=int(group["block_size"]))
             state["step"] = hyper.step   # counted once the update went through

@@ -107,7 +107,11 @@ class Schedule:
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> Schedule:
         p = Path(path_or_text)
-        text = p.read_text() if len(str(path_or_text)) < 4096 and p.is_file() else str(path_or_text)
+        try:
+            is_file = len(str(path_or_text)) < 4096 and p.is_file()
+        except OSError:  # JSON text is not a valid path (a "file name too long" on most systems)
+            is_file = False
+        text = p.read_text() if is_file else str(path_or_text)
         return cls.from_dict(json.loads(text))
 
 

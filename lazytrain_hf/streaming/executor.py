@@ -29,6 +29,7 @@ from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, sq_norm, structure_key
 from .tiers import ActivationStash
+from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
 
 __all__ = ["StreamingExecutor", "StepStats", "plan_ops", "find_decoder"]
@@ -157,6 +158,7 @@ class StreamingExecutor:
                                                      self.config.activation_tier, self.config.prefetch_depth))
         self.stats = StepStats()
         self._unpack_slot: Slot | None = None
+        self.updater: LayerUpdater | None = None
 
     def instrument(self, on: bool = True) -> None:
         """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
@@ -185,8 +187,27 @@ class StreamingExecutor:
         if self.streamer is None or self.streamer.depth != schedule.prefetch_depth:
             self.streamer = None
             self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
+            self.streamer.before_load = self._before_load
         self.schedule = schedule
         self._ops = plan_ops(schedule)
+
+    # ---- optimizer overlap ---------------------------------------------------------------------------------
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Defer `optimizer`'s updates of the streamed layers to a worker that overlaps them with the next forward
+        (see streaming/updates.py). The optimizer must provide `set_deferred` / `step_deferred`."""
+        if self.updater is not None:
+            self.updater.detach()
+        layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
+        self.updater = LayerUpdater(optimizer, layer_params)
+
+    def _before_load(self, layer: int) -> None:
+        if self.updater is not None:
+            self.updater.wait(layer)
+
+    def flush_updates(self) -> None:
+        """Apply every deferred optimizer update now (before weights or optimizer states are read or saved)."""
+        if self.updater is not None:
+            self.updater.wait_all()
 
     # ---- parameters and gradients ------------------------------------------------------------------------
     def is_streamed(self, p: torch.Tensor) -> bool:
@@ -197,7 +218,8 @@ class StreamingExecutor:
         hit = self._param_specs.get(id(p))
         if hit is None:
             return p.grad
-        if not self.grads.has_grad(hit[0]):
+        pending = self.updater is not None and self.updater.is_pending(hit[0])  # Note [deferred gradients]
+        if not self.grads.has_grad(hit[0]) and not pending:
             return None  # no backward reached this layer in the current window (like p.grad is None)
         return self.store.grad_view(*hit)
 
@@ -456,5 +478,6 @@ class StreamingExecutor:
         return loss, logits
 
     def close(self) -> None:
+        self.flush_updates()
         self.stash.clear()
         self.store.release()

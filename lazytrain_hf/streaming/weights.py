@@ -73,6 +73,7 @@ class WeightStreamer:
         self.h2d_bytes = 0  # bytes loaded since the last reset (for metrics)
         # (before, after) events on the compute stream around each wait for a weight load: their elapsed time is
         # how long compute stalled on H2D (exposed transfer). Filled only when `instrument` is set.
+        self.before_load = None  # callable(layer): blocks until the host weights of `layer` may be read
         self.instrument = False
         self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.loads = 0
@@ -154,6 +155,8 @@ class WeightStreamer:
         return slot
 
     def _load(self, slot: Slot, layer: int) -> None:
+        if self.before_load is not None:
+            self.before_load(layer)  # a deferred optimizer update of this layer must land first
         host = self.store.buffers[layer].weights
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):

@@ -177,3 +177,32 @@ def test_plain_training_arguments_rejected_with_fix(tmp_path):
     model = load_model("qwen3-tiny", "float32")
     with pytest.raises(TypeError, match="LazyTrainingArguments"):
         LazyTrainer(model=model, args=TrainingArguments(**_common(tmp_path, "x")))
+
+
+def test_overlapped_updates_equal_serial_with_lr_schedule(tmp_path):
+    """Deferred layer updates (overlapped with the next forward) use the LR of the step that deferred them."""
+    model = load_model("qwen3-tiny-untied", "float32", seed=13)
+    ds = _dataset(model.config.vocab_size, n=16, seed=4)
+    kw = dict(max_steps=4, lr_scheduler_type="linear", warmup_steps=1, save_strategy="steps", save_steps=2)
+    stock = Trainer(model=copy.deepcopy(model), args=TrainingArguments(**_common(tmp_path, "stock",
+                                                                                 optim="adamw_torch", **kw)),
+                    train_dataset=ds, data_collator=_collate)
+    stock.train()
+    runs = {}
+    for overlap in (True, False):
+        t = LazyTrainer(model=copy.deepcopy(model),
+                        args=LazyTrainingArguments(**_common(tmp_path, f"overlap{overlap}", **kw),
+                                                   lazytrain_config={**EXACT, "overlap_optimizer": overlap}),
+                        train_dataset=ds, data_collator=_collate)
+        t.train()
+        runs[overlap] = dict(t.model.named_parameters())
+    assert len({h["learning_rate"] for h in stock.state.log_history if "learning_rate" in h}) > 2
+    for name, p in stock.model.named_parameters():
+        assert torch.equal(runs[True][name], runs[False][name]), name
+        assert rel_err(runs[True][name].detach(), p.detach()) < 1e-5, name
+    # a checkpoint taken mid-run holds the step's weights: deferred updates landed before the save
+    saved = {o: dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / f"overlap{o}" / "checkpoint-2"))
+                     .named_parameters()) for o in (True, False)}
+    for name, p in saved[False].items():
+        assert torch.equal(saved[True][name], p), name
+    assert not torch.equal(saved[True]["model.layers.3.mlp.up_proj.weight"], model.model.layers[3].mlp.up_proj.weight)
