@@ -13,6 +13,8 @@ for stage in "$@"; do
     tests) timeout 150 python3 -m pytest -q -m gpu tests/streaming tests/optim -p no:cacheprovider 2>&1 | tail -15 ;;
     fixed) timeout 300 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
              --batch-sizes 8,16,32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
+    overlap) timeout 250 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
+             --batch-sizes 32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     milp)  timeout 330 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
              --batch-sizes 16,32,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning ;;
     stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
