@@ -148,11 +148,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
         except Exception as e:  # report, do not hide: the row carries the error
             r.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
         ex.zero_grad()
-        gc.collect()
-        _empty_cache(args)
-        rows.append(r)
-        append_results(args.out, "executor", [r])  # row by row: a run cut short keeps what it measured
-        print(_fmt(r), flush=True)
+        _finish_row(args, rows, r)
     return rows
 
 
@@ -206,12 +202,16 @@ def run_stock(args: argparse.Namespace) -> list[dict[str, Any]]:
         except torch.OutOfMemoryError as e:
             r.update(status="oom", reason=str(e).splitlines()[0][:300])
         opt.zero_grad(set_to_none=True)
-        gc.collect()
-        _empty_cache(args)
-        rows.append(r)
-        append_results(args.out, "executor", [r])  # row by row: a run cut short keeps what it measured
-        print(_fmt(r), flush=True)
+        _finish_row(args, rows, r)
     return rows
+
+
+def _finish_row(args: argparse.Namespace, rows: list[dict[str, Any]], r: dict[str, Any]) -> None:
+    gc.collect()
+    _empty_cache(args)
+    rows.append(r)
+    append_results(args.out, "executor", [r])  # row by row: a run cut short keeps what it measured
+    print(_fmt(r), flush=True)
 
 
 def _fmt(r: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .host_store import HostParamStore, sq_norm
-from .weights import Slot
+from .weights import Slot, wait_on
 
 __all__ = ["GradSink"]
 
@@ -66,15 +66,7 @@ class GradSink:
     def prepare(self, slot: Slot) -> None:
         """Before a backward on `slot`: wait until its grads were copied out, then zero them (compute stream)."""
         if self.cuda and slot.grads_free is not None:
-            stream = torch.cuda.current_stream(self.device)
-            if self.instrument:
-                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                before.record(stream)
-                stream.wait_event(slot.grads_free)
-                after.record(stream)
-                self.stalls.append((before, after))
-            else:
-                stream.wait_event(slot.grads_free)
+            wait_on(self.device, slot.grads_free, self.stalls if self.instrument else None)
         for g in slot.grads.values():
             g.zero_()
 

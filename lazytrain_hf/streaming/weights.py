@@ -23,7 +23,22 @@ from torch import nn
 
 from .host_store import HostParamStore
 
-__all__ = ["Slot", "WeightStreamer"]
+__all__ = ["Slot", "WeightStreamer", "wait_on"]
+
+
+def wait_on(device: torch.device, event: torch.cuda.Event,
+            stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None) -> None:
+    """Make the current (compute) stream wait for `event`; with `stalls`, bracket the wait with timing events
+    whose elapsed time is how long compute stood still (exposed transfer)."""
+    stream = torch.cuda.current_stream(device)
+    if stalls is None:
+        stream.wait_event(event)
+        return
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record(stream)
+    stream.wait_event(event)
+    after.record(stream)
+    stalls.append((before, after))
 
 
 @dataclass
@@ -120,15 +135,7 @@ class WeightStreamer:
         if self._pos + self.depth < len(self._seq):
             self._issue(self._pos + self.depth)
         if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            if self.instrument:
-                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                before.record(stream)
-                stream.wait_event(slot.ready)
-                after.record(stream)
-                self.stalls.append((before, after))
-            else:
-                stream.wait_event(slot.ready)
+            wait_on(self.device, slot.ready, self.stalls if self.instrument else None)
         self._pos += 1
         return slot
 
