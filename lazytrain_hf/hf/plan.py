@@ -1,0 +1,67 @@
+"""Planning for a Trainer run: batch shape from the arguments and data, budgets from the config, MILP solve."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..config import GIB
+from ..planning.milp import solve_milp
+from ..planning.schedule import Schedule, fingerprint
+from ..profiling.analytic import analytic_cost_model
+from ..profiling.hardware import H200_DEFAULTS, probe
+
+__all__ = ["plan_for_trainer", "run_shape"]
+
+logger = logging.getLogger(__name__)
+
+
+def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
+    """(micro-batch size, longest sequence rounded up to `multiple`) of the trainer's training data."""
+    B = trainer.args.per_device_train_batch_size
+    ds = trainer.train_dataset
+    T = 1024
+    try:
+        T = max(len(x) for x in ds["input_ids"])
+    except (TypeError, KeyError, ValueError):
+        logger.warning("cannot read input_ids lengths from the training data; planning for seq_len=%d", T)
+    return B, -(-T // multiple) * multiple
+
+
+def plan_for_trainer(trainer: Any) -> Schedule:
+    """Solve the MILP (lazytrain_hf.planning.milp) for this trainer's model, batch shape and budgets.
+
+    Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs),
+    `host_memory_budget` (default: 90% of RAM), `nvme_budget` when `nvme_dir` is set. Hardware rates: the cached
+    or fresh probe on CUDA, the H200 defaults elsewhere.
+
+    Raises:
+        InfeasiblePlanError: no schedule fits; the message names the smallest feasible budgets.
+    """
+    cfg = trainer.lazy_config
+    ex = trainer.executor
+    B, T = run_shape(trainer)
+    if ex.device.type == "cuda":
+        hardware = probe(ex.device, nvme_dir=cfg.nvme_dir)
+        free, _ = torch.cuda.mem_get_info(ex.device)
+        gpu = cfg.gpu_memory_budget or free
+    else:
+        hardware, gpu = H200_DEFAULTS, cfg.gpu_memory_budget or 80 * GIB
+    if cfg.host_memory_budget:
+        host = cfg.host_memory_budget
+    else:
+        import psutil
+
+        host = int(0.9 * psutil.virtual_memory().total)
+    nvme = (cfg.nvme_budget or 256 * GIB) if cfg.nvme_dir else 0
+    cm = analytic_cost_model(trainer.model.config, B, T, hardware, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
+                             loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
+                             master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
+                             block_size=cfg.block_size)
+    fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
+    schedule = solve_milp(cm, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
+                          fingerprint=fp)
+    logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
+    return schedule

@@ -1,0 +1,745 @@
+"""The O(L) mixed-integer program that chooses the per-layer schedule (LazyTrain, arXiv 2608.11919 §3, extended).
+
+Decisions per decoder layer i: materialize boundary i (c_i) and its tier (g_i / k_i / n_i: GPU, pinned CPU, NVMe),
+retain the layer's autograd activations from forward (r_i), run its optimizer update on the GPU (o_i); the
+recompute indicator x_i follows from them by linking constraints. The weight prefetch depth d is an outer loop
+(one MILP per d in 1..3). The objective is the predicted step time (ms) of the linear step model in
+`estimate.py` (compute + recompute + exposed transfers + exposed optimizer, as event times of max-plus lane
+recursions), plus tiny tie-breakers. Memory rows are in GiB (`GIB`), time rows in ms.
+
+Solved with HiGHS through `highspy`'s modelling layer: output silenced, explicit `mip_rel_gap` and `time_limit`,
+warm-started from the best feasible `fixed` variant (MegaTrain's heuristic). The result is a `Schedule` with
+`solver` = {status, mip_gap, solve_ms, objective_ms, ...} and `predicted` = {step_ms, peak_gpu_bytes, ...}.
+Infeasible budgets raise `InfeasiblePlanError`, which names the smallest feasible GPU and host budgets.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from .cost_model import CostModel
+from .estimate import (
+    Key,
+    Lin,
+    decision_values,
+    evaluate,
+    layer_units,
+    memory_terms,
+    recompute_flags,
+    unit_terms,
+    workspace_slack_ms,
+)
+from .fixed import fixed_schedule
+from .schedule import LayerPlan, Schedule
+from .schedule import fingerprint as _fingerprint
+
+__all__ = ["solve_milp", "min_gpu_bytes", "InfeasiblePlanError", "fixed_candidates", "milp_value", "infeasible_error",
+           "GIB"]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes per GiB: memory enters the model in GiB (coefficients of order 1) and leaves it in bytes.
+GIB = float(1024**3)
+#: Tie-breakers (ms-equivalents, far below the 1% gap): prefer less GPU memory, then fewer offloads / retains /
+#: on-GPU updates / checkpoints, among plans of equal predicted step time.
+TIE_MS_PER_GIB_PEAK = 1e-3
+TIE_MS_PER_DECISION = 1e-3
+#: Slack added to the smallest feasible budgets named by InfeasiblePlanError before rounding up to 0.01 GiB.
+_BUDGET_ROUND = GIB / 100
+
+
+class InfeasiblePlanError(ValueError):
+    """No schedule fits the budgets.
+
+    Attributes:
+        min_gpu_bytes: smallest GPU budget (bytes) with which a schedule exists under the given host and NVMe
+            budgets (None when the host budget alone is too small).
+        min_host_bytes: smallest host budget (bytes): the host memory taken regardless of the plan.
+        min_gpu_bytes_any_host: smallest GPU budget with unlimited host memory (bytes).
+    """
+
+    def __init__(self, message: str, *, min_gpu_bytes: int | None, min_host_bytes: int,
+                 min_gpu_bytes_any_host: int | None) -> None:
+        super().__init__(message)
+        self.min_gpu_bytes = min_gpu_bytes
+        self.min_host_bytes = min_host_bytes
+        self.min_gpu_bytes_any_host = min_gpu_bytes_any_host
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HiGHS helpers
+
+
+_BANNER_SILENCED = False
+
+
+def _new_highs() -> Any:
+    """A silent `highspy.Highs`. HiGHS prints a banner on fd 1 when the first instance of a process is created;
+    redirect fd 1 to /dev/null for that one construction."""
+    global _BANNER_SILENCED
+    import highspy
+
+    if _BANNER_SILENCED:
+        h = highspy.Highs()
+    else:
+        _BANNER_SILENCED = True
+        try:
+            sys.stdout.flush()
+            saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+        except (OSError, ValueError):
+            h = highspy.Highs()
+        else:
+            try:
+                os.dup2(devnull, 1)
+                h = highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+                os.close(devnull)
+    h.silent()
+    return h
+
+
+@dataclass
+class _Result:
+    """One HiGHS solve."""
+
+    depth: int
+    status: str  # "optimal", "time_limit", "infeasible", or HiGHS's model status text
+    has_solution: bool
+    objective: float  # ms incl. tie-breakers (nan without a solution)
+    mip_gap: float
+    solve_ms: float
+    schedule: Schedule | None
+    bound: float = -math.inf  # HiGHS's dual bound (ms incl. tie-breakers)
+
+
+class _PlanMilp:
+    """The MILP for one prefetch depth d (or, with `memory_only`, the smallest-peak-memory problem).
+
+    Columns are created in a fixed order and remembered with a key, so a warm start can give every column a value.
+    """
+
+    def __init__(self, cm: CostModel, depth: int, *, memory_only: bool = False,
+                 symmetry_breaking: bool = True) -> None:
+        import highspy
+
+        self.cm, self.d, self.memory_only = cm, depth, memory_only
+        self.h = _new_highs()
+        self._int = highspy.HighsVarType.kInteger
+        self.cols: list[tuple[Any, tuple[str, int]]] = []  # (highs var, key) in column order
+        self.v: dict[Key, Any] = {}
+        self._build(symmetry_breaking)
+
+    # -- variables ----------------------------------------------------------------------------------------------
+    def _var(self, key: Key, lb: float = 0.0, ub: float = math.inf, integer: bool = False) -> Any:
+        kw = {"type": self._int} if integer else {}
+        var = self.h.addVariable(lb=lb, ub=ub, name=f"{key[0]}_{key[1]}", **kw)
+        self.v[key] = var
+        self.cols.append((var, key))
+        return var
+
+    def _expr(self, lin: Lin, scale: float = 1.0) -> Any:
+        """Lin (over decision keys) -> highspy expression, times `scale`."""
+        e = self.h.expr(lin.const * scale)
+        for k, c in lin.terms.items():
+            e += (c * scale) * self.v[k]
+        return e
+
+    def _build(self, symmetry_breaking: bool) -> None:
+        import highspy
+
+        cm, h = self.cm, self.h
+        L = cm.num_layers
+        nvme_ok = cm.nvme_bytes > 0
+        for i in range(L):
+            self._var(("c", i), 1.0 if i == 0 else 0.0, 1.0, True)  # c_i: boundary i materialized (c_0 = 1)
+            self._var(("g", i), 1.0 if i == 0 else 0.0, 1.0, True)  # g_i: ... on the GPU (boundary 0 always)
+            self._var(("k", i), 0.0, 0.0 if i == 0 else 1.0, True)  # k_i: ... in pinned CPU memory
+            self._var(("n", i), 0.0, 1.0 if nvme_ok and i > 0 else 0.0, True)  # n_i: ... on NVMe
+            self._var(("r", i), 0.0, 1.0, True)  # r_i: layer i keeps its autograd activations from forward
+            self._var(("o", i), 0.0, 0.0 if self.memory_only else 1.0, True)  # o_i: optimizer update on the GPU
+            self._var(("x", i), 0.0, 1.0 if i + 1 < L else 0.0)  # x_i: layer i re-run in backward (integral by links)
+        self._var(("yoff", 0), 0.0, 1.0, True)  # yoff: some boundary is offloaded (CPU or NVMe)
+        self._var(("ynv", 0), 0.0, 1.0, True)  # ynv: some boundary is on NVMe (host staging buffers)
+        self._var(("ygo", 0), 0.0, 1.0, True)  # ygo: some layer updates on the GPU (one state workspace)
+        v = self.v
+
+        # [Constraint] tier one-hot: a materialized boundary lives in exactly one tier; an absent one in none
+        for i in range(L):
+            h.addConstr(v["g", i] + v["k", i] + v["n", i] == v["c", i])
+            h.addConstr(v["yoff", 0] >= v["k", i] + v["n", i])
+            h.addConstr(v["ynv", 0] >= v["n", i])
+            h.addConstr(v["ygo", 0] >= v["o", i])
+
+        # [Constraint] recompute linking: x_i = 1 iff boundary i+1 is not materialized and neither layer i (it
+        # keeps its output) nor layer i+1 (it needs no input) is retained
+        for i in range(L - 1):
+            h.addConstr(v["x", i] >= 1 - v["c", i + 1] - v["r", i + 1] - v["r", i])
+            h.addConstr(v["x", i] <= 1 - v["c", i + 1])
+            h.addConstr(v["x", i] <= 1 - v["r", i + 1])
+            h.addConstr(v["x", i] <= 1 - v["r", i])
+
+        # [Constraint] segment-start tier, carried along the segment; its fetch is charged where the segment ends
+        # (lower bounds suffice: these only add cost)
+        for i in range(L):
+            self._var(("t", i), 0.0, 1.0)  # t_i: the start boundary of layer i's segment is offloaded
+            self._var(("tn", i), 0.0, 1.0)  # tn_i: ... on NVMe
+            self._var(("z", i), 0.0, 1.0)  # z_i: layer i ends a segment with an offloaded start (fetch before B(i))
+            self._var(("zn", i), 0.0, 1.0)  # zn_i: ... with an NVMe start (disk read before B(i))
+        for i in range(L):
+            h.addConstr(v["t", i] >= v["k", i] + v["n", i])
+            h.addConstr(v["tn", i] >= v["n", i])
+            if i:
+                h.addConstr(v["t", i] >= v["t", i - 1] - v["c", i])
+                h.addConstr(v["tn", i] >= v["tn", i - 1] - v["c", i])
+            ends = v["c", i + 1] if i + 1 < L else 1.0
+            h.addConstr(v["z", i] >= v["t", i] + ends - 1)
+            h.addConstr(v["zn", i] >= v["tn", i] + ends - 1)
+
+        if symmetry_breaking:
+            self._symmetry_breaking()
+        self._memory()
+        if not self.memory_only:
+            self._time()
+        # the objective goes in before any warm start (changing costs afterwards drops a given solution)
+        self.h.setObjective(self.objective(), highspy.ObjSense.kMinimize)
+
+    def _symmetry_breaking(self) -> None:
+        """Order decisions among identical layers (same kind and costs), by exchange arguments.
+
+        - On-GPU updates come first (o_i >= o_j for identical i < j): per-layer durations do not depend on the
+          order (the update workspaces are double-buffered), the CPU updates its layers in order, and a CPU-updated
+          layer stalls the forward only when its update is not done yet, so putting the CPU-updated layers last
+          gives the CPU the most time; swapping a GPU-updated layer in front never delays a forward.
+        - Retained layers come last (r_i <= r_j for identical 0 < i < j): a later retain lowers every prefix sum
+          Q of stored bytes and frees S - A in its segment's working set; compute and traffic totals are the same
+          (the saving moves between backward windows, a second-order change inside the MIP gap).
+        Without these, HiGHS spends its time on permutations of near-equal cost (a 28-layer 7B plan with a slow
+        CPU optimizer did not reach a 1% gap in 120 s; with them, 0.5 s). The orderings are exchange arguments on
+        the model, not proofs: on a synthetic 64-layer plan the ordered optimum was 0.5% above the unordered one
+        (inside the 1% gap), so `symmetry_breaking=False` is there to check. Tiers are deliberately not ordered:
+        "offloaded boundaries first" is memory-dominant but moved stash and fetch traffic enough to cost 0.8% on
+        that plan and tripled its solve time.
+        """
+        cm, h, v = self.cm, self.h, self.v
+        classes: dict[tuple[Any, ...], list[int]] = {}
+        for i in range(cm.num_layers):
+            sig = (cm.layer_kind[i], cm.fwd_ms[i], cm.bwd_ms[i], cm.param_bytes[i], cm.grad_bytes[i],
+                   cm.act_bytes[i], cm.saved_bytes[i], cm.num_params[i], cm.gpu_optim_h2d_bytes[i],
+                   cm.gpu_optim_d2h_bytes[i], cm.fwd_work_bytes[i], cm.bwd_work_bytes[i])
+            classes.setdefault(sig, []).append(i)
+        for members in classes.values():
+            for a, b in zip(members, members[1:]):
+                h.addConstr(v["o", a] >= v["o", b])
+                if a > 0:
+                    h.addConstr(v["r", a] <= v["r", b])
+
+    # -- memory (GiB) -------------------------------------------------------------------------------------------
+    def _memory(self) -> None:
+        cm, h, v = self.cm, self.h, self.v
+        L = cm.num_layers
+        mem = memory_terms(cm, self.d)
+        s = 1.0 / GIB
+        Q = [self._var(("Q", i)) for i in range(L)]  # Q_i (GiB): GPU-tier boundaries + retained layers, l <= i
+        m = [self._var(("m", i)) for i in range(L)]  # m_i (GiB): boundary bytes held by i's segment up to layer i
+        peak = self._var(("peak", 0))  # peak (GiB): static bound on GPU memory over the step
+        big_m_ws = sum(cm.act_bytes) * s  # big-M (GiB) for resetting m at a materialized boundary
+
+        # [Constraint] cumulative stored bytes
+        for i in range(L):
+            prev = Q[i - 1] if i else 0.0
+            h.addConstr(Q[i] == prev + self._expr(mem.stored[i], s))
+
+        # [Constraint] segment working set: reset to the fetched start boundary at c_i = 1, else grow by the
+        # recomputed input of layer i
+        for i in range(L):
+            h.addConstr(m[i] >= self._expr(mem.fetched[i], s))
+            if i:
+                h.addConstr(m[i] >= m[i - 1] + self._expr(mem.recomputed_input[i], s) - big_m_ws * v["c", i])
+
+        # [Constraint] GPU peak: forward of each layer, the head, backward of each layer
+        base = mem.base * s
+        for i in range(L):
+            h.addConstr(peak >= base + Q[i] + self._expr(mem.fwd[i], s))
+            h.addConstr(peak >= base + Q[i] + m[i] + self._expr(mem.bwd[i], s))
+        h.addConstr(peak >= base + Q[L - 1] + self._expr(mem.head, s))
+        if not self.memory_only:
+            # [Constraint] GPU budget
+            h.addConstr(peak <= cm.gpu_bytes * s)
+
+        # [Constraint] host budget: fixed host bytes + CPU-tier boundaries + NVMe staging buffers
+        h.addConstr(self._expr(mem.host, s) <= cm.pinned_host_bytes * s)
+        # [Constraint] NVMe budget
+        h.addConstr(self._expr(mem.nvme, s) <= cm.nvme_bytes * s)
+        self.peak = peak
+
+    # -- time (ms) ----------------------------------------------------------------------------------------------
+    def _time(self) -> None:
+        cm, h, v, d = self.cm, self.h, self.v, self.d
+        L = cm.num_layers
+        units = unit_terms(cm)
+        U = len(units)
+        lus = layer_units(L)
+        slot_pred = {u: lus[k - d - 1] for k, u in enumerate(lus) if k - d - 1 >= 0}
+        E = [self._var(("E", u)) for u in range(U)]  # E_u (ms): compute of unit u ends
+        HE = [self._var(("HE", u)) for u in range(U)]  # HE_u (ms): H2D of unit u's inputs ends
+        DE = [self._var(("DE", u)) for u in range(U)]  # DE_u (ms): D2H of unit u's outputs ends
+        DK = [self._var(("DK", u)) for u in range(U)]  # DK_u (ms): disk lane through unit u ends
+        hd = [self._var(("hd", u)) for u in range(U)]  # hd_u (ms): H2D duration of unit u (max of its bounds)
+        dd = [self._var(("dd", u)) for u in range(U)]  # dd_u (ms): D2H duration of unit u (max of its bounds)
+        O = [self._var(("O", i)) for i in range(L)]  # noqa: E741 - O_i (ms): CPU optimizer has updated layer i
+        end = self._var(("END", 0))  # END (ms): predicted step time
+        big_m_ms = self._big_m_ms(units)  # big-M (ms) for the conditional orderings below
+
+        for u, t in enumerate(units):
+            # [Constraint] H2D / D2H durations: one-way rate and the duplex limit shared with the neighbour unit
+            for lb in t.h2d:
+                h.addConstr(hd[u] >= self._expr(lb))
+            for lb in t.d2h:
+                h.addConstr(dd[u] >= self._expr(lb))
+            c = self._expr(t.compute)
+            is_fwd, is_head = u < L, u == L
+            # [Constraint] compute lane in order; a unit computes after its inputs arrived
+            h.addConstr(E[u] >= (E[u - 1] if u else 0.0) + c)
+            if not is_head:
+                h.addConstr(E[u] >= HE[u] + c)
+            # [Constraint] two D2H buffers: compute of u starts after the D2H of unit u-2 is done
+            if u >= 2:
+                h.addConstr(E[u] >= DE[u - 2] + c)
+            # [Constraint] H2D lane in order; weight slots: loads of u start after the layer-unit d+1 earlier
+            h.addConstr(HE[u] >= (HE[u - 1] if u else 0.0) + hd[u])
+            if u in slot_pred:
+                h.addConstr(HE[u] >= E[slot_pred[u]] + hd[u])
+            # [Constraint] D2H lane in order, after the unit's compute (a forward unit's on-GPU update states
+            # from the start of its forward; its stash after the forward)
+            h.addConstr(DE[u] >= (DE[u - 1] if u else 0.0) + dd[u])
+            h.addConstr(DE[u] >= E[u] - t.d2h_early_ms + dd[u])
+            if is_fwd:
+                h.addConstr(DE[u] >= E[u] + self._expr(t.stash))
+            # [Constraint] disk lane in order: stash writes after their D2H; reads as early as the lane allows
+            h.addConstr(DK[u] >= (DK[u - 1] if u else 0.0) + self._expr(t.disk_write) + self._expr(t.disk_read))
+            if is_fwd and t.layer + 1 < L:
+                # [Constraint] a stash is written after its D2H (only when n_{i+1} = 1: big-M)
+                h.addConstr(DK[u] >= DE[u] + self._expr(t.disk_write) - big_m_ms * (1 - v["n", t.layer + 1]))
+            elif not is_fwd and not is_head:
+                # [Constraint] a fetched NVMe boundary is read before its H2D. Unconditional (no big-M, a tight
+                # LP): the H2D lane runs in order, so loads behind a fetch wait for its read anyway, and DK_u only
+                # holds reads charged to units up to u (and writes, zero unless some boundary is on NVMe)
+                h.addConstr(HE[u] >= DK[u] + hd[u])
+            if is_fwd:
+                i = t.layer
+                # [Constraint] CPU optimizer: embedding first, then the CPU-updated layers in order. F(i)'s loads
+                # start after the CPU chain through layer i (for a GPU-updated layer that is the chain through the
+                # previous CPU-updated one, which its forward waits for anyway); no big-M, so fractional o_i in
+                # the LP relaxation is a meaningful CPU/GPU split. The first forward waits for the embedding.
+                h.addConstr(O[i] == (O[i - 1] if i else cm.embed_optim_ms) + cm.cpu_optim_ms(i)
+                            - cm.cpu_optim_ms(i) * v["o", i])
+                h.addConstr(HE[u] >= O[i] + hd[u])
+                if i == 0:
+                    h.addConstr(E[u] >= cm.embed_optim_ms + c)
+                # [Constraint] two on-GPU update workspaces: when o_i = 1 (big-M), layer i's states and weights go
+                # up once layer i-1's update is done (its forward started), and after the D2H of unit F(i-2),
+                # which holds layer i-2's states
+                if i:
+                    up_ms = (cm.gpu_optim_h2d_bytes[i] + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
+                    h.addConstr(HE[u] >= E[u - 1] - cm.fwd_ms[i - 1] + up_ms - big_m_ms * (1 - v["o", i]))
+                if i >= 2:
+                    slack = workspace_slack_ms(cm, t)  # a small, tight big-M (see workspace_slack_ms)
+                    h.addConstr(HE[u] >= DE[u - 2] + hd[u] - slack * (1 - v["o", i]))
+            if is_head:
+                # [Constraint] the head waits for the lm_head update (after all layer updates)
+                h.addConstr(E[u] >= O[L - 1] + cm.head_optim_ms + c)
+        # [Constraint] the step ends when the last compute and the last gradient D2H are done
+        h.addConstr(end >= E[U - 1])
+        h.addConstr(end >= DE[U - 1])
+        self.end = end
+
+    def _big_m_ms(self, units: list[Any]) -> float:
+        """An upper bound on any event time (ms): every duration at its largest, serialized."""
+        ones = {k: 1.0 for k in self.v}
+        total = sum(max(0.0, t.compute.value(ones)) + max(x.value(ones) for x in t.h2d)
+                    + max(x.value(ones) for x in t.d2h)
+                    + t.disk_write.value(ones) + t.disk_read.value(ones) for t in units)
+        cm = self.cm
+        total += cm.embed_optim_ms + cm.head_optim_ms + sum(cm.cpu_optim_ms(i) for i in range(cm.num_layers))
+        return 2.0 * total + 1.0
+
+    # -- objective, warm start, solve ---------------------------------------------------------------------------
+    def objective(self) -> Any:
+        v, L = self.v, self.cm.num_layers
+        ties = self.h.expr(0.0)
+        for i in range(L):
+            ties += TIE_MS_PER_DECISION * (v["k", i] + 2 * v["n", i] + v["r", i] + v["o", i] + 0.1 * v["c", i])
+        if self.memory_only:
+            return self.peak + 1e-4 * ties  # smallest peak GiB; ties only between equal peaks
+        return self.end + TIE_MS_PER_GIB_PEAK * self.peak + ties
+
+    def warm_start(self, schedule: Schedule) -> None:
+        """Give every column its value for `schedule` (a full solution, so HiGHS starts with an incumbent)."""
+        cm = self.cm
+        vals = decision_values(schedule)
+        if schedule.prefetch_depth != self.d:
+            raise ValueError(f"warm start has prefetch_depth {schedule.prefetch_depth}, the model {self.d}")
+        est = evaluate(cm, schedule)
+        mem = memory_terms(cm, self.d)
+        units = unit_terms(cm)
+        q = m = 0.0
+        opt = cm.embed_optim_ms
+        for i in range(cm.num_layers):
+            q += mem.stored[i].value(vals) / GIB
+            m = mem.fetched[i].value(vals) / GIB if vals[("c", i)] > 0.5 else m + mem.recomputed_input[i].value(vals) / GIB
+            vals[("Q", i)], vals[("m", i)] = q, m
+            opt += cm.cpu_optim_ms(i) * (1 - vals[("o", i)])
+            vals[("O", i)] = opt
+        for u, t in enumerate(units):
+            he, e, de, dk = est.event_times[t.name]
+            vals[("HE", u)], vals[("E", u)], vals[("DE", u)], vals[("DK", u)] = he, e, de, dk
+            vals[("hd", u)] = t.h2d_ms(vals)
+            vals[("dd", u)] = t.d2h_ms(vals)
+        vals[("peak", 0)] = est.peak_gpu_bytes / GIB
+        vals[("END", 0)] = est.step_ms
+        x = [float(vals.get(key, 0.0)) for _, key in self.cols]
+        bad = self._violations(x)
+        if bad:  # a bug in the mirror; HiGHS can misreport objectives when handed an infeasible start
+            warnings.warn(f"MILP warm start violates {len(bad)} rows (first: {bad[0]}); solving without it",
+                          stacklevel=3)
+            return
+        sol = self.h.getSolution()
+        sol.col_value = x
+        sol.value_valid = True
+        self.h.setSolution(sol)
+
+    def _violations(self, x: list[float], tol: float = 1e-6) -> list[str]:
+        """Rows and bounds of the model that the column values `x` violate (relative tolerance `tol`)."""
+        import numpy as np
+
+        lp = self.h.getLp()
+        a = lp.a_matrix_
+        xs = np.asarray(x)
+        act = np.zeros(lp.num_row_)
+        start, index, value = np.asarray(a.start_), np.asarray(a.index_), np.asarray(a.value_)
+        if a.format_ == type(a.format_).kColwise:
+            cols = np.repeat(np.arange(lp.num_col_), np.diff(start))
+            np.add.at(act, index, value * xs[cols])
+        else:  # row-wise: start holds row offsets, index column indices
+            rows_of = np.repeat(np.arange(lp.num_row_), np.diff(start))
+            np.add.at(act, rows_of, value * xs[index])
+        lo, up = np.asarray(lp.row_lower_), np.asarray(lp.row_upper_)
+        scale = tol * np.maximum(1.0, np.abs(act))
+        rows = np.nonzero((act < lo - scale) | (act > up + scale))[0]
+        out = [f"row {r}: {lo[r]:.6g} <= {act[r]:.6g} <= {up[r]:.6g}" for r in rows[:3]]
+        cl, cu = np.asarray(lp.col_lower_), np.asarray(lp.col_upper_)
+        for j in np.nonzero((xs < cl - tol) | (xs > cu + tol))[0][:3]:
+            out.append(f"column {self.cols[j][1]}={xs[j]:.6g} outside [{cl[j]:.6g}, {cu[j]:.6g}]")
+        return out
+
+    def solve(self, time_limit_s: float, mip_rel_gap: float) -> _Result:
+        import highspy
+
+        h = self.h
+        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+        h.setOptionValue("time_limit", max(0.0, float(time_limit_s)))
+        t0 = time.perf_counter()
+        h.solve()
+        solve_ms = (time.perf_counter() - t0) * 1e3
+        ms = h.getModelStatus()
+        info = h.getInfo()
+        has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        status = {highspy.HighsModelStatus.kOptimal: "optimal",
+                  highspy.HighsModelStatus.kTimeLimit: "time_limit",
+                  highspy.HighsModelStatus.kInfeasible: "infeasible"}.get(ms, h.modelStatusToString(ms))
+        if status == "infeasible":
+            has_solution = False
+        sched = self._extract() if has_solution else None
+        obj = info.objective_function_value if has_solution else math.nan
+        if has_solution:
+            # Note [objective from the solution]: when HiGHS stops at its time limit holding only the user-given
+            # warm start, it can report an objective that is not that solution's (seen with highspy 1.16); the
+            # objective is therefore recomputed from the returned column values.
+            lp = h.getLp()
+            x = h.getSolution().col_value
+            direct = float(sum(c * xv for c, xv in zip(lp.col_cost_, x)) + lp.offset_)
+            if abs(direct - obj) > 1e-6 * max(1.0, abs(direct)):
+                logger.debug("HiGHS reported objective %.6g for a solution worth %.6g", obj, direct)
+                obj = direct
+        gap = info.mip_gap if has_solution and math.isfinite(info.mip_gap) else math.nan
+        bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
+        if status == "optimal" and has_solution:
+            bound = max(bound, obj * (1 - max(gap, 0.0)) if math.isfinite(gap) else obj)
+        return _Result(self.d, status, has_solution, obj, gap, solve_ms, sched, bound)
+
+    def _extract(self) -> Schedule:
+        val = self.h.val
+        L = self.cm.num_layers
+        layers = []
+        for i in range(L):
+            c, k, n, r, o = (round(float(val(self.v[s, i]))) for s in ("c", "k", "n", "r", "o"))
+            tier = "cpu" if k else "nvme" if n else "gpu"
+            layers.append(LayerPlan(checkpoint=bool(c) or i == 0, tier=tier if c else "gpu", retain=bool(r),
+                                    optimizer_device="gpu" if o else "cpu"))
+        return Schedule(policy="milp", layers=layers, prefetch_depth=self.d)
+
+    def peak_value_bytes(self) -> float:
+        return float(self.h.val(self.peak)) * GIB
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def fixed_candidates(cm: CostModel, prefetch_depth: int = 1) -> list[Schedule]:
+    """Variants of the `fixed` heuristic (checkpoint every k in 1, 2, 4, 8, all boundaries in one tier) that fit
+    the budgets under the linear model, fastest first. Used as MILP warm starts and as the no-solution fallback."""
+    tiers = ["gpu", "cpu"] + (["nvme"] if cm.nvme_bytes > 0 else [])
+    out: list[tuple[float, Schedule]] = []
+    for every in (1, 2, 4, 8):
+        for tier in tiers:
+            s = fixed_schedule(cm.num_layers, checkpoint_every=every, tier=tier, prefetch_depth=prefetch_depth)
+            s.layers[0].tier = "gpu"  # boundary 0 stays on the GPU (DESIGN §3)
+            est = evaluate(cm, s)
+            if _fits(cm, est.peak_gpu_bytes, est.pinned_host_bytes, est.nvme_bytes):
+                out.append((est.step_ms, s))
+    out.sort(key=lambda p: p[0])
+    return [s for _, s in out]
+
+
+def _fits(cm: CostModel, peak: float, host: float, nvme: float) -> bool:
+    tol = 1.0  # bytes
+    return peak <= cm.gpu_bytes + tol and host <= cm.pinned_host_bytes + tol and nvme <= cm.nvme_bytes + tol
+
+
+def min_gpu_bytes(cm: CostModel, prefetch_depth: int = 1, time_limit_s: float = 10.0) -> int | None:
+    """Smallest GPU budget (bytes) for which a schedule exists under `cm`'s host and NVMe budgets, at
+    `prefetch_depth`; None when the host budget is below `host_fixed_bytes` (nothing fits).
+
+    Solves the memory-only MILP (minimize the peak bound, no time rows); the result is rounded up to a MiB.
+    """
+    if cm.pinned_host_bytes < cm.host_fixed_bytes:
+        return None
+    model = _PlanMilp(cm, prefetch_depth, memory_only=True, symmetry_breaking=False)
+    res = model.solve(time_limit_s, 1e-6)
+    if not res.has_solution:
+        return None
+    mib = 1024**2
+    return int(math.ceil((model.peak_value_bytes() + 1) / mib) * mib)
+
+
+def _round_budget_up(nbytes: float) -> int:
+    """Round up to the next 0.01 GiB so that the figure printed with two decimals is itself feasible."""
+    return int(math.ceil((nbytes + 1) / _BUDGET_ROUND) * _BUDGET_ROUND)
+
+
+def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
+    """The error for `cm`'s budgets, naming the smallest feasible GPU budget (at its host budget, and with
+    unlimited host memory) and the smallest host budget."""
+    gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    host_min = _round_budget_up(cm.host_fixed_bytes)
+    big_host = cm.with_budgets(pinned_host_bytes=max(cm.pinned_host_bytes, cm.host_fixed_bytes)
+                               + sum(cm.act_bytes) + 4 * max(cm.act_bytes))
+    any_host = min_gpu_bytes(big_host)
+    any_host_r = _round_budget_up(any_host) if any_host is not None else None
+    if cm.pinned_host_bytes < cm.host_fixed_bytes:
+        at_min = min_gpu_bytes(cm.with_budgets(pinned_host_bytes=host_min))
+        gpu_note = f"; with that host budget the smallest GPU budget is {gib(_round_budget_up(at_min))}" if at_min else ""
+        msg = (f"No schedule fits: the host budget {gib(cm.pinned_host_bytes)} is below the "
+               f"{gib(cm.host_fixed_bytes)} that weights, gradients and optimizer states take on the host. "
+               f"Set the host budget (--host-memory / lazytrain_config.host_memory_budget) to at least "
+               f"{gib(host_min)}{gpu_note}.")
+        return InfeasiblePlanError(msg, min_gpu_bytes=None, min_host_bytes=host_min, min_gpu_bytes_any_host=any_host_r)
+    at_host = min_gpu_bytes(cm)
+    at_host_r = _round_budget_up(at_host) if at_host is not None else None
+    more_host = ""
+    if any_host_r is not None and at_host_r is not None and any_host_r < at_host_r:
+        more_host = f" (with more host memory for CPU-tier boundaries: {gib(any_host_r)})"
+    msg = (f"No schedule fits the GPU budget {gib(cm.gpu_bytes)} (host budget {gib(cm.pinned_host_bytes)}, "
+           f"NVMe budget {gib(cm.nvme_bytes)}). The smallest feasible GPU budget is {gib(at_host_r or 0)}"
+           f"{more_host}, at prefetch depth 1 with boundaries offloaded or recomputed; the smallest host budget is "
+           f"{gib(host_min)}. Raise --gpu-memory / lazytrain_config.gpu_memory_budget, or lower the batch size "
+           f"or sequence length.")
+    return InfeasiblePlanError(msg, min_gpu_bytes=at_host_r, min_host_bytes=host_min,
+                               min_gpu_bytes_any_host=any_host_r)
+
+
+def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), time_limit_s: float = 10.0,
+               mip_rel_gap: float = 0.01, warm_start: bool = True, symmetry_breaking: bool = True,
+               fingerprint: str = "") -> Schedule:
+    """Solve the planning MILP for each prefetch depth and return the best schedule (policy "milp").
+
+    Args:
+        cm: the cost model (budgets included).
+        prefetch_depths: depths d to try (each adds one weight slot per layer kind), in ascending order. A deeper
+            one is solved only if the best plan so far, moved to that depth, still fits and gets faster by more
+            than `mip_rel_gap` (`_deeper_may_help`); the others are reported as "skipped".
+        time_limit_s: wall-clock limit for all solves together (s), split evenly over the remaining depths.
+        mip_rel_gap: HiGHS relative MIP gap (0.01 = stop within 1% of the best bound).
+        warm_start: start HiGHS from the best feasible `fixed` variant.
+        symmetry_breaking: order retained layers within runs of identical layers (see `_symmetry_breaking`).
+        fingerprint: stored in the schedule (default: a hash of the cost model).
+
+    Returns:
+        A `Schedule` with `solver` = {status, mip_gap, solve_ms, objective_ms, dual_bound_ms, depths: [...]} (the
+        gap is over the depths solved: best objective against their smallest dual bound) and `predicted` =
+        {step_ms, peak_gpu_bytes, pinned_host_bytes, nvme_bytes, compute_ms, recompute_ms, gpu_optim_ms,
+        exposed_transfer_ms, exposed_optimizer_ms, tokens_per_s} (ms, bytes, tokens/s) from the linear model.
+
+    Raises:
+        InfeasiblePlanError: no schedule fits the budgets (names the smallest feasible budgets).
+        ValueError: a prefetch depth outside 1..8 or a non-positive time limit / gap.
+
+    Warns:
+        UserWarning: a solve stopped at the time limit (the incumbent is used) or found no solution (the best
+        feasible `fixed` variant is used).
+    """
+    depths = sorted(set(prefetch_depths))
+    problems = []
+    if not depths or any(not 1 <= d <= 8 for d in depths):
+        problems.append(f"prefetch_depths must be in [1, 8], but got {tuple(prefetch_depths)}")
+    if not time_limit_s > 0:
+        problems.append(f"time_limit_s must be > 0, but got {time_limit_s}")
+    if not 0 <= mip_rel_gap < 1:
+        problems.append(f"mip_rel_gap must be in [0, 1), but got {mip_rel_gap}")
+    if problems:
+        raise ValueError("solve_milp: " + "; ".join(problems))
+    if cm.pinned_host_bytes < cm.host_fixed_bytes:
+        raise infeasible_error(cm)
+    fp = fingerprint or _fingerprint(cm.to_dict())
+    deadline = time.perf_counter() + time_limit_s
+    results: list[_Result] = []
+    models: list[_PlanMilp] = []
+    skipped: list[int] = []
+    for idx, d in enumerate(depths):
+        best_so_far = min((r for r in results if r.schedule is not None), key=lambda r: r.objective, default=None)
+        if best_so_far is not None and not _deeper_may_help(cm, best_so_far.schedule, d, mip_rel_gap):
+            skipped.append(d)
+            continue
+        # the first depth gets 60% of the budget (deeper ones are often screened out), the rest share what is left
+        left = max(0.0, deadline - time.perf_counter())
+        share = left * 0.6 if idx == 0 and len(depths) > 1 else left / (len(depths) - idx)
+        model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking)
+        if warm_start:
+            start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None])
+            if start is not None:
+                model.warm_start(start)
+        res = model.solve(share, mip_rel_gap)
+        results.append(res)
+        models.append(model)
+        if res.status == "infeasible":
+            skipped += depths[idx + 1:]  # a deeper prefetch only adds weight slots: also infeasible
+            break
+    # leftover time (deeper depths screened out): continue the best unproven depth from its incumbent
+    left = deadline - time.perf_counter()
+    open_ = [k for k, r in enumerate(results) if r.status == "time_limit" and r.schedule is not None]
+    if open_ and left > 0.5:
+        k = min(open_, key=lambda j: results[j].objective)
+        models[k].warm_start(results[k].schedule)
+        more = models[k].solve(left, mip_rel_gap)
+        if more.has_solution and more.objective <= results[k].objective + 1e-9:
+            more.solve_ms += results[k].solve_ms
+            more.bound = max(more.bound, results[k].bound)
+            results[k] = more
+        else:
+            results[k].solve_ms += more.solve_ms
+    feasible = [r for r in results if r.has_solution and r.schedule is not None]
+    total_ms = sum(r.solve_ms for r in results)
+    per_depth = [{"prefetch_depth": r.depth, "status": r.status, "objective_ms": _nan_none(r.objective),
+                  "mip_gap": _nan_none(r.mip_gap), "solve_ms": r.solve_ms} for r in results]
+    per_depth += [{"prefetch_depth": d, "status": "skipped", "objective_ms": None, "mip_gap": None, "solve_ms": 0.0}
+                  for d in skipped]
+    if not feasible:
+        if all(r.status == "infeasible" for r in results):
+            raise infeasible_error(cm)
+        fallback = fixed_candidates(cm, depths[0])
+        if not fallback:
+            mg = min_gpu_bytes(cm)
+            if mg is None or mg > cm.gpu_bytes:
+                raise infeasible_error(cm)
+            fallback = [fixed_schedule(cm.num_layers, 1, "cpu", depths[0])]
+        warnings.warn(f"The planning MILP found no solution within {time_limit_s:.1f} s (status "
+                      f"{[r.status for r in results]}); using the fixed heuristic (checkpoint every "
+                      f"{_every(fallback[0])} layers). Raise lazytrain_config.solver_time_limit_s for a better plan.",
+                      stacklevel=2)
+        sched = fallback[0]
+        sched.policy = "fixed"
+        sched.fingerprint = fp
+        sched.solver = {"status": "fallback_fixed", "mip_gap": None, "solve_ms": total_ms, "objective_ms": None,
+                        "depths": per_depth}
+        sched.predicted = evaluate(cm, sched).as_predicted(cm.tokens_per_step)
+        return sched
+    best = min(feasible, key=lambda r: r.objective)
+    # gap over all depths tried: the best objective against the weakest depth's dual bound
+    bound = min(r.bound if r.status != "infeasible" else math.inf for r in results)
+    gap = max(0.0, (best.objective - bound) / max(abs(best.objective), 1e-9)) if math.isfinite(bound) else math.nan
+    status = "optimal" if math.isfinite(gap) and gap <= mip_rel_gap + 1e-9 else "time_limit"
+    if status != "optimal":
+        warnings.warn(f"The planning MILP stopped before proving optimality (per prefetch depth: "
+                      f"{[r.status for r in results]}, gap {gap:.3g}); using the best schedule found. Raise "
+                      f"lazytrain_config.solver_time_limit_s to close the gap.", stacklevel=2)
+    sched = best.schedule
+    assert sched is not None
+    sched.fingerprint = fp
+    sched.solver = {"status": status, "mip_gap": _nan_none(gap), "solve_ms": total_ms,
+                    "objective_ms": best.objective, "dual_bound_ms": _nan_none(bound if math.isfinite(bound) else
+                                                                               math.nan), "depths": per_depth}
+    sched.predicted = evaluate(cm, sched).as_predicted(cm.tokens_per_step)
+    sched.predicted["recomputed_layers"] = sum(recompute_flags(sched))
+    return sched
+
+
+def _deeper_may_help(cm: CostModel, incumbent: Schedule | None, depth: int, mip_rel_gap: float) -> bool:
+    """Screen for solving prefetch depth `depth`: the incumbent moved to that depth must still fit and predict a
+    step shorter by more than the gap; otherwise a deeper prefetch buys less than the gap (or costs memory the
+    incumbent uses). A heuristic: the optimum at `depth` may differ from the moved incumbent."""
+    if incumbent is None:
+        return True
+    moved = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in incumbent.layers], prefetch_depth=depth)
+    now, then = evaluate(cm, incumbent), evaluate(cm, moved)
+    if not _fits(cm, then.peak_gpu_bytes, then.pinned_host_bytes, then.nvme_bytes):
+        return False
+    return then.step_ms < now.step_ms * (1.0 - mip_rel_gap)
+
+
+def _best_start(cm: CostModel, depth: int, previous: list[Schedule]) -> Schedule | None:
+    """The fastest warm start for depth `depth` under the linear model: earlier depths' solutions moved to this
+    depth (when they still fit: one more weight slot per kind) or the best fixed variant."""
+    cands = fixed_candidates(cm, depth)[:1]
+    for s in previous:
+        moved = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in s.layers], prefetch_depth=depth)
+        est = evaluate(cm, moved)
+        if _fits(cm, est.peak_gpu_bytes, est.pinned_host_bytes, est.nvme_bytes):
+            cands.append(moved)
+    return min(cands, key=lambda s: evaluate(cm, s).step_ms, default=None)
+
+
+def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
+    """(step ms, peak GPU bytes) the MILP assigns to `schedule`: its model solved with every decision fixed to the
+    schedule's. Equals `estimate.evaluate` (the MILP's rows encode that recursion); used to test that they agree.
+
+    Raises:
+        ValueError: the schedule does not fit the budgets (the fixed model is infeasible).
+    """
+    model = _PlanMilp(cm, schedule.prefetch_depth, symmetry_breaking=False)
+    vals = decision_values(schedule)
+    for key, var in model.v.items():
+        if key[0] in ("c", "g", "k", "n", "r", "o"):
+            model.h.changeColBounds(var.index, vals[key], vals[key])
+    res = model.solve(60.0, 1e-9)
+    if not res.has_solution:
+        raise ValueError(f"the schedule does not fit the budgets (HiGHS status {res.status})")
+    return float(model.h.val(model.end)), model.peak_value_bytes()
+
+
+def _every(s: Schedule) -> int:
+    starts = [i for i, lp in enumerate(s.layers) if lp.checkpoint]
+    return starts[1] - starts[0] if len(starts) > 1 else s.num_layers
+
+
+def _nan_none(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)

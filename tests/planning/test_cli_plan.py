@@ -1,0 +1,54 @@
+"""`lazytrain-hf plan` (lazytrain_hf/cli_plan.py) on a tiny registry model: the printed plan and the files; one
+clear error per bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lazytrain_hf import cli_plan
+from lazytrain_hf.planning import Schedule
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli_plan.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_plan_prints_the_table_and_writes_files(tmp_path, capsys):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB",
+                            "--batch-size", "2", "--seq-len", "64", "--max-batch", "64", "--hardware", "defaults",
+                            "--out-dir", str(tmp_path)))
+    out = capsys.readouterr().out
+    assert rc == 0
+    for text in ("layer  kind", "predicted step", "tokens/s", "peak GPU", "exposed transfer", "solver: optimal",
+                 "largest feasible batch"):
+        assert text in out
+    assert len([ln for ln in out.splitlines() if ln.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
+    sched = Schedule.from_json(next(tmp_path.glob("*.schedule.json")))
+    assert sched.num_layers == 4 and sched.policy == "milp"
+    assert json.loads(next(tmp_path.glob("*.cost_model.json")).read_text())["tokens_per_step"] == 128
+    assert next(tmp_path.glob("*.timeline.png")).stat().st_size > 1000
+
+
+def test_plan_fixed_policy(capsys):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB",
+                            "--policy", "fixed", "--checkpoint-every", "2", "--max-batch", "0", "--hardware",
+                            "defaults"))
+    assert rc == 0 and "policy fixed" in capsys.readouterr().out
+
+
+def test_infeasible_budget_exits_1_with_the_smallest_budget(capsys):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1MiB", "--host-memory", "4GiB",
+                            "--hardware", "defaults"))
+    assert rc == 1 and "smallest feasible GPU budget" in capsys.readouterr().out
+
+
+def test_bad_arguments_exit_2_listing_every_problem(capsys, tmp_path):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "lots", "--batch-size", "0"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "--gpu-memory" in err and "--batch-size" in err
+    # an existing directory without a config.json: a clear error, no download attempt
+    assert cli_plan.run(_args("--model", str(tmp_path), "--hardware", "defaults")) == 2
+    assert "--model" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""Planner entry points (lazytrain_hf/planning/planner.py): policies, predictions, the config bridge, the largest
+feasible batch, and the schedule's JSON round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from lazytrain_hf.config import LazyTrainConfig
+from lazytrain_hf.planning import (
+    CostModel,
+    Schedule,
+    largest_feasible_batch,
+    make_schedule,
+    make_schedule_from_config,
+    min_gpu_bytes,
+)
+
+from .conftest import GIB, HOST_FIXED, P, small_cm
+
+PREDICTED = ("step_ms", "peak_gpu_bytes", "pinned_host_bytes", "exposed_transfer_ms", "recompute_ms", "tokens_per_s",
+             "simulated_step_ms", "simulated_peak_gpu_bytes", "fits_budget")
+
+
+def test_fixed_policy_predictions(cm4):
+    s = make_schedule(cm4, "fixed", checkpoint_every=2, tier="cpu")
+    assert s.policy == "fixed" and [lp.checkpoint for lp in s.layers] == [True, False, True, False]
+    assert s.layers[0].tier == "gpu" and s.layers[2].tier == "cpu"  # boundary 0 stays on the GPU
+    assert all(k in s.predicted for k in PREDICTED) and s.predicted["fits_budget"]
+    assert s.predicted["recomputed_layers"] == 2
+
+
+def test_milp_is_no_slower_than_fixed(cm4):
+    fixed = make_schedule(cm4, "fixed")
+    milp = make_schedule(cm4, "milp")
+    assert all(k in milp.predicted for k in PREDICTED)
+    assert milp.predicted["step_ms"] <= fixed.predicted["step_ms"] + 1e-6
+    assert milp.solver["status"] == "optimal" and milp.solver["solve_ms"] > 0
+
+
+def test_fixed_over_budget_warns_and_is_marked():
+    cm = small_cm(gpu_bytes=6 * GIB)
+    with pytest.warns(UserWarning, match="expect out-of-memory"):
+        s = make_schedule(cm, "fixed", checkpoint_every=1)
+    assert s.predicted["fits_budget"] is False
+
+
+def test_unknown_policy_is_an_error(cm4):
+    with pytest.raises(ValueError, match="policy"):
+        make_schedule(cm4, "magic")
+
+
+def test_config_bridge(cm4):
+    s = make_schedule_from_config(cm4, LazyTrainConfig(policy="fixed", checkpoint_every=3, prefetch_depth=2))
+    assert [lp.checkpoint for lp in s.layers] == [True, False, False, True] and s.prefetch_depth == 2
+    with pytest.raises(ValueError, match="policy='none'"):
+        make_schedule_from_config(cm4, LazyTrainConfig(policy="none"))
+
+
+def _build(batch: int) -> CostModel:
+    # activations scale with the batch; weights, budgets and the host part do not
+    return small_cm(gpu_bytes=12 * GIB, act_bytes=batch * GIB // 16, saved_bytes=batch * GIB // 4,
+                    fwd_work_bytes=batch * GIB // 64, bwd_work_bytes=batch * GIB // 32, head_work_bytes=GIB // 2,
+                    pinned_host_bytes=HOST_FIXED + 2 * GIB)
+
+
+def test_largest_feasible_batch_is_the_boundary():
+    best = largest_feasible_batch(_build, "milp", max_batch=256)
+    assert best >= 1
+    assert min_gpu_bytes(_build(best)) <= 12 * GIB
+    assert min_gpu_bytes(_build(best + 1)) > 12 * GIB
+    assert largest_feasible_batch(_build, "fixed", max_batch=256) <= best
+
+
+def test_largest_feasible_batch_edges():
+    assert largest_feasible_batch(lambda b: small_cm(gpu_bytes=GIB), "milp") == 0
+    assert largest_feasible_batch(lambda b: small_cm(), "milp", max_batch=5) == 5  # batch-independent: the cap
+    with pytest.raises(ValueError, match="max_batch"):
+        largest_feasible_batch(_build, max_batch=0)
+
+
+def test_schedule_json_round_trip(tmp_path, cm4):
+    s = make_schedule(cm4, "milp", fingerprint="abc")
+    path = tmp_path / "plan.json"
+    s.to_json(path)
+    back = Schedule.from_json(path)
+    assert back == s
+    assert back.solver["depths"] == s.solver["depths"] and back.predicted == s.predicted
+    assert Schedule.from_json(s.to_json()) == s
+    assert back.fingerprint == "abc"
+
+
+def test_cost_model_round_trip_and_validation(cm4):
+    assert CostModel.from_dict(cm4.to_dict()) == cm4
+    assert cm4.slot_bytes(2) == 3 * P
+    with pytest.raises(ValueError) as info:
+        CostModel.uniform(2, fwd_ms=-1.0, bwd_ms=1.0, param_bytes=1, act_bytes=1, saved_bytes=1, h2d_gbps=0.0)
+    assert "fwd_ms" in str(info.value) and "h2d_gbps" in str(info.value)  # all problems at once
+    with pytest.raises(ValueError, match="one entry per layer"):
+        CostModel(**{**cm4.to_dict(), "bwd_ms": [1.0]})
