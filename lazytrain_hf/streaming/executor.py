@@ -14,6 +14,7 @@ each transformers version's own mask and position logic instead of re-implementi
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
 
 __all__ = ["StreamingExecutor", "StepStats", "plan_ops", "find_decoder"]
+
+logger = logging.getLogger(__name__)
 
 
 class _StopCapture(Exception):
@@ -190,6 +193,11 @@ class StreamingExecutor:
             self.streamer.before_load = self._before_load
         self.schedule = schedule
         self._ops = plan_ops(schedule)
+        on_gpu = sum(lp.optimizer_device == "gpu" for lp in schedule.layers)
+        if on_gpu:
+            logger.warning("the schedule places %d layers' optimizer updates on the GPU; this executor runs every "
+                           "streamed layer's update on the CPU (overlapped with the next forward), so the "
+                           "predicted step time assumes work it does not do yet", on_gpu)
 
     # ---- optimizer overlap ---------------------------------------------------------------------------------
     def attach_optimizer(self, optimizer: Any) -> None:
