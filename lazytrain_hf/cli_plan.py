@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-depth", type=int, default=1, help="fixed policy: weight prefetch depth")
     parser.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit in seconds (default 10)")
     parser.add_argument("--mip-gap", type=float, default=0.01, help="MILP relative gap (default 0.01)")
+    parser.add_argument("--no-gpu-optimizer", action="store_true",
+                        help="keep every layer's optimizer update on the CPU (the executor does not run them on the "
+                             "GPU yet)")
+    parser.add_argument("--rows-per-pass", type=int, default=None,
+                        help="the executor's max_rows_per_pass (layers run over the batch in chunks of this many rows)")
     parser.add_argument("--hardware", default=None,
                         help="hardware profile JSON (from lazytrain_hf.profiling.probe), or 'defaults' for the "
                              "H200 figures; default: this machine's cached probe if any, else the H200 figures")
@@ -69,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"--prefetch-depth must be in [1, 3], but got {args.prefetch_depth}")
     if args.checkpoint_every < 1:
         problems.append(f"--checkpoint-every must be >= 1, but got {args.checkpoint_every}")
+    if args.rows_per_pass is not None and args.rows_per_pass < 1:
+        problems.append(f"--rows-per-pass must be >= 1, but got {args.rows_per_pass}")
     if args.tier == "nvme" and args.policy == "fixed" and not args.nvme_dir:
         problems.append("--tier nvme needs --nvme-dir")
     sizes: dict[str, int | None] = {}
@@ -106,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     def build(batch: int) -> Any:
         return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
-                                   nvme_bytes=nvme_bytes, name=args.model)
+                                   nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model)
 
     cm = build(args.batch_size)
     fp = fingerprint(config.to_dict(), args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes,
@@ -117,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             sched = make_schedule(cm, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
                                   prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
-                                  mip_rel_gap=args.mip_gap, fingerprint=fp)
+                                  mip_rel_gap=args.mip_gap, gpu_optimizer=not args.no_gpu_optimizer,
+                                  fingerprint=fp)
         except InfeasiblePlanError as e:
             print(f"\nNo plan: {e}")
             return 1

@@ -50,6 +50,9 @@ class CostModel:
             master weights, gradients).
         gpu_optim_d2h_bytes: extra D2H bytes when the update runs on the GPU (states and updated weights back).
         gpu_optim_work_bytes: GPU bytes the on-GPU update holds while it runs (states and gradients).
+        retained_bytes: bytes a retained layer holds from its forward to its backward (its activations for the
+            whole micro-batch and its output). Empty: saved_bytes + act_bytes. Differs when the executor runs
+            each layer over the micro-batch in row chunks: then saved_bytes / the work fields are one chunk's.
 
     Resident parts and the loss head (scalars):
         resident_bytes: bytes always on the GPU: embedding, lm_head, final norm, rotary tables.
@@ -58,9 +61,12 @@ class CostModel:
             resident weight gradients (excluding the final hidden state, counted as a boundary).
         head_grad_bytes: resident gradients sent D2H right after the head (lm_head and final norm) (bytes).
         embed_grad_bytes: embedding gradient sent D2H at the end of backward (bytes; the tied weight's lives here).
-        embed_optim_params: parameters updated before the next forward may start (the embedding) (count).
-        head_optim_params: parameters updated before the next head may run (untied lm_head, final norm) (count).
+        embed_optim_params: embedding parameters (count); head_optim_params: untied lm_head and final norm
+            parameters (count). Both are resident and updated at `optimizer.step()`, before the next forward
+            (streaming/updates.py); the layers' updates are deferred and overlap the next forward.
         gpu_reserve_bytes: GPU bytes held back for allocator fragmentation and the CUDA context's leftovers.
+        resident_optim_on_gpu: the resident parameters' update runs on the GPU (their states and gradients then
+            live there, inside `resident_bytes`), as the executor does; False: on the CPU.
         host_fixed_bytes: host bytes taken regardless of the plan: weights, gradients, optimizer states, master
             weights (pinned and pageable together).
 
@@ -95,6 +101,7 @@ class CostModel:
     gpu_optim_h2d_bytes: list[int]
     gpu_optim_d2h_bytes: list[int]
     gpu_optim_work_bytes: list[int]
+    retained_bytes: list[int] = field(default_factory=list)
     resident_bytes: int = 0
     head_ms: float = 0.0
     head_work_bytes: int = 0
@@ -104,6 +111,7 @@ class CostModel:
     head_optim_params: int = 0
     gpu_reserve_bytes: int = 0
     host_fixed_bytes: int = 0
+    resident_optim_on_gpu: bool = False
     h2d_gbps: float = 50.8
     d2h_gbps: float = 54.1
     bidir_gbps: float = 33.0
@@ -143,6 +151,10 @@ class CostModel:
                 problems.append(f"{name} must be finite and >= 0, but got {getattr(self, name)!r}")
         if not (isinstance(self.tokens_per_step, int) and self.tokens_per_step >= 1):
             problems.append(f"tokens_per_step must be an integer >= 1, but got {self.tokens_per_step!r}")
+        self.retained_bytes = list(self.retained_bytes)
+        if self.retained_bytes and len(self.retained_bytes) != n:
+            problems.append(f"retained_bytes must be empty or have one entry per layer ({n}), "
+                            f"but got {len(self.retained_bytes)}")
         if problems:
             raise ValueError("Invalid CostModel: " + "; ".join(problems))
 
@@ -161,14 +173,15 @@ class CostModel:
         return self.num_params[i] / self.gpu_optim_params_per_s * 1e3
 
     @property
-    def embed_optim_ms(self) -> float:
-        """CPU time of the embedding update, which gates the next step's first forward (ms)."""
-        return self.embed_optim_params / self.cpu_optim_params_per_s * 1e3
+    def resident_optim_ms(self) -> float:
+        """Time of the resident parameters' update (embedding, lm_head, final norm) at `optimizer.step()`, before
+        the next forward and the layers' CPU updates start (ms; on the GPU when `resident_optim_on_gpu`)."""
+        rate = self.gpu_optim_params_per_s if self.resident_optim_on_gpu else self.cpu_optim_params_per_s
+        return (self.embed_optim_params + self.head_optim_params) / rate * 1e3
 
-    @property
-    def head_optim_ms(self) -> float:
-        """CPU time of the lm_head / final-norm update, which gates the next step's head (ms)."""
-        return self.head_optim_params / self.cpu_optim_params_per_s * 1e3
+    def retained(self, i: int) -> int:
+        """Bytes layer i holds on the GPU when retained (see `retained_bytes`)."""
+        return int(self.retained_bytes[i]) if self.retained_bytes else int(self.saved_bytes[i] + self.act_bytes[i])
 
     def slot_bytes(self, prefetch_depth: int) -> int:
         """GPU bytes of the weight slots: (depth + 1) slots per layer kind, each the kind's largest layer."""

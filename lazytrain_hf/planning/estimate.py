@@ -14,20 +14,26 @@ Notation (per layer i; the MILP code uses the same symbols):
     x_i  layer i re-run in backward to rebuild layer i+1's input: x_i = 1 iff c_{i+1} = r_{i+1} = r_i = 0
     z_i  layer i ends a segment whose start boundary is offloaded (zn_i: on NVMe): the fetch is charged to B(i)
     f_i, b_i forward / backward ms; P_i weight bytes; G_i grad bytes; A_i boundary bytes; S_i saved bytes
-    (a retained layer holds S_i + A_i: its autograd activations and its output, which feeds layer i+1)
+    (a retained layer holds R_i = S_i + A_i by default: its autograd activations and its output, which feeds
+    layer i+1; `CostModel.retained_bytes` overrides it when layers run in row chunks)
 
 Modelling choices (approximations the simulator quantifies):
     - the recompute of layer i (x_i f_i, and the reload of its weights x_i P_i) is charged to unit B(i), not to the
       start of its segment; totals are exact, their placement in time is approximate (the fetch of the
       segment's start boundary, a hard dependency, is charged to the segment's first unit B(e-1));
     - PCIe duplex: a unit's H2D time is at least its one-way time and the duplex time of its loads together
-      with the previous unit's D2H; its D2H time likewise with the next unit's loads (see `unit_terms`);
+      with the previous unit's D2H; D2H times likewise with the next unit's loads (see `unit_terms`);
+    - NVMe: one disk lane (forward writes after their D2H, backward reads as early as the lane allows); every
+      backward unit's loads wait for the reads charged up to it (the H2D lane runs in order, so loads behind a
+      fetch wait for its read anyway);
+    - a forward unit's D2H starts when its forward starts (update states) and its stash when the forward ends;
     - weight slots: with prefetch depth d, a unit's loads start once the layer-unit d + 1 earlier has computed;
     - two D2H buffers: a unit's compute starts once the D2H of the unit two earlier is done;
-    - optimizer: updates start when the previous backward ends (the global grad norm is known then): the
-      embedding first, then layers 0..L-1 (CPU ones, in order), then the lm_head; the first forward waits for
-      the embedding, F(i)'s loads for the CPU chain through layer i (a GPU-updated layer thus waits for the
-      previous CPU-updated one: its forward would anyway), the head for the lm_head's; on-GPU updates use two
+    - optimizer: updates start when the previous backward ends (the global grad norm is known then): the resident
+      parameters (embedding, lm_head, norm) first, at `optimizer.step()`, then layers 0..L-1 (CPU ones, in order,
+      overlapping the next forward as streaming/updates.py does); the first forward waits for the resident
+      update, F(i)'s loads for the CPU chain through layer i (a GPU-updated layer thus waits for the previous
+      CPU-updated one: its forward would anyway); on-GPU updates use two
       state workspaces: layer i's states go up once layer i-1's forward has started (its update is done) and
       the D2H of unit F(i-2) (which holds layer i-2's states) is done.
 """
@@ -41,8 +47,8 @@ from typing import Any
 from .cost_model import CostModel
 from .schedule import Schedule
 
-__all__ = ["Lin", "UnitTerms", "PlanEstimate", "unit_terms", "memory_terms", "decision_values", "evaluate",
-           "recompute_flags", "layer_units"]
+__all__ = ["Lin", "UnitTerms", "MemoryTerms", "PlanEstimate", "unit_terms", "memory_terms", "decision_values",
+           "evaluate", "peak_bytes", "recompute_flags", "layer_units", "workspace_slack_ms"]
 
 Key = tuple[str, int]
 
@@ -225,7 +231,7 @@ class MemoryTerms:
 def memory_terms(cm: CostModel, prefetch_depth: int) -> MemoryTerms:
     """Linear pieces of the GPU peak bound, host and NVMe use (bytes).
 
-    With Q_i = sum_{l<=i} (A_l g_l + (S_l + A_l) r_l) (GPU-tier boundaries, retained activations and outputs alive from forward
+    With Q_i = sum_{l<=i} (A_l g_l + R_l r_l) (GPU-tier boundaries, retained activations and outputs alive from forward
     to backward) and m_i the boundary bytes held for the segment containing i up to i (its fetched start boundary
     plus recomputed inputs), the peak is the maximum of
         forward i:  base + Q_i + A_i (1 - g_i) + A_i + fwd_work_i + 2 W_opt ygo
@@ -239,8 +245,7 @@ def memory_terms(cm: CostModel, prefetch_depth: int) -> MemoryTerms:
     a_max = max(cm.act_bytes)
     w_opt = 2 * max(cm.gpu_optim_work_bytes)  # two on-GPU update workspaces (double-buffered)
     base = cm.resident_bytes + cm.gpu_reserve_bytes + cm.slot_bytes(prefetch_depth)
-    stored = [Lin().add(cm.act_bytes[i], ("g", i)).add(cm.saved_bytes[i] + cm.act_bytes[i], ("r", i))
-              for i in range(L)]
+    stored = [Lin().add(cm.act_bytes[i], ("g", i)).add(cm.retained(i), ("r", i)) for i in range(L)]
     fetched = [Lin().add(cm.act_bytes[i], ("k", i)).add(cm.act_bytes[i], ("n", i)) for i in range(L)]
     recomputed_input = [Lin() if i == 0 else Lin().add(cm.act_bytes[i], ("x", i - 1)) for i in range(L)]
     fwd = [Lin(2 * cm.act_bytes[i] + cm.fwd_work_bytes[i]).add(-cm.act_bytes[i], ("g", i)).add(w_opt, ("ygo", 0))
@@ -357,7 +362,7 @@ def _event_times(cm: CostModel, units: list[UnitTerms], vals: Mapping[Key, float
     HE: list[float] = []
     DE: list[float] = []
     DK: list[float] = []
-    opt_done = cm.embed_optim_ms if cpu_optim else 0.0  # O_{-1}
+    opt_done = cm.resident_optim_ms if cpu_optim else 0.0  # O_{-1}
     times: dict[str, tuple[float, float, float, float]] = {}
     for u, t in enumerate(units):
         e_prev = E[u - 1] if u else 0.0
@@ -394,11 +399,9 @@ def _event_times(cm: CostModel, units: list[UnitTerms], vals: Mapping[Key, float
             he = max(max(starts) + h, after)
         starts = [e_prev, DE[u - 2] if u >= 2 else 0.0]
         if u == 0:
-            starts.append(cm.embed_optim_ms if cpu_optim else 0.0)  # the embedding lookup needs its update
+            starts.append(cm.resident_optim_ms if cpu_optim else 0.0)  # resident parameters are updated first
         if not is_head:
             starts.append(he)
-        else:
-            starts.append(opt_done + (cm.head_optim_ms if cpu_optim else 0.0))
         e = max(starts) + c
         de = max(de_prev + d, e - t.d2h_early_ms + d, e + t.stash.value(vals))
         if is_fwd:

@@ -11,6 +11,11 @@ Solved with HiGHS through `highspy`'s modelling layer: output silenced, explicit
 warm-started from the best feasible `fixed` variant (MegaTrain's heuristic). The result is a `Schedule` with
 `solver` = {status, mip_gap, solve_ms, objective_ms, ...} and `predicted` = {step_ms, peak_gpu_bytes, ...}.
 Infeasible budgets raise `InfeasiblePlanError`, which names the smallest feasible GPU and host budgets.
+
+Size: about 26 columns (8 binary) and 50 rows per layer (64 layers: ~1,700 x ~3,300). Measured on 2 CPU cores
+(benchmarks/results/planner-*.json): 0.6 s for Qwen2.5-7B (28 layers), 7-9 s for 64 layers when the CPU optimizer
+is slower than the forward (the LP relaxation is weakest on optimizer placement: fractional o_i split a layer's
+update between CPU and GPU), under 1 s for 64 layers when it is not.
 """
 
 from __future__ import annotations
@@ -128,10 +133,11 @@ class _PlanMilp:
     """
 
     def __init__(self, cm: CostModel, depth: int, *, memory_only: bool = False,
-                 symmetry_breaking: bool = True) -> None:
+                 symmetry_breaking: bool = True, gpu_optimizer: bool = True) -> None:
         import highspy
 
         self.cm, self.d, self.memory_only = cm, depth, memory_only
+        self.gpu_optimizer = gpu_optimizer and not memory_only
         self.h = _new_highs()
         self._int = highspy.HighsVarType.kInteger
         self.cols: list[tuple[Any, tuple[str, int]]] = []  # (highs var, key) in column order
@@ -165,7 +171,7 @@ class _PlanMilp:
             self._var(("k", i), 0.0, 0.0 if i == 0 else 1.0, True)  # k_i: ... in pinned CPU memory
             self._var(("n", i), 0.0, 1.0 if nvme_ok and i > 0 else 0.0, True)  # n_i: ... on NVMe
             self._var(("r", i), 0.0, 1.0, True)  # r_i: layer i keeps its autograd activations from forward
-            self._var(("o", i), 0.0, 0.0 if self.memory_only else 1.0, True)  # o_i: optimizer update on the GPU
+            self._var(("o", i), 0.0, 1.0 if self.gpu_optimizer else 0.0, True)  # o_i: optimizer update on the GPU
             self._var(("x", i), 0.0, 1.0 if i + 1 < L else 0.0)  # x_i: layer i re-run in backward (integral by links)
         self._var(("yoff", 0), 0.0, 1.0, True)  # yoff: some boundary is offloaded (CPU or NVMe)
         self._var(("ynv", 0), 0.0, 1.0, True)  # ynv: some boundary is on NVMe (host staging buffers)
@@ -336,15 +342,15 @@ class _PlanMilp:
                 h.addConstr(HE[u] >= DK[u] + hd[u])
             if is_fwd:
                 i = t.layer
-                # [Constraint] CPU optimizer: embedding first, then the CPU-updated layers in order. F(i)'s loads
+                # [Constraint] CPU optimizer: resident parameters first, then the CPU-updated layers in order. F(i)'s loads
                 # start after the CPU chain through layer i (for a GPU-updated layer that is the chain through the
                 # previous CPU-updated one, which its forward waits for anyway); no big-M, so fractional o_i in
-                # the LP relaxation is a meaningful CPU/GPU split. The first forward waits for the embedding.
-                h.addConstr(O[i] == (O[i - 1] if i else cm.embed_optim_ms) + cm.cpu_optim_ms(i)
+                # the LP relaxation is a meaningful CPU/GPU split. The first forward waits for the resident update.
+                h.addConstr(O[i] == (O[i - 1] if i else cm.resident_optim_ms) + cm.cpu_optim_ms(i)
                             - cm.cpu_optim_ms(i) * v["o", i])
                 h.addConstr(HE[u] >= O[i] + hd[u])
                 if i == 0:
-                    h.addConstr(E[u] >= cm.embed_optim_ms + c)
+                    h.addConstr(E[u] >= cm.resident_optim_ms + c)
                 # [Constraint] two on-GPU update workspaces: when o_i = 1 (big-M), layer i's states and weights go
                 # up once layer i-1's update is done (its forward started), and after the D2H of unit F(i-2),
                 # which holds layer i-2's states
@@ -354,9 +360,6 @@ class _PlanMilp:
                 if i >= 2:
                     slack = workspace_slack_ms(cm, t)  # a small, tight big-M (see workspace_slack_ms)
                     h.addConstr(HE[u] >= DE[u - 2] + hd[u] - slack * (1 - v["o", i]))
-            if is_head:
-                # [Constraint] the head waits for the lm_head update (after all layer updates)
-                h.addConstr(E[u] >= O[L - 1] + cm.head_optim_ms + c)
         # [Constraint] the step ends when the last compute and the last gradient D2H are done
         h.addConstr(end >= E[U - 1])
         h.addConstr(end >= DE[U - 1])
@@ -369,7 +372,7 @@ class _PlanMilp:
                     + max(x.value(ones) for x in t.d2h)
                     + t.disk_write.value(ones) + t.disk_read.value(ones) for t in units)
         cm = self.cm
-        total += cm.embed_optim_ms + cm.head_optim_ms + sum(cm.cpu_optim_ms(i) for i in range(cm.num_layers))
+        total += cm.resident_optim_ms + sum(cm.cpu_optim_ms(i) for i in range(cm.num_layers))
         return 2.0 * total + 1.0
 
     # -- objective, warm start, solve ---------------------------------------------------------------------------
@@ -392,7 +395,7 @@ class _PlanMilp:
         mem = memory_terms(cm, self.d)
         units = unit_terms(cm)
         q = m = 0.0
-        opt = cm.embed_optim_ms
+        opt = cm.resident_optim_ms
         for i in range(cm.num_layers):
             q += mem.stored[i].value(vals) / GIB
             m = mem.fetched[i].value(vals) / GIB if vals[("c", i)] > 0.5 else m + mem.recomputed_input[i].value(vals) / GIB
@@ -570,7 +573,7 @@ def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
 
 def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), time_limit_s: float = 10.0,
                mip_rel_gap: float = 0.01, warm_start: bool = True, symmetry_breaking: bool = True,
-               fingerprint: str = "") -> Schedule:
+               gpu_optimizer: bool = True, fingerprint: str = "") -> Schedule:
     """Solve the planning MILP for each prefetch depth and return the best schedule (policy "milp").
 
     Args:
@@ -581,7 +584,9 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         time_limit_s: wall-clock limit for all solves together (s), split evenly over the remaining depths.
         mip_rel_gap: HiGHS relative MIP gap (0.01 = stop within 1% of the best bound).
         warm_start: start HiGHS from the best feasible `fixed` variant.
-        symmetry_breaking: order retained layers within runs of identical layers (see `_symmetry_breaking`).
+        symmetry_breaking: order decisions among identical layers (see `_PlanMilp._symmetry_breaking`).
+        gpu_optimizer: allow per-layer optimizer updates on the GPU (o_i); False keeps every update on the CPU,
+            as the current executor runs them (it warns about GPU placements it does not perform yet).
         fingerprint: stored in the schedule (default: a hash of the cost model).
 
     Returns:
@@ -620,10 +625,11 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         if best_so_far is not None and not _deeper_may_help(cm, best_so_far.schedule, d, mip_rel_gap):
             skipped.append(d)
             continue
-        # the first depth gets 60% of the budget (deeper ones are often screened out), the rest share what is left
+        # the first depth gets 80% of the budget (deeper ones are usually screened out, and then the rest continues
+        # the first depth), the others share what is left
         left = max(0.0, deadline - time.perf_counter())
-        share = left * 0.6 if idx == 0 and len(depths) > 1 else left / (len(depths) - idx)
-        model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking)
+        share = left * 0.8 if idx == 0 and len(depths) > 1 else left / (len(depths) - idx)
+        model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking, gpu_optimizer=gpu_optimizer)
         if warm_start:
             start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None])
             if start is not None:

@@ -26,7 +26,8 @@ POLICIES = ("milp", "fixed")
 
 def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_every: int = 4, tier: str = "gpu",
                   prefetch_depth: int = 1, prefetch_depths: tuple[int, ...] = (1, 2, 3), time_limit_s: float = 10.0,
-                  mip_rel_gap: float = 0.01, fingerprint: str = "", simulate_check: bool = True) -> Schedule:
+                  mip_rel_gap: float = 0.01, gpu_optimizer: bool = True, fingerprint: str = "",
+                  simulate_check: bool = True) -> Schedule:
     """Plan one step.
 
     Args:
@@ -36,6 +37,7 @@ def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_eve
         checkpoint_every, tier, prefetch_depth: the fixed policy's knobs (boundary 0 always stays on the GPU).
         prefetch_depths: depths the MILP tries.
         time_limit_s, mip_rel_gap: HiGHS limits (s, relative gap).
+        gpu_optimizer: let the MILP place layers' optimizer updates on the GPU (False: all on the CPU).
         fingerprint: stored in the schedule (default: a hash of the cost model).
         simulate_check: also replay the schedule in the simulator and store `simulated_step_ms` and
             `simulated_peak_gpu_bytes` in `predicted`.
@@ -57,7 +59,7 @@ def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_eve
     fp = fingerprint or _fingerprint(cost_model.to_dict())
     if policy == "milp":
         sched = solve_milp(cost_model, prefetch_depths=prefetch_depths, time_limit_s=time_limit_s,
-                           mip_rel_gap=mip_rel_gap, fingerprint=fp)
+                           mip_rel_gap=mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
     else:
         sched = fixed_schedule(cost_model.num_layers, checkpoint_every=checkpoint_every, tier=tier,
                                prefetch_depth=prefetch_depth, fingerprint=fp)

@@ -9,7 +9,8 @@ Lanes and what they run:
     h2d:     weight loads (forward, recompute, backward), on-GPU optimizer state uploads (two workspaces), boundary fetches;
     d2h:     boundary stashes, updated states / weights of on-GPU updates, parameter gradients;
     nvme:    boundary writes (after their D2H) and reads (before their H2D, two host staging buffers);
-    cpu:     optimizer updates: embedding, layers 0..L-1 (those on the CPU), lm_head.
+    cpu:     optimizer updates: resident parameters (embedding, lm_head, norm), then layers 0..L-1 (those on
+             the CPU), as streaming/updates.py runs them.
 Copies share PCIe fluidly: a direction runs at its one-way rate (h2d_gbps / d2h_gbps) while the other is idle
 and at bidir_gbps while both are busy. Weight slots: per layer kind, `prefetch_depth + 1` slots; a load waits
 for the compute that used its slot. Two D2H buffers: a unit's first compute waits for the D2H of the unit two
@@ -114,12 +115,11 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
     g.buffer(cm.resident_bytes + cm.gpu_reserve_bytes + cm.slot_bytes(d), None, [])
 
     # -- CPU optimizer lane (updates of the previous step) ------------------------------------------------------
-    emb_opt = g.task("cpu", cm.embed_optim_ms, "opt emb")
+    emb_opt = g.task("compute" if cm.resident_optim_on_gpu else "cpu", cm.resident_optim_ms, "opt resident")
     cpu_opt: list[int | None] = [None] * L
     for i in range(L):
-        if not on_gpu_opt[i]:
-            cpu_opt[i] = g.task("cpu", cm.cpu_optim_ms(i), f"opt L{i}")
-    head_opt = g.task("cpu", cm.head_optim_ms, "opt head")
+        if not on_gpu_opt[i]:  # the CPU worker starts once the resident update is done
+            cpu_opt[i] = g.task("cpu", cm.cpu_optim_ms(i), f"opt L{i}", [emb_opt])
 
     # weight-slot bookkeeping: per kind, the compute task that last used each slot, in use order
     slot_users: dict[str, list[int]] = {}
@@ -165,7 +165,7 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
         fwd.append(f)
         g.buffer(cm.fwd_work_bytes[i], f, [f])
         if lp[i].retain:  # autograd activations and the output (it feeds layer i+1), until the layer's backward
-            retained_buf[i] = g.buffer(cm.saved_bytes[i] + cm.act_bytes[i], f, [])
+            retained_buf[i] = g.buffer(cm.retained(i), f, [])
         out_buf[i + 1] = g.buffer(cm.act_bytes[i], f, [])
         tasks = [gdown[i]] if gdown[i] is not None else []
         if i + 1 < L and tiered[i + 1]:
@@ -184,7 +184,7 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
             g.buffers[out_buf[i]] = (nbytes, alloc, rel)  # type: ignore[index]
 
     # -- head ---------------------------------------------------------------------------------------------------
-    head = g.task("compute", cm.head_ms, "head", [fwd[-1], head_opt, d2h_dep()])
+    head = g.task("compute", cm.head_ms, "head", [fwd[-1], d2h_dep()])
     g.buffer(cm.head_work_bytes, head, [head])
     nbytes, alloc, _ = g.buffers[out_buf[L]]  # type: ignore[index]
     g.buffers[out_buf[L]] = (nbytes, alloc, [head])  # type: ignore[index]

@@ -81,13 +81,15 @@ class HardwareProfile:
 
 #: One H200 and its host, measured 2026-11-29 (DESIGN.md §7): pinned H2D 50.8 GB/s, D2H 54.1 GB/s, about 33 GB/s
 #: each way when both run; bf16 GEMM 8192^3 787 TFLOPS; virtual disk with O_DIRECT write 1.0 GB/s, read 1.5 GB/s;
-#: bitsandbytes 8-bit AdamW on the GPU 34 G params/s. CPU optimizer: 1 G params/s is DESIGN §7's planning figure
-#: for the fused 8-bit CPU kernel on 16 cores (measured there: fp32 AdamW foreach 0.84 G/s, fused 3.7 G/s;
-#: bitsandbytes 8-bit on CPU 0.056 G/s). Memory: 143,771 MiB GPU, 128 GiB host.
+#: bitsandbytes 8-bit AdamW on the GPU 34 G params/s. CPU optimizer: 2.2 G params/s, the project's fused C++ 8-bit
+#: kernel on the 16 cores with Kahan master weights inside a training step (benchmarks/NOTES.md; its micro-benchmark
+#: reached 2.6-2.8 G/s with fp32 masters). Memory: 143,771 MiB GPU, 128 GiB host. A probe there (2026-11-29) read
+#: H2D 55.0, D2H 54.8 GB/s, 49.5 GB/s each way when both ran (256 MiB copies on two streams), 791 TFLOPS; these
+#: defaults keep DESIGN's more conservative 33 GB/s.
 H200_DEFAULTS = HardwareProfile(
     h2d_gbps=50.8, d2h_gbps=54.1, bidir_gbps=33.0, nvme_read_gbps=1.5, nvme_write_gbps=1.0, gpu_tflops=787.0,
-    cpu_optim_params_per_s=1.0e9, gpu_optim_params_per_s=34.0e9, gpu_memory_bytes=143_771 * MIB,
-    host_memory_bytes=128 * GIB, measured=False, source="DESIGN.md §7: H200 machine, 2026-11-29",
+    cpu_optim_params_per_s=2.2e9, gpu_optim_params_per_s=34.0e9, gpu_memory_bytes=143_771 * MIB,
+    host_memory_bytes=128 * GIB, measured=False, source="DESIGN.md §7 + benchmarks/NOTES.md: H200 machine, 2026-11-29",
     device_name="NVIDIA H200 (defaults)")
 
 

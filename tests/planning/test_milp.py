@@ -210,3 +210,10 @@ def test_64_identical_layers_solve():
     assert s.predicted["pinned_host_bytes"] <= cm.pinned_host_bytes
     fixed_best = evaluate(cm, fixed_candidates(cm)[0]).step_ms
     assert s.predicted["step_ms"] <= fixed_best * 1.0001
+
+
+def test_gpu_optimizer_can_be_switched_off():
+    cm = small_cm(6, cpu_optim_params_per_s=1e8)  # 500 ms CPU updates: the MILP wants GPU-side updates
+    assert any(lp.optimizer_device == "gpu" for lp in solve_milp(cm, prefetch_depths=(1,)).layers)
+    s = solve_milp(cm, prefetch_depths=(1,), gpu_optimizer=False)
+    assert all(lp.optimizer_device == "cpu" for lp in s.layers)

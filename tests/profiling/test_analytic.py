@@ -48,10 +48,13 @@ def test_cost_model_closed_forms(qwen7b):
     assert total == pytest.approx(6 * sum(qwen7b.layer_params) * n)
     assert 20 < cm.saved_bytes[0] / cm.act_bytes[0] < 45  # Korthikanti-style accounting, ~32 A per layer
     assert 0 < cm.bwd_work_bytes[0] < cm.saved_bytes[0]
-    # host: 10 B/param for layers (+fp32 absmax), 16 B/param for embedding and lm_head
+    # host: 10 B/param for layers (+fp32 absmax); resident parameters: a bf16 copy (states and grads on the GPU)
     resident = qwen7b.embed_params + qwen7b.lm_head_params + qwen7b.norm_params
-    expect = (2 + 2 + 2 + 8 / 256 + 4) * sum(qwen7b.layer_params) + 16 * resident
+    opt_b = 2 + 8 / 256 + 4
+    expect = (2 + 2 + opt_b) * sum(qwen7b.layer_params) + 2 * resident
     assert cm.host_fixed_bytes == pytest.approx(expect, rel=1e-9)
+    assert cm.resident_bytes == pytest.approx((2 + 2 + opt_b) * resident, rel=1e-9) and cm.resident_optim_on_gpu
+    assert cm.resident_optim_ms == pytest.approx(resident / H200_DEFAULTS.gpu_optim_params_per_s * 1e3)
     assert cm.h2d_gbps == H200_DEFAULTS.h2d_gbps and cm.gpu_bytes == 24 * GIB
     assert cm.meta["model"] == "qwen2.5-7b"
 
@@ -66,5 +69,18 @@ def test_invalid_arguments_are_reported_together(qwen7b):
 def test_config_input_and_tiny_models():
     cm = analytic_cost_model(resolve_config("qwen3.5-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB)
     assert cm.num_layers == 4 and cm.layer_kind[:4] == ["linear_attention"] * 3 + ["full_attention"]
-    tied = analytic_cost_model(resolve_config("qwen3-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB)
+    tied = analytic_cost_model(resolve_config("qwen3-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB,
+                               resident_optimizer="cpu")
     assert tied.head_grad_bytes < tied.embed_grad_bytes  # tied lm_head: its gradient is the embedding's
+    assert not tied.resident_optim_on_gpu and tied.resident_bytes == 2 * (tied.embed_optim_params
+                                                                          + tied.head_optim_params)
+
+
+def test_row_chunks_shrink_transients_not_boundaries_or_retained_layers(qwen7b):
+    full = analytic_cost_model(qwen7b, 16, 1024, gpu_bytes=24 * GIB, host_bytes=100 * GIB)
+    chunked = analytic_cost_model(qwen7b, 16, 1024, gpu_bytes=24 * GIB, host_bytes=100 * GIB, rows_per_pass=8)
+    assert chunked.saved_bytes[0] * 2 == pytest.approx(full.saved_bytes[0], rel=1e-6)
+    assert chunked.fwd_work_bytes[0] * 2 == pytest.approx(full.fwd_work_bytes[0], rel=1e-6)
+    assert chunked.act_bytes == full.act_bytes and chunked.retained_bytes == full.retained_bytes
+    assert full.retained(0) == full.saved_bytes[0] + full.act_bytes[0]
+    assert chunked.fwd_ms == full.fwd_ms
