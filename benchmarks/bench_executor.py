@@ -164,8 +164,8 @@ def _milp(model: Any, cfg: Any, B: int, args: argparse.Namespace):
         torch.cuda.mem_get_info()[0] if args.device == "cuda" else 80 * GIB)
     cm = analytic_cost_model(model.config, B, args.seq_len, hw, gpu_bytes=gpu,
                              host_bytes=int(0.9 * psutil.virtual_memory().total), loss_chunk_tokens=cfg.loss_chunk_tokens,
-                             master_weights=args.master_weights)
-    return solve_milp(cm, time_limit_s=10.0)
+                             master_weights=args.master_weights, rows_per_pass=args.rows_per_pass)
+    return solve_milp(cm, time_limit_s=10.0, gpu_optimizer=False)  # the executor updates streamed layers on the CPU
 
 
 def run_stock(args: argparse.Namespace) -> list[dict[str, Any]]:

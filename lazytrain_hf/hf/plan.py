@@ -59,9 +59,11 @@ def plan_for_trainer(trainer: Any) -> Schedule:
     cm = analytic_cost_model(trainer.model.config, B, T, hardware, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                              loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
-                             block_size=cfg.block_size)
+                             block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
     fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
+    # gpu_optimizer=False: the executor runs every streamed layer's update on the CPU (overlapped with the next
+    # forward); a plan assuming GPU-side updates would predict work that does not happen.
     schedule = solve_milp(cm, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
-                          fingerprint=fp)
+                          gpu_optimizer=False, fingerprint=fp)
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
     return schedule

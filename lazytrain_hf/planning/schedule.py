@@ -83,10 +83,11 @@ class Schedule:
         return list(zip(starts, starts[1:] + [self.num_layers]))
 
     def recomputed_layers(self) -> int:
-        """Layers re-run in backward only to rebuild inputs (not counting each layer's own forward-with-grad)."""
+        """Layers re-run in backward only to rebuild the next layer's input (the executor's `plan_ops` rule:
+        layer j is re-run iff neither j nor j+1 is retained), not counting each layer's own forward-with-grad."""
         n = 0
         for s, e in self.segments():
-            n += sum(1 for j in range(s, e - 1) if not self.layers[j + 1].retain)
+            n += sum(1 for j in range(s, e - 1) if not self.layers[j].retain and not self.layers[j + 1].retain)
         return n
 
     def to_dict(self) -> dict[str, Any]:

@@ -174,3 +174,8 @@ def test_row_chunked_passes_equal_autograd(arch, sched_name, tmp_path):
     assert rel_err(loss, ref_loss) < 1e-6
     for name, p in model.named_parameters():
         assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-5, name
+
+
+def test_schedule_recompute_count_matches_executor_ops():
+    for sched in _schedules().values():
+        assert sched.recomputed_layers() == sum(op == "recompute" for op, _ in plan_ops(sched))
