@@ -47,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-depth", type=int, default=1, help="fixed policy: weight prefetch depth")
     parser.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit in seconds (default 10)")
     parser.add_argument("--mip-gap", type=float, default=0.01, help="MILP relative gap (default 0.01)")
-    parser.add_argument("--no-gpu-optimizer", action="store_true",
-                        help="keep every layer's optimizer update on the CPU (the executor does not run them on the "
-                             "GPU yet)")
+    parser.add_argument("--gpu-optimizer", action="store_true",
+                        help="let the plan move layers' optimizer updates to the GPU (what-if: the executor runs "
+                             "every streamed layer's update on the CPU today, so plans default to that)")
     parser.add_argument("--rows-per-pass", type=int, default=None,
                         help="the executor's max_rows_per_pass (layers run over the batch in chunks of this many rows)")
     parser.add_argument("--hardware", default=None,
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             sched = make_schedule(cm, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
                                   prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
-                                  mip_rel_gap=args.mip_gap, gpu_optimizer=not args.no_gpu_optimizer,
+                                  mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer,
                                   fingerprint=fp)
         except InfeasiblePlanError as e:
             print(f"\nNo plan: {e}")
