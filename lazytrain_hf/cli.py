@@ -1,4 +1,4 @@
-"""`lazytrain-hf`: a table of subcommands, each a plain function of parsed arguments.
+"""lazytrain-hf: fine-tune Hugging Face causal LMs with layer streaming (train), plan schedules (plan), probe hardware.
 
     lazytrain-hf train --config recipes/cpu_default.yaml [--set training.max_steps=20] [--resume DIR|last]
     lazytrain-hf plan  --model qwen2.5-7b --gpu-memory 24GiB --batch-size 16 --seq-len 1024

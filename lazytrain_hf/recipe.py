@@ -83,6 +83,17 @@ class Recipe:
 _SECTIONS = {"model": ModelSection, "tokenizer": TokenizerSection, "data": DataSection, "eval": EvalSection}
 
 
+def _type_ok(value: Any, hint: str) -> bool:
+    """Does `value` fit a dataclass annotation such as "int | None" (bool is not an int here)?"""
+    kinds = {"int": int, "str": str, "bool": bool, "None": type(None)}
+    allowed = [kinds[t.strip()] for t in str(hint).split("|") if t.strip() in kinds]
+    if not allowed:
+        return True
+    if isinstance(value, bool) and bool not in allowed:
+        return False
+    return isinstance(value, tuple(allowed))
+
+
 def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ValueError(f"--set expects section.key=value, but got {text!r}")
@@ -105,11 +116,15 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     raw = yaml.safe_load(p.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{p}: a recipe is a YAML mapping of sections, but got {type(raw).__name__}")
+    if isinstance(raw.get("tokenizer"), str):  # short form `tokenizer: NAME`
+        raw["tokenizer"] = {"name_or_path": raw["tokenizer"]}
     for item in overrides or []:
         keys, value = _parse_override(item)
         node = raw
         for k in keys[:-1]:
             node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item}: {'.'.join(keys[:-1])} is not a section of mappings")
         node[keys[-1]] = value
 
     problems: list[str] = []
@@ -126,6 +141,12 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         if bad:
             problems.append(f"unknown key(s) {[f'{sec}.{k}' for k in bad]}; allowed in {sec}: {sorted(known)}")
         parts[sec] = cls(**{k: v for k, v in values.items() if k in known})
+        for f in dataclasses.fields(cls):
+            v = getattr(parts[sec], f.name)
+            if not _type_ok(v, f.type):
+                problems.append(f"{sec}.{f.name} must be {f.type}, but got {v!r}")
+    if parts["model"].dtype not in ("bfloat16", "float32", "float16"):
+        problems.append(f"model.dtype must be one of ['bfloat16', 'float32', 'float16'], but got {parts['model'].dtype!r}")
 
     training = dict(raw.get("training") or {})
     from transformers import TrainingArguments
@@ -136,11 +157,15 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields")
     if "output_dir" not in training:
         problems.append("training.output_dir is required (where checkpoints and metrics are written)")
-    lazy = dict(raw.get("lazytrain") or {})
+    lazy = raw.get("lazytrain") or {}
     try:
-        LazyTrainConfig.from_any(lazy)
-    except ValueError as e:
-        problems.append(str(e).replace("\n", " "))
+        if isinstance(lazy, str):  # a LazyTrainConfig YAML path
+            lazy = LazyTrainConfig.from_any(lazy).to_dict()
+        elif not isinstance(lazy, dict):
+            raise ValueError(f"the lazytrain section must be a mapping or a YAML path, but got {lazy!r}")
+        LazyTrainConfig.from_any(dict(lazy))
+    except (ValueError, FileNotFoundError) as e:
+        problems.append(str(e).replace("\n", "\n    "))
     if problems:
         raise ValueError(f"Invalid recipe {p}:\n  - " + "\n  - ".join(problems))
     return Recipe(training=training, lazytrain=lazy, path=str(p), **parts)

@@ -108,3 +108,19 @@ def test_unsupported_architecture_before_training(tmp_path, capsys, no_model_loa
 def test_missing_recipe(capsys):
     assert cli.main(["train", "--config", "recipes/nope.yaml"]) == 2
     assert "no recipe at" in capsys.readouterr().err
+
+
+@requires_gsm8k
+@pytest.mark.parametrize("override, match", [
+    ("tokenizer.name_or_path=/nonexistent/tok", "/nonexistent/tok"),
+    ("data.max_length=abc", r"data\.max_length must be int"),
+    ("model.dtype=fp32", r"model\.dtype must be one of"),
+    ("lazytrain=/nonexistent/lazy.yaml", "no YAML file"),
+])
+def test_override_mistakes_are_one_clear_error(tmp_path, capsys, no_model_load, override, match):
+    import re
+
+    recipe = _write_recipe(tmp_path)
+    assert cli.main(["train", "--config", str(recipe), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err

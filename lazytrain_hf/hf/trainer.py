@@ -67,6 +67,11 @@ class LazyTrainerMixin:
         super().__init__(model, args, *pos, **kwargs)
         if cfg.policy == "none":
             return
+        if (self.args.bf16 or self.args.fp16) and any(p.dtype == torch.float32 for p in self.model.parameters()):
+            logger.warning("bf16/fp16=True does not autocast inside the LazyTrain executor: it computes in the "
+                           "model's own dtype (float32 here). Load the model in bfloat16 (from_pretrained(..., "
+                           "dtype=torch.bfloat16) or lazytrain_hf.models.load_model(name, 'bfloat16')) for bf16 "
+                           "training, or set bf16=False to silence this.")
         device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
         if device.type == "cuda" and cfg.cap_gpu_memory and cfg.gpu_memory_budget:
             total = torch.cuda.get_device_properties(device).total_memory
