@@ -102,8 +102,7 @@ class LazyTrainerMixin:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
         if isinstance(args, LazyTrainingArguments) and args.lazy_config.policy != "none":
             cfg = args.lazy_config
-            explicit = set((args.optim_args or "").replace(" ", "").split(",")) if args.optim_args else set()
-            explicit = {kv.split("=")[0] for kv in explicit}
+            explicit = {kv.split("=")[0].strip() for kv in (args.optim_args or "").split(",") if kv.strip()}
             extra = {"state_dtype": cfg.state_dtype, "master_weights": cfg.master_weights,
                      "block_size": cfg.block_size, "min_8bit_size": cfg.min_8bit_size}
             kwargs.update({k: v for k, v in extra.items() if k not in explicit})

@@ -83,6 +83,11 @@ def _slice_rows(obj: Any, B: int, a: int, b: int) -> Any:
     return obj
 
 
+def _retained_output(parts: list[tuple]) -> torch.Tensor:
+    """The detached [B, T, H] output of a retained layer from its per-row-chunk (input, output, rows) parts."""
+    return parts[0][1].detach() if len(parts) == 1 else torch.cat([y.detach() for _, y, _ in parts])
+
+
 def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
     """The step as a list of ops, the single source of truth for the executor and its weight prefetcher.
 
@@ -155,6 +160,8 @@ class StreamingExecutor:
             params = dict(layer.named_parameters())
             for spec in self.store.buffers[i].specs:
                 self._param_specs[id(params[spec.name])] = (i, spec)
+        self._resident = [p for p in {id(p): p for p in model.parameters()}.values()
+                          if id(p) not in self._param_specs]
         self.streamer: WeightStreamer | None = None
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
@@ -193,6 +200,7 @@ class StreamingExecutor:
             self.streamer.before_load = self._before_load
         self.schedule = schedule
         self._ops = plan_ops(schedule)
+        self._segment_end = dict(schedule.segments())  # segment start -> end
         on_gpu = sum(lp.optimizer_device == "gpu" for lp in schedule.layers)
         if on_gpu:
             logger.warning("the schedule places %d layers' optimizer updates on the GPU; this executor runs every "
@@ -232,12 +240,8 @@ class StreamingExecutor:
         return self.store.grad_view(*hit)
 
     def resident_parameters(self) -> list[nn.Parameter]:
-        seen, out = set(), []
-        for p in self.model.parameters():
-            if id(p) not in self._param_specs and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        """Parameters that stay on the compute device (embedding, final norm, lm_head; a tied weight once)."""
+        return self._resident
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm (fp32 scalar, on the compute device) of every trainable gradient.
@@ -340,7 +344,7 @@ class StreamingExecutor:
             The micro-batch loss, an fp32 scalar on the compute device (detached).
         """
         t0 = time.perf_counter()
-        sched, lay = self.schedule, self.schedule.layers
+        lay = self.schedule.layers
         targets = shift_labels(labels.to(self.device))
         if denominator is None:
             denominator = targets.ne(-100).sum().clamp(min=1)
@@ -371,7 +375,7 @@ class StreamingExecutor:
                 if lay[i].retain:
                     parts = self._forward_retained(slot, h, calls[i])
                     retained[i] = (parts, slot)
-                    h = torch.cat([y.detach() for _, y, _ in parts]) if len(parts) > 1 else parts[0][1].detach()
+                    h = _retained_output(parts)
                 else:
                     with torch.no_grad():
                         h = self._forward(slot, h, calls[i])
@@ -382,12 +386,9 @@ class StreamingExecutor:
                     del h
             elif op == "load":
                 inputs = {i: self.stash.get(i)}
-                seg_end = next(e for s, e in sched.segments() if s == i)
-                for j in range(i, seg_end - 1):  # retained layers hand their outputs over for free
+                for j in range(i, self._segment_end[i] - 1):  # retained layers hand their outputs over for free
                     if lay[j].retain:
-                        parts = retained[j][0]
-                        inputs[j + 1] = torch.cat([y.detach() for _, y, _ in parts]) if len(parts) > 1 else \
-                            parts[0][1].detach()
+                        inputs[j + 1] = _retained_output(retained[j][0])
             elif op == "recompute":
                 slot = self.streamer.acquire(i)
                 with torch.no_grad():
@@ -463,8 +464,10 @@ class StreamingExecutor:
     @torch.no_grad()
     def forward_inference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                           labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None)."""
+                          return_logits: bool = True, denominator: float | torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None); the summed token loss
+        is divided by `denominator` (default: the valid shifted labels, a mean)."""
         for s in self.streamer.slots:
             s.module.train(self.model.training)
         self.streamer.invalidate()
@@ -480,8 +483,10 @@ class StreamingExecutor:
         loss = None
         if labels is not None:
             targets = shift_labels(labels.to(self.device))
-            loss, _ = chunked_lm_loss(h, targets, norm, head, targets.ne(-100).sum().clamp(min=1),
-                                      self.config.loss_chunk_tokens, backward=False)
+            if denominator is None:
+                denominator = targets.ne(-100).sum().clamp(min=1)
+            loss, _ = chunked_lm_loss(h, targets, norm, head, denominator, self.config.loss_chunk_tokens,
+                                      backward=False)
         logits = chunked_logits(h, norm, head, self.config.loss_chunk_tokens) if return_logits else None
         return loss, logits
 

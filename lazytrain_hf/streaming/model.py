@@ -35,13 +35,7 @@ class StreamingModel(nn.Module):
                 num_items_in_batch: torch.Tensor | int | None = None, return_logits: bool = True,
                 **kwargs: Any) -> CausalLMOutputWithPast:
         loss, logits = self.executor.forward_inference(input_ids, attention_mask, labels, position_ids,
-                                                       return_logits=return_logits)
-        if loss is not None and num_items_in_batch is not None:
-            # forward_inference returns a mean; rescale to the Trainer's sum / num_items_in_batch convention.
-            from .head import shift_labels
-
-            n_valid = shift_labels(labels).ne(-100).sum().clamp(min=1).to(loss.device, loss.dtype)
-            loss = loss * n_valid / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
+                                                       return_logits=return_logits, denominator=num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
