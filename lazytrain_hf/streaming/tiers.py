@@ -3,30 +3,41 @@
 A boundary is a [B, T, H] hidden-state tensor. `ActivationStash.put(i, h, tier)` in forward, `get(i)` in
 backward returns it on the compute device, bit-exact. CPU tier: async D2H on the D2H stream into pinned memory;
 the event recorded after the copy guards the source tensor, which the stash keeps alive until the copy is done
-(Note [stash keep-alive]). NVMe tier: the pinned copy is written to a file in `nvme_dir` (raw bytes, any dtype);
-short writes or reads raise.
+(Note [stash keep-alive]). NVMe tier: D2H into a 4096-byte-aligned (pinned) host buffer, then a background
+thread writes it to a file in `nvme_dir` with O_DIRECT where the filesystem allows it (`nvme.write_file`; raw
+bytes of any dtype, padded to 4096 bytes, the true size remembered). At most `max_pending_writes` boundaries wait
+in host memory for their write; a failed write (disk full, short write) raises at the next `put`, at that
+boundary's `get`, or at `flush`, and leaves no file behind. Read-ahead: each `get(i)` starts reading the next
+NVMe boundary backward will need (the largest stashed index below i) on the I/O threads.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from .nvme import aligned_empty, read_file, write_file
+
 __all__ = ["ActivationStash"]
 
 
-@dataclass
+@dataclass(eq=False)  # identity comparison: entries hold tensors
 class _Entry:
     tier: str
-    tensor: torch.Tensor | None  # gpu: the tensor; cpu: pinned host copy; nvme: None once written
+    tensor: torch.Tensor | None  # gpu: the tensor; cpu: pinned host copy; nvme: host copy until written
     src: torch.Tensor | None = None  # Note [stash keep-alive]: device source kept until its D2H copy is done
     event: torch.cuda.Event | None = None
     path: str | None = None
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
+    nbytes: int = 0  # true byte count (the file is padded to 4096 bytes)
+    buf: torch.Tensor | None = None  # nvme: aligned uint8 host buffer behind `tensor`
+    write: Future | None = None  # nvme: background write; result() is True when O_DIRECT was used
+    read: Future | None = None  # nvme: read-ahead; result() is the host tensor
 
 
 class ActivationStash:
@@ -35,27 +46,45 @@ class ActivationStash:
     Args:
         device: compute device.
         nvme_dir: directory for "nvme" tier files (created if missing).
-        pin: use pinned host buffers for the CPU tier (CUDA only).
+        pin: use pinned host buffers for the CPU and NVMe tiers (CUDA only).
+        o_direct: try O_DIRECT for NVMe files (falls back to buffered I/O where the filesystem refuses it).
+        io_threads: threads for NVMe writes and read-ahead.
+        max_pending_writes: NVMe boundaries that may wait in host memory for their write before `put` blocks.
     """
 
-    def __init__(self, device: torch.device, nvme_dir: str | None = None, pin: bool = True) -> None:
+    def __init__(self, device: torch.device, nvme_dir: str | None = None, pin: bool = True, *,
+                 o_direct: bool = True, io_threads: int = 2, max_pending_writes: int = 2) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.pin = pin and self.cuda
         self.nvme_dir = nvme_dir
+        self.o_direct = o_direct
+        self.io_threads = io_threads
+        self.max_pending_writes = max_pending_writes
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.entries: dict[int, _Entry] = {}
         self.bytes_by_tier = {"gpu": 0, "cpu": 0, "nvme": 0}
         self.d2h_bytes = 0
         self.h2d_bytes = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[_Entry] = []  # nvme entries whose write may not have finished, oldest first
 
     def put(self, i: int, h: torch.Tensor, tier: str) -> None:
         nbytes = h.numel() * h.element_size()
-        self.bytes_by_tier[tier] += nbytes
         if tier == "gpu":
+            self.bytes_by_tier[tier] += nbytes
             self.entries[i] = _Entry("gpu", h)
             return
-        host = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.pin)
+        buf = None
+        if tier == "nvme":
+            if not self.nvme_dir:
+                raise ValueError("activation tier 'nvme' needs lazytrain_config.nvme_dir")
+            self._throttle()
+            buf = aligned_empty(nbytes, self.pin)
+            host = buf[:nbytes].view(h.dtype).view(h.shape)
+        else:
+            host = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.pin)
+        self.bytes_by_tier[tier] += nbytes
         if self.cuda:
             ev = torch.cuda.Event()
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -69,52 +98,96 @@ class ActivationStash:
             entry = _Entry(tier, host, shape=tuple(h.shape), dtype=h.dtype)
         self.d2h_bytes += nbytes
         if tier == "nvme":
-            self._write(i, entry)
+            os.makedirs(self.nvme_dir, exist_ok=True)
+            entry.nbytes, entry.buf = nbytes, buf
+            entry.path = os.path.join(self.nvme_dir, f"boundary{i}-{uuid.uuid4().hex}.bin")
+            entry.write = self._io().submit(self._write, entry)
+            self._pending.append(entry)
         self.entries[i] = entry
 
-    def _write(self, i: int, entry: _Entry) -> None:
-        if not self.nvme_dir:
-            raise ValueError("activation tier 'nvme' needs lazytrain_config.nvme_dir")
-        os.makedirs(self.nvme_dir, exist_ok=True)
-        if entry.event is not None:
-            entry.event.synchronize()
-        entry.src = None
-        raw = entry.tensor.contiguous().view(-1).view(torch.uint8).numpy()
-        fd, path = tempfile.mkstemp(prefix=f"boundary{i}-", suffix=".bin", dir=self.nvme_dir)
+    def _io(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="lazytrain-nvme")
+        return self._pool
+
+    def _throttle(self) -> None:
+        """Raise a finished write's error; wait for the oldest writes while too many are pending."""
+        for e in [e for e in self._pending if e.write.done()]:
+            self._pending.remove(e)
+            if e.write.exception() is not None:
+                self._drop(e)
+                e.write.result()
+        while len(self._pending) >= self.max_pending_writes:
+            e = self._pending.pop(0)
+            if e.write.exception() is not None:  # waits for the write
+                self._drop(e)
+                e.write.result()
+
+    def _drop(self, e: _Entry) -> None:
+        for k, v in list(self.entries.items()):
+            if v is e:
+                del self.entries[k]
+
+    def _write(self, e: _Entry) -> bool:
+        """I/O thread: wait for the D2H copy, write the file, free the host buffer. True when O_DIRECT."""
         try:
-            written = os.write(fd, raw.tobytes()) if raw.nbytes else 0
-            if written != raw.nbytes:
-                raise OSError(f"short write to {path}: {written} of {raw.nbytes} bytes (disk full?)")
+            if e.event is not None:
+                e.event.synchronize()
+            e.src = None
+            return write_file(e.path, e.buf, e.nbytes, self.o_direct)
         finally:
-            os.close(fd)
-        entry.tensor, entry.path = None, path
+            e.tensor = e.buf = None
+
+    def _read(self, e: _Entry) -> torch.Tensor:
+        """Wait for e's write, then read its file into a new aligned host buffer (typed view returned)."""
+        direct = e.write.result()
+        buf = aligned_empty(e.nbytes, self.pin)
+        read_file(e.path, buf, direct)
+        return buf[:e.nbytes].view(e.dtype).view(e.shape)
+
+    def _read_ahead(self, below: int) -> None:
+        keys = [k for k, e in self.entries.items() if e.tier == "nvme" and k < below and e.read is None]
+        if keys:
+            e = self.entries[max(keys)]
+            e.read = self._io().submit(self._read, e)
 
     def get(self, i: int) -> torch.Tensor:
         """Boundary i on the compute device (removed from the stash)."""
         e = self.entries.pop(i)
         if e.tier == "gpu":
+            self._read_ahead(i)
             return e.tensor
         if e.tier == "nvme":
-            nbytes = int(torch.Size(e.shape).numel()) * torch.empty((), dtype=e.dtype).element_size()
-            with open(e.path, "rb") as f:
-                data = f.read()
-            os.unlink(e.path)
-            if len(data) != nbytes:
-                raise OSError(f"short read from {e.path}: {len(data)} of {nbytes} bytes")
-            host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(e.dtype).view(e.shape) if nbytes else \
-                torch.empty(e.shape, dtype=e.dtype)
-            if self.pin:
-                host = host.pin_memory()
+            try:
+                host = e.read.result() if e.read is not None else self._read(e)
+            finally:
+                if e in self._pending:
+                    self._pending.remove(e)
+                if os.path.exists(e.path):
+                    os.unlink(e.path)
         else:
             if e.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(e.event)
             host = e.tensor
+        self._read_ahead(i)
         self.h2d_bytes += host.numel() * host.element_size()
         return host.to(self.device, non_blocking=self.cuda)
 
+    def flush(self) -> None:
+        """Wait for every pending NVMe write; raise the first failure (its file already removed)."""
+        while self._pending:
+            e = self._pending.pop(0)
+            if e.write.exception() is not None:
+                self._drop(e)
+                e.write.result()
+
     def clear(self) -> None:
         for e in self.entries.values():
+            for fut in (e.write, e.read):
+                if fut is not None:
+                    fut.exception()  # wait; errors of boundaries nobody asked for again are dropped
             if e.path and os.path.exists(e.path):
                 os.unlink(e.path)
         self.entries.clear()
+        self._pending.clear()
         self.bytes_by_tier = {"gpu": 0, "cpu": 0, "nvme": 0}
