@@ -55,6 +55,16 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
       Tensors with fewer than ``min_8bit_size`` elements and ``fp32_state_params`` (embeddings, lm_head) keep
       fp32 states. ``state_dtype="fp32"``: all states fp32 (then, with fp32 params, the result equals
       ``torch.optim.AdamW``).
+      Maps (`lazytrain_hf.optim.quant`): the signed map is bitsandbytes' with its lowest code set to exactly
+      -1.0 (code 0), so +1 and -1 are both codes and the element that sets a block's absmax decodes exactly
+      whatever its sign; its zero is code 127. The unsigned map (v) has 0 at code 0 and 1 at code 255.
+    - **v floor** (Note [v floor] in `quant`): a positive second moment is never stored as the zero code; one
+      that would round to it (a tiny v in a block whose absmax is 1e12 times larger: heavy-tailed gradients)
+      is stored as the smallest non-zero code, ``qmap2[1] * absmax2`` (3.25e-7 x absmax2). Without it an
+      element whose gradient then becomes 0 would move by ``lr * m / eps`` (millions of lr); with it the update
+      is at most about ``lr * |m| / sqrt(qmap2[1] * absmax2)`` (before bias correction). All kernels apply it
+      (bitsandbytes' CUDA kernel by flooring its v codes at 1 after the update). Tested in
+      ``tests/optim/test_v_floor_heavy_tails.py``.
     - **Master weights** for bf16/fp16 params, so that updates far below the bf16 resolution (lr = 1e-5 on
       weights of size 1e-2) accumulate: ``"fp32"`` keeps an fp32 copy (+4 bytes/param), ``"kahan"`` a
       compensation buffer in the param dtype (+2 bytes/param, about fp32 accuracy), ``"none"`` rounds each
