@@ -42,6 +42,9 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
         pin: allocate page-locked (pinned) memory (needs CUDA).
     """
     n = padded(nbytes)
+    raw = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+    if raw.data_ptr() % ALIGN == 0:  # pinned blocks are page-aligned: no slack (the host cache rounds to 2^k)
+        return raw
     raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off:off + n]

@@ -178,3 +178,10 @@ def test_cuda_round_trip(tmp_path, tier):
         assert _same_bits(stash.get(i).cpu(), xs[i].cpu())
     stash.clear()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, 4097, 1 << 20])
+def test_aligned_empty(nbytes):
+    buf = nvme.aligned_empty(nbytes)
+    assert buf.dtype == torch.uint8 and buf.numel() == nvme.padded(nbytes) and buf.data_ptr() % nvme.ALIGN == 0
+    assert nvme.padded(nbytes) % nvme.ALIGN == 0 and 0 <= nvme.padded(nbytes) - nbytes < nvme.ALIGN
