@@ -4,6 +4,7 @@ Pure: imports neither CUDA code nor transformers (`lazytrain_hf.profiling` turns
 cost models). HiGHS (`highspy`) and matplotlib are imported only when a MILP is solved or a timeline drawn.
 """
 
+from .buckets import BucketSchedules, plan_buckets, schedule_for, seq_len_buckets
 from .cost_model import CostModel, transfer_ms
 from .estimate import PlanEstimate, evaluate, recompute_flags
 from .fixed import fixed_schedule
@@ -17,5 +18,6 @@ __all__ = [
     "CostModel", "transfer_ms", "PlanEstimate", "evaluate", "recompute_flags", "fixed_schedule", "GIB",
     "InfeasiblePlanError", "fixed_candidates", "min_gpu_bytes", "solve_milp", "POLICIES", "largest_feasible_batch",
     "make_schedule", "make_schedule_from_config", "TIERS", "LayerPlan", "Schedule", "fingerprint", "LANES",
-    "SimulationResult", "simulate", "plot_timeline",
+    "SimulationResult", "simulate", "plot_timeline", "BucketSchedules", "plan_buckets", "schedule_for",
+    "seq_len_buckets",
 ]
