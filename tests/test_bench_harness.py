@@ -1,0 +1,108 @@
+"""The side-by-side harness (benchmarks.run / worker / report) on the CPU: smoke suite on a tiny shape, resume,
+timeouts, the largest-batch search and the report. Nothing about timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from .conftest import requires_gsm8k
+
+REQUIRED = {"system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len", "status", "reason", "step_s_median",
+            "step_s_p10", "step_s_p90", "steps_timed", "tokens_per_s", "tflops_6nd", "tflops_executed",
+            "peak_gpu_gib", "peak_host_rss_gib", "pinned_planned_gib", "exposed_h2d_ms", "exposed_d2h_ms",
+            "optimizer_ms", "predicted_step_s", "solve_ms", "mip_gap", "extra"}
+
+
+@requires_gsm8k
+def test_smoke_suite_and_report(tmp_path, monkeypatch):
+    from benchmarks import report, run
+
+    out = tmp_path / "smoke.json"
+    run.main(["--suite", "smoke", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "smoke" and doc["commands"] and doc["machine"]["torch"]
+    rows = {r["system"]: r for r in doc["rows"]}
+    assert set(rows) == set(run.ORDER)
+    for r in doc["rows"]:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+    for s in ("stock_trainer", "stock_trainer_bnb8", "lazytrain_fixed", "lazytrain_milp"):
+        r = rows[s]
+        assert r["status"] == "ok", (s, r["reason"])
+        assert r["steps_timed"] == 2 and r["tokens_per_s"] > 0 and r["tflops_6nd"] > 0 and r["tflops_executed"] > 0
+        assert len(r["extra"]["step_s"]) == 3  # 1 warm-up + 2 timed
+    for s in ("fsdp2_cpu_offload", "zero_offload"):
+        assert rows[s]["status"] == "unsupported" and rows[s]["reason"]
+    assert rows["lazytrain_milp"]["extra"]["schedule_policy"] == "milp"
+    assert rows["lazytrain_milp"]["solve_ms"] is not None
+    assert rows["lazytrain_fixed"]["pinned_planned_gib"] is not None
+
+    # resume: nothing left to run, so no process is started
+    monkeypatch.setattr(run, "run_process", lambda *a, **k: pytest.fail("resume re-ran a finished row"))
+    run.main(["--suite", "smoke", "--out", str(out)])
+    assert len(json.loads(out.read_text())["rows"]) == len(doc["rows"])
+
+    md, png = report.main([str(out), "--md", str(tmp_path / "BENCHMARKS.md"), "--png", str(tmp_path / "p.png")])
+    text = md.read_text()
+    assert "python -m benchmarks.run --suite smoke" in text and "| lazytrain_milp | 2 | ok |" in text
+    assert "Ratios lazytrain_milp / system" in text and "unsupported" in text
+    assert png.stat().st_size > 1000
+
+
+def test_worker_timeout_is_recorded(tmp_path):
+    from benchmarks import run
+
+    args = run.parse_args(["--suite", "smoke", "--out", str(tmp_path / "x.json")])
+    spec = run._spec(args, run.SUITES["smoke"], "stock_trainer", "qwen3-tiny", None, [2, 4])
+    t0 = time.time()
+    rows = run.run_process(spec, timeout_s=0.5, deadline=time.time() + 100, workdir=tmp_path)
+    assert time.time() - t0 < 30
+    assert [r["status"] for r in rows] == ["timeout", "timeout"]
+    assert "killed after" in rows[0]["reason"] and rows[1]["reason"].startswith("not run")
+    # killed at the global deadline instead: nothing recorded, so a rerun redoes it
+    assert run.run_process(spec, timeout_s=100, deadline=time.time() + 0.5, workdir=tmp_path) == []
+
+
+def test_find_max_batch_doubles_then_bisects(tmp_path, monkeypatch):
+    from benchmarks import run
+    from benchmarks.common import row
+
+    limit = 40  # batches above this run out of memory
+    seen: list[int] = []
+
+    def fake(spec, timeout_s, deadline, workdir):
+        (B,) = spec["batch_sizes"]
+        seen.append(B)
+        ok = B <= limit
+        return [row(system=spec["system"], model=spec["model"], gpu_cap_gib=spec["gpu_cap_gib"], batch_size=B,
+                    status="ok" if ok else "oom", step_s_median=1.0 if ok else None)]
+
+    monkeypatch.setattr(run, "run_process", fake)
+    out = tmp_path / "mb.json"
+    args = run.parse_args(["--suite", "smoke", "--out", str(out), "--max-batch-resolution", "0"])
+    res = run.Results(out, "smoke", "test")
+    res.put([row(system="stock_trainer", model="m", gpu_cap_gib=24, batch_size=8, status="ok")])
+    run.find_max_batch(args, run.SUITES["smoke"], res, "stock_trainer", "m", 24, time.time() + 100, tmp_path)
+    (entry,) = json.loads(out.read_text())["max_batch"]
+    assert seen[:3] == [16, 32, 64]  # doubling from the largest measured batch, then bisection
+    assert entry["max_batch"] == limit and entry["first_infeasible"] == limit + 1 and entry["complete"]
+
+
+def test_report_targets_and_ratios():
+    from benchmarks.common import row
+    from benchmarks.report import markdown
+
+    rows = [row(system=s, model="qwen2.5-7b", gpu_cap_gib=24, batch_size=B, status="ok", tflops_6nd=t,
+                step_s_median=1.0, step_s_p10=1.0, step_s_p90=1.0, steps_timed=5)
+            for s, B, t in (("lazytrain_milp", 64, 360.0), ("lazytrain_fixed", 64, 300.0),
+                            ("fsdp2_cpu_offload", 8, 100.0))]
+    rows.append(row(system="stock_trainer_bnb8", model="qwen2.5-7b", gpu_cap_gib=24, batch_size=1, status="oom",
+                    reason="CUDA out of memory"))
+    doc = {"suite": "t", "date": "2026-01-01", "rows": rows, "commands": ["python -m benchmarks.run --suite 7b"]}
+    text = markdown(doc, None)
+    assert "| fsdp2_cpu_offload | 100.0 (8) | 3.60x | - |" in text
+    assert "| 24 GiB: MILP >= 1.3x lazytrain_fixed | 1.20x | not met |" in text
+    assert "| 24 GiB: MILP >= 350 TFLOPS 6ND | 360.00 TFLOPS | met |" in text
+    assert "| 80 GiB: MILP >= 450 TFLOPS 6ND at the best batch | - | not measured |" in text
