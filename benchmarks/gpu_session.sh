@@ -1,7 +1,22 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests, then the executor benchmark. Run from the repo root on the device machine
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | stock | milp
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | stock | milp | harness7b | harness7b-maxbatch
+#
+# harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
+# caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
+# carried with .devsite/ and .data/: carry [".devsite", ".data", ".dssite"]. Each call works for at most
+# HARNESS_BUDGET_S (540 s) and resumes from $HARNESS_OUT (default benchmarks/results/7b-<date>.json): copy the JSON
+# that comes back in $OUT to that path here before the next call; the last line says "suite complete" or REMAINING n.
+# Expected (estimates from the executor benchmark, not yet measured): per 24 GiB cap lazytrain_milp 8,16,32,64 ~4.5 min,
+# lazytrain_fixed ~4 min, stock_trainer and stock_trainer_bnb8 1,8 ~0.5 min each (out of memory at batch 1),
+# fsdp2_cpu_offload 8 ~3-4 min (host AdamW + 3 weight sweeps over PCIe per step), zero_offload 8 ~4-6 min (CPUAdam
+# JIT build ~1.5 min, ZeRO-3 init, ~15 s steps); at 80 GiB lazytrain 64,128 ~4 min each, stock 8,16 ~1 min, bnb8
+# 8,16,32 ~1.5 min, offload systems as at 24. Whole suite ~35-45 min of device time: 4-5 calls of this stage.
+# HARNESS_SYSTEMS / HARNESS_CAPS pick a subset (e.g. HARNESS_SYSTEMS=lazytrain_milp,lazytrain_fixed HARNESS_CAPS=24).
+# harness7b-maxbatch: largest feasible batch of LazyTrain-MILP and stock 8-bit Adam under 24 GiB (doubling from the
+# largest measured batch, then bisection, one process per probe, up to batch 256): ~5-9 min.
+# Both write BENCHMARKS.md and the PNG into $OUT (python -m benchmarks.report).
 set -uo pipefail
 export PYTHONPATH=$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export LAZYTRAIN_GSM8K_DIR=${LAZYTRAIN_GSM8K_DIR:-$PWD/.data/gsm8k} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -17,6 +32,19 @@ for stage in "$@"; do
              --batch-sizes 32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     milp)  timeout 330 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
              --batch-sizes 16,32,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning ;;
+    harness7b|harness7b-maxbatch)
+           export PYTHONPATH=$PWD/.dssite:$PYTHONPATH
+           HRES=${HARNESS_OUT:-benchmarks/results/7b-$(date +%Y%m%d).json}
+           if [ "$stage" = harness7b ]; then
+             HARGS="--systems ${HARNESS_SYSTEMS:-lazytrain_milp,lazytrain_fixed,stock_trainer,stock_trainer_bnb8,fsdp2_cpu_offload,zero_offload} --caps ${HARNESS_CAPS:-24,80}"
+           else
+             HARGS="--systems lazytrain_milp,stock_trainer_bnb8 --caps 24 --find-max-batch --max-batch-limit 256"
+           fi
+           # shellcheck disable=SC2086
+           timeout 585 python3 -m benchmarks.run --suite 7b $HARGS --budget-s "${HARNESS_BUDGET_S:-540}" \
+             --out "$HRES" 2>&1 | grep -v -i warning
+           cp "$HRES" "$OUT/" && python3 -m benchmarks.report "$HRES" --md "$OUT/BENCHMARKS.md" \
+             --png "$OUT/$(basename "${HRES%.json}").png" ;;
     stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
              2>&1 | grep -v Warning ;;
   esac
