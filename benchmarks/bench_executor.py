@@ -8,6 +8,10 @@ Each invocation measures one system over several batch sizes (GSM8K token rows, 
 A step is forward + backward + global-norm clip + optimizer update, CUDA-synchronized at both ends.
 `tflops_6nd` = 6 x params x tokens / step time (padding would count; these rows have none).
 Out-of-memory is caught and reported as status "oom".
+
+Data parallel: launched with `torchrun --nproc_per_node N` (one process per GPU, NCCL), each rank runs its own
+executor on its own B rows per step (global batch N x B); rank 0 writes the rows, with `world_size` N,
+`tokens_per_s` for all ranks together and `tflops_6nd` per GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .common import GIB, append_results, fast_random_model, gsm8k_token_rows, percentiles, row
 
@@ -88,11 +93,13 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
     opt.set_grad_source(ex.grad_source)
     if not args.no_overlap:
         ex.attach_optimizer(opt)  # layer updates overlap the next forward; step time is steady-state
-    data = gsm8k_token_rows(args.seq_len, max(args.batch_sizes) * (args.steps + 1))
+    world, rank = getattr(args, "world", 1), getattr(args, "rank", 0)
+    data = gsm8k_token_rows(args.seq_len, max(args.batch_sizes) * (args.steps + 1) * world)
     rows = []
     for B in args.batch_sizes:
         r = row(system=f"lazytrain_{policy}", model=args.model, params=n_params, gpu_cap_gib=args.gpu_cap_gib,
                 batch_size=B, seq_len=args.seq_len, status="ok")
+        r["extra"]["world_size"] = world
         try:
             if policy == "fixed":
                 sched = fixed_schedule(ex.num_layers, args.checkpoint_every, args.tier, args.prefetch_depth)
@@ -105,10 +112,11 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             _reset_peak(args)
             times, fb, optim, h2d, d2h = [], [], [], [], []
             for step in range(args.steps + 1):
-                ids = data[step * B:(step + 1) * B]
+                first = (step * world + rank) * B  # rank r's share of the global batch
+                ids = data[first:first + B]
                 _sync(args)
                 t0 = time.perf_counter()
-                ex.forward_backward(ids, ids)
+                ex.forward_backward(ids, ids, denominator=_global_targets(ids, ex))
                 _sync(args)
                 t1 = time.perf_counter()
                 opt.clip_grad_norm(1.0, ex.grad_norm())
@@ -123,8 +131,8 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                     h2d.append(ex.stats.extra.get("exposed_h2d_ms", 0.0))
                     d2h.append(ex.stats.extra.get("exposed_d2h_ms", 0.0))
             med = statistics.median(times)
-            tokens = B * args.seq_len
-            r.update(percentiles(times), tokens_per_s=tokens / med, tflops_6nd=6 * n_params * tokens / med / 1e12,
+            tokens = B * args.seq_len  # per GPU
+            r.update(percentiles(times), tokens_per_s=world * tokens / med, tflops_6nd=6 * n_params * tokens / med / 1e12,
                      tflops_executed=_executed_flops(model, ex, tokens, args.seq_len) / med / 1e12,
                      peak_gpu_gib=_peak_gib(args), peak_host_rss_gib=_peak_rss_gib(),
                      pinned_planned_gib=(ex.store.pinned_bytes + ex.grads.staging_pinned_bytes) / GIB,
@@ -149,6 +157,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             r.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
         ex.zero_grad()
         _finish_row(args, rows, r)
+    ex.close()  # deferred layer updates finish before the process (and its worker thread) exits
     return rows
 
 
@@ -206,10 +215,31 @@ def run_stock(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _global_targets(ids: torch.Tensor, ex: Any) -> torch.Tensor | None:
+    """The loss denominator: valid shifted targets over every rank's rows (gradients are summed over ranks)."""
+    if ex.dp is None:
+        return None
+    n = torch.tensor(float(ids[:, 1:].numel()), device=ex.device)
+    dist.all_reduce(n)
+    return n
+
+
+def _init_distributed(args: argparse.Namespace) -> None:
+    """One process per GPU under torchrun: NCCL on cuda:LOCAL_RANK (gloo on CPU); world 1 otherwise."""
+    args.world = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
+    if args.world > 1:
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+
+
 def _finish_row(args: argparse.Namespace, rows: list[dict[str, Any]], r: dict[str, Any]) -> None:
     gc.collect()
     _empty_cache(args)
     rows.append(r)
+    if getattr(args, "rank", 0) != 0:
+        return
     append_results(args.out, "executor", [r])  # row by row: a run cut short keeps what it measured
     print(_fmt(r), flush=True)
 
@@ -242,14 +272,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (CI) on a tiny shape")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    _init_distributed(args)
     if args.gpu_cap_gib and args.device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GIB / total))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.system == "stock_trainer":
+        if args.world > 1:
+            raise SystemExit("stock_trainer runs one process; launch it without torchrun")
         run_stock(args)
     else:
         run_lazytrain(args, args.system.split("_", 1)[1])
+    if args.world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

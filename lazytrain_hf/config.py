@@ -39,6 +39,21 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def cpu_threads() -> int:
+    """CPU threads for this process's optimizer kernel: the cores it may use divided among the ranks on this host
+    (LOCAL_WORLD_SIZE, set by torchrun / accelerate launch; torchrun also sets OMP_NUM_THREADS=1, which would leave
+    the CPU optimizer on one core). Single process: torch.get_num_threads(). Override: LAZYTRAIN_CPU_THREADS."""
+    import torch
+
+    if os.environ.get("LAZYTRAIN_CPU_THREADS"):
+        return max(1, int(os.environ["LAZYTRAIN_CPU_THREADS"]))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if local <= 1:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local)
+
+
 def format_bytes(n: int | float | None) -> str:
     """Format bytes as GiB with two decimals (``None`` -> ``"-"``)."""
     return "-" if n is None else f"{n / GIB:.2f} GiB"

@@ -23,3 +23,24 @@ def test_bench_executor_cpu_smoke(tmp_path, system):
     assert r["status"] == "ok", r["reason"]
     assert r["steps_timed"] == 1 and r["tokens_per_s"] > 0 and r["tflops_6nd"] > 0
     assert set(r) >= {"exposed_h2d_ms", "pinned_planned_gib", "predicted_step_s", "extra"}
+
+
+@requires_gsm8k
+def test_bench_executor_data_parallel_cpu_smoke(tmp_path):
+    """Two ranks under torchrun (gloo): one row, written by rank 0, tagged with the world size."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "executor.json"
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "benchmarks.bench_executor", "--system", "lazytrain_fixed", "--model", "qwen3-tiny-vocab", "--device", "cpu",
+           "--batch-sizes", "2", "--seq-len", "32", "--steps", "1", "--checkpoint-every", "2", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok", row["reason"]
+    assert row["extra"]["world_size"] == 2 and row["tokens_per_s"] > 0

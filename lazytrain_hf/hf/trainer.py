@@ -73,6 +73,8 @@ class LazyTrainerMixin:
                            "dtype=torch.bfloat16) or lazytrain_hf.models.load_model(name, 'bfloat16')) for bf16 "
                            "training, or set bf16=False to silence this.")
         device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
+        if device.type == self.args.device.type and device.index is None:
+            device = self.args.device  # "cuda" means this rank's GPU (cuda:LOCAL_RANK under accelerate / torchrun)
         if device.type == "cuda" and cfg.cap_gpu_memory and cfg.gpu_memory_budget:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_budget / total), device)
@@ -150,14 +152,21 @@ class LazyTrainerMixin:
                              "(-100 = ignored), e.g. from DataCollatorForLanguageModeling(mlm=False)")
         inputs = self._prepare_inputs(inputs)
         labels = inputs["labels"]
+        # Ranks' gradients are SUMMED (streaming/comm.py), so the denominator is global: DDP's average of the
+        # ranks' losses (each x world when the token count is already global, as Trainer.compute_loss does).
+        world = self.executor.dp.world if self.executor.dp is not None else 1
         if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
             denominator = num_items_in_batch  # token-weighted over the whole accumulation window, as HF
+            if not self.args.average_tokens_across_devices:
+                denominator = denominator * world  # a per-rank count: the ranks' losses are averaged
         else:  # per-micro-batch mean, scaled for accumulation as the Trainer does
             denominator = shift_labels(labels).ne(-100).sum().clamp(min=1) * self.current_gradient_accumulation_steps
+            denominator = denominator * world
         loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
-                                              inputs.get("position_ids"), denominator=denominator)
-        self.meter.add_tokens(inputs["input_ids"].numel())
-        return loss.detach().to(self.args.device)
+                                              inputs.get("position_ids"), denominator=denominator,
+                                              sync_gradients=self.accelerator.sync_gradients)
+        self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
+        return loss.detach().to(self.args.device) * world  # the logged loss: the mean over ranks, as HF logs it
 
     # ---- gradient norm and clipping ------------------------------------------------------------------------
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:

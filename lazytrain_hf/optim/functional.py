@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..config import cpu_threads
 from ._cpu_kernel import DTYPE_CODES, CpuTables, cpu_adamw_step, cpu_kernel_status, load_cpu_kernel
 from .quant import code_midpoints, dequantize_blockwise, dynamic_map, quantize_blockwise
 
@@ -254,7 +255,7 @@ def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWH
         books: codebooks on ``param``'s device.
         block_size: quantization block size (elements) of 8-bit states.
         kernel: force one of `KERNELS` (tests, benchmarks); None: `select_kernel`.
-        threads: CPU threads for the fused kernel (default ``torch.get_num_threads()``).
+        threads: CPU threads for the fused kernel (default `lazytrain_hf.config.cpu_threads()`).
 
     Raises:
         ValueError: unknown kernel, or sizes that do not match.
@@ -351,7 +352,7 @@ def adamw_step_cpp(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: Ad
         state.get("master"), state.get("kahan"),
         block_size=block_size, clip_coef=hyper.clip_coef, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
         decay=hyper.decay, step_size=hyper.step_size, bc2_sqrt=hyper.bc2_sqrt,
-        threads=threads if threads is not None else torch.get_num_threads(),
+        threads=threads if threads is not None else cpu_threads(),
     )
 
 

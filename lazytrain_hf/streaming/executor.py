@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import LazyTrainConfig
+from ..config import LazyTrainConfig, cpu_threads
 from ..models import check_supported
 from ..planning.fixed import fixed_schedule
 from ..planning.schedule import Schedule
+from .comm import DataParallel
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, sq_norm, structure_key
@@ -133,6 +134,8 @@ class StreamingExecutor:
         schedule: the plan; defaults to the fixed policy from `config`.
         host_grad_dtype: "fp32" (accumulate gradient-accumulation micro-batches in fp32 on the host) or "param"
             (keep the autograd gradient in the parameter dtype; one micro-batch per optimizer step).
+        data_parallel: "auto" (all-reduce gradients over the torch.distributed world when it has >= 2 ranks),
+            a DataParallel, or None (this process trains alone). See streaming/comm.py.
 
     Raises:
         ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
@@ -140,7 +143,7 @@ class StreamingExecutor:
 
     def __init__(self, model: nn.Module, config: LazyTrainConfig | None = None,
                  device: torch.device | str | None = None, schedule: Schedule | None = None,
-                 host_grad_dtype: str = "fp32") -> None:
+                 host_grad_dtype: str = "fp32", data_parallel: DataParallel | str | None = "auto") -> None:
         self.config = config or LazyTrainConfig()
         check_supported(model.config)
         self.model = model
@@ -153,7 +156,8 @@ class StreamingExecutor:
         pin = self.config.pin_memory and self.device.type == "cuda"
         self._place_resident()
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
-        self.grads = GradSink(self.store, self.device)
+        self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
+        self.grads = GradSink(self.store, self.device, self.dp)
         self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
         self._param_specs: dict[int, tuple[int, ParamSpec]] = {}
         for i, layer in enumerate(self.layers):
@@ -162,6 +166,15 @@ class StreamingExecutor:
                 self._param_specs[id(params[spec.name])] = (i, spec)
         self._resident = [p for p in {id(p): p for p in model.parameters()}.values()
                           if id(p) not in self._param_specs]
+        if self.dp is not None:
+            threads = cpu_threads()
+            if torch.get_num_threads() < threads:  # torchrun's OMP_NUM_THREADS=1 would serialize host-side adds
+                logger.info("data parallel rank %d: torch CPU threads %d -> %d (this host's cores / local ranks)",
+                            self.dp.rank, torch.get_num_threads(), threads)
+                torch.set_num_threads(threads)
+            # every replica starts from rank 0's weights, as DDP does
+            self.dp.broadcast_([t for b in self.store.buffers for t in b.weights.values()] +
+                               [p.data for p in self._resident])
         self.streamer: WeightStreamer | None = None
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
@@ -260,6 +273,16 @@ class StreamingExecutor:
                 sq = sq + sq_norm(p.grad)
         return sq.sqrt().float()
 
+    def _reduce_resident(self) -> None:
+        params = [p for p in self.resident_parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every rank must join every collective
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        if self.device.type == "cuda" and not self.dp.async_device:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.dp.all_reduce_(grads)
+
     def zero_grad(self) -> None:
         self.grads.zero()
         for p in self.resident_parameters():
@@ -332,13 +355,18 @@ class StreamingExecutor:
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                         denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+                         denominator: float | torch.Tensor | None = None,
+                         sync_gradients: bool = True) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients are ADDED to the host / resident accumulators.
 
         Args:
             input_ids, labels, attention_mask, position_ids: [B, T] tensors as the HF model takes them.
             denominator: the summed token loss is divided by this (the Trainer's `num_items_in_batch`); None: the
-                number of valid shifted labels in this micro-batch (a per-micro-batch mean).
+                number of valid shifted labels in this micro-batch (a per-micro-batch mean). With data
+                parallelism, gradients are SUMMED over ranks: pass the global token count (or scale by the world).
+            sync_gradients: data parallel only: all-reduce the resident parameters' accumulated `.grad` after this
+                micro-batch (True on the last micro-batch of an accumulation window, like DDP outside `no_sync`).
+                The streamed layers' gradients are reduced every micro-batch as they are produced.
 
         Returns:
             The micro-batch loss, an fp32 scalar on the compute device (detached).
@@ -420,6 +448,8 @@ class StreamingExecutor:
                 self.grads.push(grad_slot, i)
                 self.streamer.release(slot)
         h0.backward(g)  # embedding gradient (and anything else before layer 0)
+        if self.dp is not None and sync_gradients:
+            self._reduce_resident()
         self.grads.flush()
         self.stash.clear()
         extra = {}

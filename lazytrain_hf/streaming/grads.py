@@ -9,8 +9,11 @@ Two paths:
               straight into the pinned host buffer, no CPU work at all (the usual case without accumulation).
   accumulate: D2H into the slot's pinned staging buffer; the CPU adds (or, first micro-batch, converts) it into the
               fp32 host buffer one layer later, while the GPU computes the next layer, or at `flush()`.
-The squared L2 norm of every gradient is accumulated on the device in fp32 as it passes; it is the global norm's
-square only when the window holds one micro-batch (`norm_from_device`), otherwise the host buffers are summed.
+The squared L2 norm of every gradient is accumulated on the device in fp32 as it passes (on the D2H stream, after
+any all-reduce); it is the global norm's square only when the window holds one micro-batch (`norm_from_device`),
+otherwise the host buffers are summed.
+Data parallel (`dp`, streaming/comm.py): the slot's gradients are SUM-all-reduced over ranks before they leave the
+device; under NCCL the reduction is enqueued after the layer's backward and only the D2H stream waits for it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .comm import DataParallel
 from .host_store import HostParamStore, sq_norm
 from .weights import Slot, wait_on
 
@@ -35,11 +39,12 @@ class _Pending:
 
 
 class GradSink:
-    """Args: store (host buffers), device (compute device), pin (page-lock staging buffers)."""
+    """Args: store (host buffers), device (compute device), dp (gradient all-reduce over ranks, or None)."""
 
-    def __init__(self, store: HostParamStore, device: torch.device) -> None:
+    def __init__(self, store: HostParamStore, device: torch.device, dp: DataParallel | None = None) -> None:
         self.store = store
         self.device = device
+        self.dp = dp
         self.cuda = device.type == "cuda"
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self._staging: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # id(slot) -> dtype -> pinned staging
@@ -75,16 +80,29 @@ class GradSink:
         host = self.store.buffers[layer].grads
         first = layer in self._fresh
         self._fresh.discard(layer)
-        for g in slot.grads.values():
-            self.sq += sq_norm(g)
-            self.d2h_bytes += g.numel() * g.element_size()
+        grads = list(slot.grads.values())
+        self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads)
         direct = first and all(host[dt].dtype == g.dtype for dt, g in slot.grads.items())
         if not self.cuda:
+            if self.dp is not None:
+                self.dp.all_reduce_(grads)
             for dt, g in slot.grads.items():
+                self.sq += sq_norm(g)
                 host[dt].copy_(g) if first else host[dt].add_(g)
             return
         compute = torch.cuda.current_stream(self.device)
+        works = []
+        if self.dp is not None and self.dp.async_device:
+            works = self.dp.all_reduce_async(grads)  # after this layer's backward, on the NCCL stream
+        elif self.dp is not None:
+            compute.synchronize()
+            self.dp.all_reduce_(grads)
         self.d2h_stream.wait_stream(compute)
+        with torch.cuda.stream(self.d2h_stream):
+            for w in works:
+                w.wait()  # the D2H stream (not the compute stream) waits for the reduced gradients
+            for g in grads:
+                self.sq += sq_norm(g)
         if direct:
             with torch.cuda.stream(self.d2h_stream):
                 for dt, g in slot.grads.items():
