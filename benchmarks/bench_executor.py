@@ -71,7 +71,7 @@ def _peak_rss_gib() -> float | None:
 
 
 def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]:
-    from lazytrain_hf.config import LazyTrainConfig
+    from lazytrain_hf.config import LazyTrainConfig, cpu_threads
     from lazytrain_hf.optim import Hybrid8bitOptimizer
     from lazytrain_hf.planning.fixed import fixed_schedule
     from lazytrain_hf.streaming.executor import StreamingExecutor
@@ -99,7 +99,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
     for B in args.batch_sizes:
         r = row(system=f"lazytrain_{policy}", model=args.model, params=n_params, gpu_cap_gib=args.gpu_cap_gib,
                 batch_size=B, seq_len=args.seq_len, status="ok")
-        r["extra"]["world_size"] = world
+        r["extra"].update(world_size=world, optimizer_cpu_threads=cpu_threads())
         try:
             if policy == "fixed":
                 sched = fixed_schedule(ex.num_layers, args.checkpoint_every, args.tier, args.prefetch_depth)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests, then the executor benchmark. Run from the repo root on the device machine
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | stock | milp | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | overlap | milp | stock | ddp | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -45,6 +45,15 @@ for stage in "$@"; do
              --out "$HRES" 2>&1 | grep -v -i warning
            cp "$HRES" "$OUT/" && python3 -m benchmarks.report "$HRES" --md "$OUT/BENCHMARKS.md" \
              --png "$OUT/$(basename "${HRES%.json}").png" ;;
+    ddp)   # nvidia-h200-x2: data-parallel scaling, 1 GPU vs 2 GPUs on the same host in the same call (~8 min)
+           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+           DDP="--system lazytrain_fixed --gpu-cap-gib 24 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON"
+           timeout 170 python3 -m pytest -q -m gpu tests/streaming tests/hf/test_ddp.py -p no:cacheprovider 2>&1 | tail -6
+           timeout 100 python3 -m benchmarks.bench_executor $DDP --batch-sizes 32 2>&1 | grep -v Warning
+           LAZYTRAIN_CPU_THREADS=$(( $(nproc) / 2 )) timeout 90 python3 -m benchmarks.bench_executor $DDP \
+             --batch-sizes 32 2>&1 | grep -v Warning
+           timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_executor \
+             $DDP --batch-sizes 32 2>&1 | grep -v Warning ;;
     stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
              2>&1 | grep -v Warning ;;
   esac
