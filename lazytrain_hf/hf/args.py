@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,8 @@ from transformers import TrainingArguments
 
 from ..config import LazyTrainConfig
 from .register import OPTIM_NAME, register
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LazyTrainingArguments"]
 
@@ -60,6 +63,21 @@ class LazyTrainingArguments(TrainingArguments):
     def lazy_config(self) -> LazyTrainConfig:
         """The validated LazyTrainConfig."""
         return LazyTrainConfig.from_any(dict(self.lazytrain_config))
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: 1 with the executor. The Trainer would otherwise run torch DataParallel over every
+        visible GPU (and hand the loss a per-GPU token count); the executor drives one GPU per process, and data
+        parallelism is one process per GPU (accelerate launch / torchrun, streaming/comm.py)."""
+        n = super().n_gpu
+        if n > 1 and self.lazytrain_config.get("policy", "fixed") != "none":
+            if not getattr(self, "_warned_n_gpu", False):
+                logger.warning("%d GPUs are visible to this one process; LazyTrain uses %s only. Launch one process "
+                               "per GPU (accelerate launch --num_processes %d ... or torchrun --nproc_per_node %d) "
+                               "to train on all of them.", n, self.device, n, n)
+                object.__setattr__(self, "_warned_n_gpu", True)
+            return 1
+        return n
 
     @property
     def place_model_on_device(self) -> bool:

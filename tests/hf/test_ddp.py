@@ -78,3 +78,21 @@ def test_two_gpus_nccl_equal_one_gpu(tmp_path: Path) -> None:
         assert ((two["params"][name] - ref).norm() / ref.norm()).item() <= 1e-5, name
     for a, b in zip(one["logs"], two["logs"]):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def test_one_process_uses_one_gpu(tmp_path: Path, caplog) -> None:
+    """With several GPUs visible to one process the stock Trainer runs DataParallel (n_gpu > 1: the batch is
+    multiplied and the token count becomes a per-GPU vector); the executor drives one GPU per process."""
+    from transformers import TrainingArguments
+
+    from lazytrain_hf import LazyTrainingArguments
+
+    args = LazyTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, use_cpu=True, report_to=[])
+    args._n_gpu = 2  # what _setup_devices sets on a 2-GPU machine without a launcher
+    with caplog.at_level("WARNING"):
+        assert args.n_gpu == 1 and args.train_batch_size == 3
+    assert "torchrun --nproc_per_node 2" in caplog.text
+    stock = LazyTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, use_cpu=True,
+                                  report_to=[], lazytrain_config={"policy": "none"})
+    stock._n_gpu = 2
+    assert stock.n_gpu == 2 == TrainingArguments.n_gpu.fget(stock)
