@@ -101,28 +101,39 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                 batch_size=B, seq_len=args.seq_len, status="ok")
         r["extra"].update(world_size=world, optimizer_cpu_threads=cpu_threads())
         try:
+            cm = _cost_model(model, cfg, B, args)
             if policy == "fixed":
                 sched = fixed_schedule(ex.num_layers, args.checkpoint_every, args.tier, args.prefetch_depth)
             else:
-                sched = _milp(model, cfg, B, args)
-                r.update(predicted_step_s=sched.predicted.get("step_ms", 0) / 1e3,
-                         solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))
+                from lazytrain_hf.planning.milp import solve_milp
+
+                sched = solve_milp(cm, time_limit_s=10.0, gpu_optimizer=False)  # streamed layers update on the CPU
+                r.update(solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))
+            from lazytrain_hf.planning.estimate import evaluate
+
+            est = evaluate(cm, sched)  # the cost model's view of this schedule, fixed or MILP
+            r.update(predicted_step_s=est.step_ms / 1e3)
+            r["extra"].update(predicted_peak_gpu_gib=est.peak_gpu_bytes / GIB, plan_gpu_gib=cm.gpu_bytes / GIB)
             ex.set_schedule(sched)
             ex.instrument(True)
             _reset_peak(args)
             times, fb, optim, h2d, d2h = [], [], [], [], []
+            mem: dict[str, float] = {}
             for step in range(args.steps + 1):
                 first = (step * world + rank) * B  # rank r's share of the global batch
                 ids = data[first:first + B]
                 _sync(args)
+                _phase_memory(args, mem, "base")
                 t0 = time.perf_counter()
                 ex.forward_backward(ids, ids, denominator=_global_targets(ids, ex))
                 _sync(args)
+                _phase_memory(args, mem, "fwd_bwd")
                 t1 = time.perf_counter()
                 opt.clip_grad_norm(1.0, ex.grad_norm())
                 opt.step()
                 ex.zero_grad()
                 _sync(args)
+                _phase_memory(args, mem, "optimizer")
                 t2 = time.perf_counter()
                 if step > 0:  # step 0 is the warm-up
                     times.append(t2 - t0)
@@ -138,7 +149,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                      pinned_planned_gib=(ex.store.pinned_bytes + ex.grads.staging_pinned_bytes) / GIB,
                      exposed_h2d_ms=statistics.median(h2d), exposed_d2h_ms=statistics.median(d2h),
                      optimizer_ms=statistics.median(optim) * 1e3)
-            r["extra"].update(fwd_bwd_ms=statistics.median(fb) * 1e3, setup_s=setup_s,
+            r["extra"].update(fwd_bwd_ms=statistics.median(fb) * 1e3, setup_s=setup_s, **mem,
                               weight_loads=ex.stats.weight_loads, recomputed_layers=ex.stats.recomputed_layers,
                               h2d_weight_gib=ex.stats.h2d_weight_bytes / GIB,
                               d2h_grad_gib=ex.stats.d2h_grad_bytes / GIB, act_d2h_gib=ex.stats.act_d2h_bytes / GIB,
@@ -161,20 +172,31 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
     return rows
 
 
-def _milp(model: Any, cfg: Any, B: int, args: argparse.Namespace):
+def _phase_memory(args: argparse.Namespace, mem: dict[str, float], phase: str) -> None:
+    """Largest peak (GiB) of one phase of the step over the timed steps ("base": allocated when the step begins),
+    then reset the peak counter for the next phase."""
+    if args.device != "cuda":
+        return
+    val = (torch.cuda.memory_allocated() if phase == "base" else torch.cuda.max_memory_allocated()) / GIB
+    mem[f"mem_{phase}_gib"] = max(mem.get(f"mem_{phase}_gib", 0.0), val)
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _cost_model(model: Any, cfg: Any, B: int, args: argparse.Namespace) -> Any:
+    """Analytic cost model at the plan budget: --plan-gpu-gib (default --gpu-cap-gib, else free memory) less
+    --gpu-memory-margin, as the LazyTrainer plans (lazytrain_hf/hf/plan.py)."""
     import psutil
 
-    from lazytrain_hf.planning.milp import solve_milp
     from lazytrain_hf.profiling.analytic import analytic_cost_model
     from lazytrain_hf.profiling.hardware import probe
 
     hw = probe(args.device)
-    gpu = int(args.gpu_cap_gib * GIB) if args.gpu_cap_gib else (
-        torch.cuda.mem_get_info()[0] if args.device == "cuda" else 80 * GIB)
-    cm = analytic_cost_model(model.config, B, args.seq_len, hw, gpu_bytes=gpu,
-                             host_bytes=int(0.9 * psutil.virtual_memory().total), loss_chunk_tokens=cfg.loss_chunk_tokens,
-                             master_weights=args.master_weights, rows_per_pass=args.rows_per_pass)
-    return solve_milp(cm, time_limit_s=10.0, gpu_optimizer=False)  # the executor updates streamed layers on the CPU
+    plan_gib = args.plan_gpu_gib or args.gpu_cap_gib
+    gpu = int(plan_gib * GIB) if plan_gib else (torch.cuda.mem_get_info()[0] if args.device == "cuda" else 80 * GIB)
+    return analytic_cost_model(model.config, B, args.seq_len, hw, gpu_bytes=int(gpu * (1 - args.gpu_memory_margin)),
+                               host_bytes=int(0.9 * psutil.virtual_memory().total),
+                               loss_chunk_tokens=cfg.loss_chunk_tokens, master_weights=args.master_weights,
+                               rows_per_pass=args.rows_per_pass)
 
 
 def run_stock(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -258,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--system", choices=["lazytrain_fixed", "lazytrain_milp", "stock_trainer"], required=True)
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--gpu-cap-gib", type=float, default=None)
+    p.add_argument("--plan-gpu-gib", type=float, default=None, help="plan for this budget (default: the cap)")
+    p.add_argument("--gpu-memory-margin", type=float, default=0.12, help="as lazytrain_config.gpu_memory_margin")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests, then the executor benchmark. Run from the repo root on the device machine
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | overlap | milp | stock | ddp | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | overlap | milp | stock | ddp | memcal | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -54,6 +54,17 @@ for stage in "$@"; do
              --batch-sizes 32 2>&1 | grep -v Warning
            timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_executor \
              $DDP --batch-sizes 32 2>&1 | grep -v Warning ;;
+    memcal) # 1 GPU (~9.5 min): where the GPU memory goes per step phase (base / forward+backward / optimizer), the
+           # MILP plan for 24 GiB run uncapped with no margin (the plan that ran out of memory), then MILP vs fixed
+           # with the default 12% margin at 24 GiB and at 80 GiB.
+           timeout 90 python3 -m benchmarks.bench_executor --system lazytrain_milp --plan-gpu-gib 24 \
+             --gpu-memory-margin 0 --batch-sizes 8 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning
+           timeout 80 python3 -m benchmarks.bench_executor --system lazytrain_fixed --batch-sizes 8 --rows-per-pass 8 \
+             --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning
+           timeout 260 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
+             --batch-sizes 8,16,32,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning
+           timeout 150 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 80 \
+             --batch-sizes 64,128 --rows-per-pass 16 $COMMON 2>&1 | grep -v Warning ;;
     stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
              2>&1 | grep -v Warning ;;
   esac

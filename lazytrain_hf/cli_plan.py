@@ -23,6 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .config import LazyTrainConfig
+
 __all__ = ["add_arguments", "run"]
 
 _GIB = 1024**3
@@ -34,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="registry name (e.g. qwen2.5-7b, qwen3.6-27b), Hub id or local path")
     parser.add_argument("--gpu-memory", default=None,
                         help="GPU memory the plan may use, e.g. 24GiB (default: the hardware profile's GPU)")
+    parser.add_argument("--gpu-memory-margin", type=float, default=LazyTrainConfig.gpu_memory_margin,
+                        help="fraction of the GPU memory kept free for fragmentation and unmodelled workspaces "
+                             "(default %(default)s, as lazytrain_config.gpu_memory_margin)")
     parser.add_argument("--host-memory", default=None,
                         help="host memory the plan may use, e.g. 100GiB (default: 90%% of the profile's RAM)")
     parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size B (default 16)")
@@ -92,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"lazytrain-hf plan: --hardware {args.hardware!r}: {e}", file=sys.stderr)
         return 2
-    gpu_bytes = sizes["gpu_memory"] or hardware.gpu_memory_bytes
+    if not 0 <= args.gpu_memory_margin < 0.9:
+        print(f"lazytrain-hf plan: --gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}",
+              file=sys.stderr)
+        return 2
+    gpu_bytes = int((sizes["gpu_memory"] or hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
     host_bytes = sizes["host_memory"] or int(0.9 * hardware.host_memory_bytes)
     nvme_bytes = 0
     if args.nvme_dir:

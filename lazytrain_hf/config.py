@@ -88,6 +88,9 @@ class LazyTrainConfig:
             `torch.cuda.set_per_process_memory_fraction` when `cap_gpu_memory` is true.
         cap_gpu_memory (bool, defaults to False): enforce `gpu_memory_budget` on the CUDA caching allocator
             (emulates a smaller GPU).
+        gpu_memory_margin (float, defaults to 0.12): fraction of the GPU budget the MILP keeps free for allocator
+            fragmentation and workspaces the analytic cost model does not count. On the H200 (benchmarks/NOTES.md,
+            2026-11-29) a plan predicted at 23.4 GB ran out of memory under a 25.8 GB cap: >= 9% under-prediction.
         host_memory_budget (str or int, defaults to None): pinned host memory the plan may use. None: 90% of RAM.
         nvme_dir (str, defaults to None): directory for the "nvme" tier; required when that tier is used.
         nvme_budget (str or int, defaults to None): bytes the plan may write to `nvme_dir`.
@@ -120,6 +123,7 @@ class LazyTrainConfig:
     prefetch_depth: int = 1
     gpu_memory_budget: int | str | None = None
     cap_gpu_memory: bool = False
+    gpu_memory_margin: float = 0.12
     host_memory_budget: int | str | None = None
     nvme_dir: str | None = None
     nvme_budget: int | str | None = None
@@ -164,6 +168,9 @@ class LazyTrainConfig:
                 problems.append(f"lazytrain_config.{key} must be one of {list(allowed)}, but got {getattr(self, key)!r}")
         _check_int(problems, "checkpoint_every", self.checkpoint_every, 1, 10_000)
         _check_int(problems, "prefetch_depth", self.prefetch_depth, 1, 3)
+        if not isinstance(self.gpu_memory_margin, (int, float)) or not 0 <= self.gpu_memory_margin < 0.9:
+            problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), but got "
+                            f"{self.gpu_memory_margin!r}")
         _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
         if self.max_rows_per_pass is not None:
             _check_int(problems, "max_rows_per_pass", self.max_rows_per_pass, 1, 1 << 20)

@@ -33,7 +33,8 @@ def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
 def plan_for_trainer(trainer: Any) -> Schedule:
     """Solve the MILP (lazytrain_hf.planning.milp) for this trainer's model, batch shape and budgets.
 
-    Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs),
+    Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
+    `gpu_memory_margin`,
     `host_memory_budget` (default: 90% of RAM), `nvme_budget` when `nvme_dir` is set. Hardware rates: the cached
     or fresh probe on CUDA, the H200 defaults elsewhere.
 
@@ -55,6 +56,7 @@ def plan_for_trainer(trainer: Any) -> Schedule:
         import psutil
 
         host = int(0.9 * psutil.virtual_memory().total)
+    gpu = int(gpu * (1 - cfg.gpu_memory_margin))  # fragmentation and unmodelled workspaces (config docs)
     nvme = (cfg.nvme_budget or 256 * GIB) if cfg.nvme_dir else 0
     cm = analytic_cost_model(trainer.model.config, B, T, hardware, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                              loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
