@@ -61,10 +61,12 @@ for stage in "$@"; do
              --gpu-memory-margin 0 --batch-sizes 8 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning
            timeout 80 python3 -m benchmarks.bench_executor --system lazytrain_fixed --batch-sizes 8 --rows-per-pass 8 \
              --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning
-           timeout 260 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
-             --batch-sizes 8,16,32,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning
-           timeout 150 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 80 \
-             --batch-sizes 64,128 --rows-per-pass 16 $COMMON 2>&1 | grep -v Warning ;;
+           timeout 200 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
+             --batch-sizes 8,16,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning
+           timeout 100 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 80 \
+             --batch-sizes 64 --rows-per-pass 16 $COMMON 2>&1 | grep -v Warning
+           timeout 90 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 80 \
+             --batch-sizes 64 --rows-per-pass 16 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
              2>&1 | grep -v Warning ;;
   esac
