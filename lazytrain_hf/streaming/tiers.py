@@ -2,8 +2,9 @@
 
 A boundary is a [B, T, H] hidden-state tensor. `ActivationStash.put(i, h, tier)` in forward, `get(i)` in
 backward returns it on the compute device, bit-exact. CPU tier: async D2H on the D2H stream into pinned memory;
-the event recorded after the copy guards the source tensor, which the stash keeps alive until the copy is done
-(Note [stash keep-alive]). NVMe tier: D2H into a 4096-byte-aligned (pinned) host buffer, then a background
+the event recorded after the copy orders the later H2D (Note [stash keep-alive]: the device source is NOT kept;
+`record_stream` on the D2H stream stops the caching allocator from reusing its memory before the copy is done, so
+an offloaded boundary leaves the GPU as soon as forward drops it). NVMe tier: D2H into a 4096-byte-aligned (pinned) host buffer, then a background
 thread writes it to a file in `nvme_dir` with O_DIRECT where the filesystem allows it (`nvme.write_file`; raw
 bytes of any dtype, padded to 4096 bytes, the true size remembered). At most `max_pending_writes` boundaries wait
 in host memory for their write; a failed write (disk full, short write) raises at the next `put`, at that
@@ -29,7 +30,7 @@ __all__ = ["ActivationStash"]
 class _Entry:
     tier: str
     tensor: torch.Tensor | None  # gpu: the tensor; cpu: pinned host copy; nvme: host copy until written
-    src: torch.Tensor | None = None  # Note [stash keep-alive]: device source kept until its D2H copy is done
+    src: torch.Tensor | None = None  # unused for offloaded tiers: Note [stash keep-alive]
     event: torch.cuda.Event | None = None
     path: str | None = None
     shape: tuple[int, ...] = ()
@@ -92,7 +93,7 @@ class ActivationStash:
                 host.copy_(h, non_blocking=True)
                 ev.record(self.d2h_stream)
             h.record_stream(self.d2h_stream)
-            entry = _Entry(tier, host, src=h, event=ev, shape=tuple(h.shape), dtype=h.dtype)
+            entry = _Entry(tier, host, event=ev, shape=tuple(h.shape), dtype=h.dtype)
         else:
             host.copy_(h)
             entry = _Entry(tier, host, shape=tuple(h.shape), dtype=h.dtype)

@@ -180,6 +180,28 @@ def test_cuda_round_trip(tmp_path, tier):
     assert os.listdir(tmp_path) == []
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_cuda_offload_frees_device_memory(tmp_path, tier):
+    """An offloaded boundary must leave the GPU when forward drops it (it once stayed until backward read it: a
+    24 GiB plan with CPU-tier boundaries ran out of memory at batch 64)."""
+    dev = torch.device("cuda")
+    stash = ActivationStash(dev, str(tmp_path))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    for i in range(4):
+        h = torch.randn(64, 1024, 256, device=dev, dtype=torch.bfloat16)  # 32 MiB each
+        stash.put(i, h, tier)
+        del h
+    torch.cuda.synchronize()
+    probe = torch.empty(1, device=dev)  # an allocation makes the allocator retire blocks whose streams finished
+    assert torch.cuda.memory_allocated(dev) - before < 2**20, "offloaded boundaries still held on the GPU"
+    del probe
+    assert stash.get(3).shape == (64, 1024, 256)
+    stash.clear()
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, 4097, 1 << 20])
 def test_aligned_empty(nbytes):
     buf = nvme.aligned_empty(nbytes)
