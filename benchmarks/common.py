@@ -40,11 +40,15 @@ def machine() -> dict[str, Any]:
 
 
 def git_commit() -> str | None:
+    """LAZYTRAIN_GIT_COMMIT when set (the GPU machine's copy of the tree carries a stale .git: pass the local
+    `git rev-parse HEAD` in the command), else this checkout's HEAD."""
+    if os.environ.get("LAZYTRAIN_GIT_COMMIT"):
+        return os.environ["LAZYTRAIN_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("LAZYTRAIN_GIT_COMMIT")
+        return None
 
 
 def row(**kw: Any) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests, then the executor benchmark. Run from the repo root on the device machine
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
+# Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
+# to the GPU machine carries a stale .git, so results would name the wrong commit.
 #   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | overlap | milp | stock | ddp | memcal | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,

@@ -148,6 +148,8 @@ def markdown(doc: dict[str, Any], png: str | None) -> str:
              "these rows have none); `TFLOPS exec` counts what ran (recompute forwards and causal attention included). "
              "Caps: torch.cuda.set_per_process_memory_fraction. LazyTrain's optimizer ms is the exposed part only "
              "(layer updates overlap the next forward); DeepSpeed steps inside backward.", ""]
+    if doc.get("notes"):
+        lines += [f"Notes: {doc['notes']}", ""]
     if png:
         lines += [f"![TFLOPS 6ND vs batch]({png})", ""]
     for (model, cap), rows in _groups(doc["rows"]).items():
