@@ -107,7 +107,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             else:
                 from lazytrain_hf.planning.milp import solve_milp
 
-                sched = solve_milp(cm, time_limit_s=10.0, gpu_optimizer=False)  # streamed layers update on the CPU
+                sched = solve_milp(cm, time_limit_s=10.0, gpu_optimizer=args.gpu_optimizer and not args.no_overlap)
                 r.update(solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))
             from lazytrain_hf.planning.estimate import evaluate
 
@@ -158,6 +158,8 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                               optimizer_state_bytes=opt.state_bytes(), schedule_policy=sched.policy,
                               checkpoints=sum(lp.checkpoint for lp in sched.layers),
                               retained=sum(lp.retain for lp in sched.layers),
+                              gpu_updated_layers=sum(lp.optimizer_device == "gpu" for lp in sched.layers),
+                              device_updates=ex.device_updates,
                               tiers=sorted({lp.tier for lp in sched.layers if lp.checkpoint}),
                               prefetch_depth=sched.prefetch_depth,
                               host_bytes_per_param=(ex.store.param_bytes + ex.store.grad_bytes +
@@ -293,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--master-weights", default="kahan")
     p.add_argument("--fp32-embedding-states", action="store_true")
     p.add_argument("--no-overlap", action="store_true", help="optimizer updates serial after backward")
+    p.add_argument("--gpu-optimizer", action="store_true",
+                   help="MILP may place layers' updates on the GPU (lazytrain_config.gpu_layer_updates)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (CI) on a tiny shape")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -102,6 +102,9 @@ class LazyTrainConfig:
         overlap_optimizer (bool, defaults to True): run the streamed layers' optimizer updates on a CPU worker
             overlapped with the next forward (layer i's update must land before layer i is streamed in) instead
             of serially inside `optimizer.step()`.
+        gpu_layer_updates (bool, defaults to False): let the MILP place streamed layers' optimizer updates on the
+            GPU (run at the layer's next load, streamed states; needs overlap_optimizer). Off until measured on
+            the GPU machine (benchmarks/NOTES.md).
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
@@ -130,6 +133,7 @@ class LazyTrainConfig:
     pin_memory: bool = True
     max_rows_per_pass: int | None = None
     overlap_optimizer: bool = True
+    gpu_layer_updates: bool = False
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None
     solver_time_limit_s: float = 10.0

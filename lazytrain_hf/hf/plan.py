@@ -63,9 +63,8 @@ def plan_for_trainer(trainer: Any) -> Schedule:
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
                              block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
     fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
-    # gpu_optimizer=False: the executor runs every streamed layer's update on the CPU (overlapped with the next
-    # forward); a plan assuming GPU-side updates would predict work that does not happen.
+    # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py)
     schedule = solve_milp(cm, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
-                          gpu_optimizer=False, fingerprint=fp)
+                          gpu_optimizer=cfg.gpu_layer_updates and cfg.overlap_optimizer, fingerprint=fp)
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
     return schedule

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 GradSource = Callable[[Tensor], "Tensor | None"]
 """``fn(param) -> fp32 gradient tensor (param.numel() elements) or None (param has no gradient this step)``."""
+Stage = Callable[[Tensor, Tensor, dict[str, Any]], "tuple[Tensor, Tensor, dict[str, Any]]"]
+"""``fn(param, grad, state) -> (param, grad, state) copies the update runs on`` (see `step_deferred`)."""
 
 STATE_TENSOR_KEYS = ("state1", "state2", "absmax1", "absmax2", "master", "kahan")
 """Per-parameter state tensors. None of them is ever cast on load (bitsandbytes' ``non_castable_tensor_keys``):
@@ -300,9 +302,16 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         return {"clip": (coef, skip), "groups": {id(g): {k: g[k] for k in keys} for g in self.param_groups}}
 
     @torch.no_grad()
-    def step_deferred(self, params: list[Tensor], snapshot: dict[str, Any]) -> None:
-        """Apply the update of `params` that a `step` deferred (see `set_deferred`)."""
-        self._update(list(params), snapshot)
+    def step_deferred(self, params: list[Tensor], snapshot: dict[str, Any], stage: Stage | None = None) -> None:
+        """Apply the update of `params` that a `step` deferred (see `set_deferred`).
+
+        Args:
+            stage: run each update on other copies of the tensors, e.g. on the GPU for a parameter held in host
+                memory: ``stage(p, grad, state) -> (p_dev, grad_dev, state_dev)`` where `state_dev` maps the same
+                keys as `state` (tensors copied to the device). The update runs on those; the caller copies
+                `p_dev` and the `state_dev` tensors back (streaming/executor.py). The step counter is kept here.
+        """
+        self._update(list(params), snapshot, stage)
 
     @torch.no_grad()
     def step_params(self, params: list[Tensor]) -> None:
@@ -316,7 +325,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         """
         self._update(list(params))
 
-    def _update(self, params: list[Tensor], snapshot: dict[str, Any] | None = None) -> None:
+    def _update(self, params: list[Tensor], snapshot: dict[str, Any] | None = None,
+                stage: Stage | None = None) -> None:
         if snapshot is None:
             clip_coef, skip = self._resolve_clip()
             self.last_step_skipped = skip
@@ -333,13 +343,16 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 self._init_state(p, group)
-            if g.device != p.device:
-                g = g.to(p.device)
+            target, tstate = p, state
+            if stage is not None:
+                target, g, tstate = stage(p, g, state)
+            if g.device != target.device:
+                g = g.to(target.device)
             beta1, beta2 = hp["betas"]
             hyper = F.AdamWHyper(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2),
                                  eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
                                  step=int(state["step"]) + 1, clip_coef=clip_coef)
-            F.adamw_step(p, g, state, hyper, self._books_for(p.device), block_size=int(group["block_size"]))
+            F.adamw_step(target, g, tstate, hyper, self._books_for(target.device), block_size=int(group["block_size"]))
             state["step"] = hyper.step   # counted once the update went through
 
     def _books_for(self, device: torch.device) -> F.Codebooks:

@@ -176,12 +176,15 @@ class StreamingExecutor:
             self.dp.broadcast_([t for b in self.store.buffers for t in b.weights.values()] +
                                [p.data for p in self._resident])
         self.streamer: WeightStreamer | None = None
+        self.updater: LayerUpdater | None = None
+        self._stage: dict[tuple, dict[tuple, torch.Tensor]] = {}  # structure -> device copies for GPU-side updates
+        self._stage_free: dict[tuple, torch.cuda.Event] = {}  # structure -> its staging copied back (CUDA)
+        self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
                                                      self.config.activation_tier, self.config.prefetch_depth))
         self.stats = StepStats()
         self._unpack_slot: Slot | None = None
-        self.updater: LayerUpdater | None = None
 
     def instrument(self, on: bool = True) -> None:
         """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
@@ -208,17 +211,19 @@ class StreamingExecutor:
             raise ValueError(f"schedule has {schedule.num_layers} layers but the model has {self.num_layers}; "
                              "re-plan for this model (lazytrain-hf plan) or delete the stale schedule file")
         if self.streamer is None or self.streamer.depth != schedule.prefetch_depth:
+            self.flush_updates()  # in-flight GPU-side updates write through the old streamer's events
             self.streamer = None
             self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
             self.streamer.before_load = self._before_load
+            self.streamer.after_load = self._device_update
         self.schedule = schedule
         self._ops = plan_ops(schedule)
         self._segment_end = dict(schedule.segments())  # segment start -> end
-        on_gpu = sum(lp.optimizer_device == "gpu" for lp in schedule.layers)
-        if on_gpu:
-            logger.warning("the schedule places %d layers' optimizer updates on the GPU; this executor runs every "
-                           "streamed layer's update on the CPU (overlapped with the next forward), so the "
-                           "predicted step time assumes work it does not do yet", on_gpu)
+        if self.updater is not None:
+            self.updater.set_device_layers(self._device_layers())
+
+    def _device_layers(self) -> set[int]:
+        return {i for i, lp in enumerate(self.schedule.layers) if lp.optimizer_device == "gpu"}
 
     # ---- optimizer overlap ---------------------------------------------------------------------------------
     def attach_optimizer(self, optimizer: Any) -> None:
@@ -228,6 +233,7 @@ class StreamingExecutor:
             self.updater.detach()
         layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
         self.updater = LayerUpdater(optimizer, layer_params)
+        self.updater.set_device_layers(self._device_layers())
 
     def _before_load(self, layer: int) -> None:
         if self.updater is not None:
@@ -235,8 +241,74 @@ class StreamingExecutor:
 
     def flush_updates(self) -> None:
         """Apply every deferred optimizer update now (before weights or optimizer states are read or saved)."""
+        if self.streamer is not None and self.device.type == "cuda":
+            for ev in self.streamer.host_written.values():  # GPU-side updates copying back to host memory
+                ev.synchronize()
         if self.updater is not None:
             self.updater.wait_all()
+
+    def _device_update(self, slot: Slot, layer: int) -> None:
+        """Run `layer`'s deferred optimizer update on the compute device, next to the weights just streamed in
+        (schedule: optimizer_device "gpu"; DESIGN.md §3 optimizer placement). Its host gradient and optimizer
+        states go H2D into staging copies (one set per layer structure), the update runs on the slot's weights
+        (bitsandbytes' 8-bit kernel on CUDA), then weights and states go D2H to the host store while forward
+        computes. CUDA: everything before the copy-back runs on the H2D stream, so the slot is ready only once
+        updated; later loads of the layer wait for the copy-back (`WeightStreamer.host_written`)."""
+        snapshot = self.updater.take_device(layer) if self.updater is not None else None
+        if snapshot is None:
+            return
+        cuda = self.device.type == "cuda"
+        key = self.keys[layer]
+        stream = torch.cuda.current_stream(self.device) if cuda else None  # the H2D stream (WeightStreamer._load)
+        if cuda and key in self._stage_free:
+            stream.wait_event(self._stage_free[key])  # the previous user of this staging set has copied back
+        bufs = self._stage.setdefault(key, {})
+        names = {id(p): n for n, p in self.layers[layer].named_parameters()}
+        specs = {sp.name: sp for sp in self.store.buffers[layer].specs}
+        back: list[tuple[torch.Tensor, torch.Tensor, dict, dict]] = []
+
+        def staged(name: str, what: str, src: torch.Tensor) -> torch.Tensor:
+            t = bufs.get((name, what))
+            if t is None or t.shape != src.shape or t.dtype != src.dtype:
+                t = bufs[(name, what)] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            return t.copy_(src, non_blocking=cuda)
+
+        def stage(p: torch.Tensor, g: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            name = names[id(p)]
+            sp = specs[name]
+            on_device = slot.weights[sp.dtype][sp.offset:sp.offset + sp.numel].view(sp.shape)
+            dev_state = {k: staged(name, k, v) if torch.is_tensor(v) and v.dim() > 0 else v
+                         for k, v in state.items()}
+            back.append((p, on_device, state, dev_state))
+            return on_device, staged(name, "grad", g), dev_state
+
+        try:
+            self.updater.optimizer.step_deferred(self.updater.layer_params[layer], snapshot, stage)
+        finally:
+            self.updater.device_done(layer)
+        self.device_updates += 1
+        if not back:
+            return  # skipped step (non-finite norm) or no gradients
+        if not cuda:
+            for p, on_device, state, dev_state in back:
+                p.data.copy_(on_device)
+                for k, v in dev_state.items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        state[k].copy_(v)
+            return
+        d2h = self.grads.d2h_stream  # idle in forward: gradient copies happen in backward
+        d2h.wait_stream(stream)
+        with torch.cuda.stream(d2h):
+            for p, on_device, state, dev_state in back:
+                p.data.copy_(on_device, non_blocking=True)
+                for k, v in dev_state.items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        state[k].copy_(v, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(d2h)
+        self.streamer.host_written[layer] = done
+        self.streamer.slot_read[id(slot)] = done
+        self._stage_free[key] = done
 
     # ---- parameters and gradients ------------------------------------------------------------------------
     def is_streamed(self, p: torch.Tensor) -> bool:

@@ -89,6 +89,11 @@ class WeightStreamer:
         # (before, after) events on the compute stream around each wait for a weight load: their elapsed time is
         # how long compute stalled on H2D (exposed transfer). Filled only when `instrument` is set.
         self.before_load = None  # callable(layer): blocks until the host weights of `layer` may be read
+        # callable(slot, layer): runs after the weights' H2D is enqueued (on the H2D stream under CUDA) and before
+        # the slot is marked ready: the executor's GPU-side optimizer update of a freshly loaded layer
+        self.after_load = None
+        self.host_written: dict[int, torch.cuda.Event] = {}  # layer -> D2H of its updated host weights
+        self.slot_read: dict[int, torch.cuda.Event] = {}  # id(slot) -> that D2H, which reads the slot
         self.instrument = False
         self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.loads = 0
@@ -168,12 +173,20 @@ class WeightStreamer:
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(slot.free)
+                if layer in self.host_written:  # a GPU-side update is still writing this layer's host weights
+                    self.h2d_stream.wait_event(self.host_written[layer])
+                if id(slot) in self.slot_read:  # ... or still copying this slot's updated weights out
+                    self.h2d_stream.wait_event(self.slot_read[id(slot)])
                 for dt, dst in slot.weights.items():
                     dst.copy_(host[dt], non_blocking=True)
+                if self.after_load is not None:
+                    self.after_load(slot, layer)
                 slot.ready.record(self.h2d_stream)
         else:
             for dt, dst in slot.weights.items():
                 dst.copy_(host[dt])
+            if self.after_load is not None:
+                self.after_load(slot, layer)
         slot.layer = layer
         self.loads += 1
         self.h2d_bytes += sum(t.numel() * t.element_size() for t in host.values())

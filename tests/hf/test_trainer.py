@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import lazytrain_hf  # noqa: F401  (registers optim="lazytrain_hybrid8")
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 from lazytrain_hf.models import load_model
+from lazytrain_hf.planning.fixed import fixed_schedule
 
 from ..conftest import rel_err
 
@@ -188,21 +189,32 @@ def test_overlapped_updates_equal_serial_with_lr_schedule(tmp_path):
                                                                                  optim="adamw_torch", **kw)),
                     train_dataset=ds, data_collator=_collate)
     stock.train()
-    runs = {}
-    for overlap in (True, False):
+    # "device": layers 0 and 2 updated on the compute device at their next load (optimizer_device "gpu"; on the CPU
+    # the same staging, kernel and copy-back path runs with CPU tensors)
+    placed = fixed_schedule(model.config.num_hidden_layers, EXACT["checkpoint_every"])
+    for i in (0, 2):
+        placed.layers[i].optimizer_device = "gpu"
+    placed.to_json(str(tmp_path / "placed.json"))
+    runs, trainers = {}, {}
+    for overlap in (True, False, "device"):
+        cfg = {**EXACT, "overlap_optimizer": bool(overlap)}
+        if overlap == "device":
+            cfg["schedule_path"] = str(tmp_path / "placed.json")
         t = LazyTrainer(model=copy.deepcopy(model),
-                        args=LazyTrainingArguments(**_common(tmp_path, f"overlap{overlap}", **kw),
-                                                   lazytrain_config={**EXACT, "overlap_optimizer": overlap}),
+                        args=LazyTrainingArguments(**_common(tmp_path, f"overlap{overlap}", **kw), lazytrain_config=cfg),
                         train_dataset=ds, data_collator=_collate)
         t.train()
-        runs[overlap] = dict(t.model.named_parameters())
+        runs[overlap], trainers[overlap] = dict(t.model.named_parameters()), t
     assert len({h["learning_rate"] for h in stock.state.log_history if "learning_rate" in h}) > 2
+    assert trainers["device"].executor.device_updates >= 2 * 2  # 2 layers x (steps whose update met a next load)
     for name, p in stock.model.named_parameters():
         assert torch.equal(runs[True][name], runs[False][name]), name
+        assert torch.equal(runs["device"][name], runs[False][name]), name
         assert rel_err(runs[True][name].detach(), p.detach()) < 1e-5, name
     # a checkpoint taken mid-run holds the step's weights: deferred updates landed before the save
     saved = {o: dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / f"overlap{o}" / "checkpoint-2"))
-                     .named_parameters()) for o in (True, False)}
+                     .named_parameters()) for o in (True, False, "device")}
     for name, p in saved[False].items():
         assert torch.equal(saved[True][name], p), name
+        assert torch.equal(saved["device"][name], p), name
     assert not torch.equal(saved[True]["model.layers.3.mlp.up_proj.weight"], model.model.layers[3].mlp.up_proj.weight)
