@@ -12,10 +12,11 @@ warm-started from the best feasible `fixed` variant (MegaTrain's heuristic). The
 `solver` = {status, mip_gap, solve_ms, objective_ms, ...} and `predicted` = {step_ms, peak_gpu_bytes, ...}.
 Infeasible budgets raise `InfeasiblePlanError`, which names the smallest feasible GPU and host budgets.
 
-Size: about 26 columns (8 binary) and 50 rows per layer (64 layers: ~1,700 x ~3,300). Measured on 2 CPU cores
-(benchmarks/results/planner-*.json): 0.6 s for Qwen2.5-7B (28 layers), 7-9 s for 64 layers when the CPU optimizer
-is slower than the forward (the LP relaxation is weakest on optimizer placement: fractional o_i split a layer's
-update between CPU and GPU), under 1 s for 64 layers when it is not.
+Size: about 26 columns (8 binary) and 50 rows per layer (64 layers: ~1,700 x ~3,300). Handed to HiGHS whole it
+takes 8-14 s on 2 CPU cores for 64 layers with optimizer placement open: the LP relaxation is weakest on the
+optimizer placement (fractional o_i split a layer's update between CPU and GPU) and the global flags. The default
+path (`_PlanMilp.solve_search`) branches on those itself (per-class counts of on-GPU updates, flags) with LP bounds
+and leaves the rest to HiGHS (benchmarks/results/planner-20261129-v3.json, benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ def _new_highs() -> Any:
     return h
 
 
+def _layer_classes(cm: CostModel) -> list[list[int]]:
+    """Layers grouped by identical kind and costs (members ascending), in order of their first layer."""
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    for i in range(cm.num_layers):
+        sig = (cm.layer_kind[i], cm.fwd_ms[i], cm.bwd_ms[i], cm.param_bytes[i], cm.grad_bytes[i],
+               cm.act_bytes[i], cm.saved_bytes[i], cm.num_params[i], cm.gpu_optim_h2d_bytes[i],
+               cm.gpu_optim_d2h_bytes[i], cm.fwd_work_bytes[i], cm.bwd_work_bytes[i])
+        classes.setdefault(sig, []).append(i)
+    return list(classes.values())
+
+
 @dataclass
 class _Result:
     """One HiGHS solve."""
@@ -139,6 +151,7 @@ class _PlanMilp:
         self.cm, self.d, self.memory_only = cm, depth, memory_only
         self.gpu_optimizer = gpu_optimizer and not memory_only
         self.h = _new_highs()
+        self._start: tuple[list[float], Schedule] | None = None  # the warm start (column values, schedule)
         self._int = highspy.HighsVarType.kInteger
         self.cols: list[tuple[Any, tuple[str, int]]] = []  # (highs var, key) in column order
         self.v: dict[Key, Any] = {}
@@ -210,6 +223,8 @@ class _PlanMilp:
             h.addConstr(v["z", i] >= v["t", i] + ends - 1)
             h.addConstr(v["zn", i] >= v["tn", i] + ends - 1)
 
+        self.classes = _layer_classes(cm)
+        self.ordered = symmetry_breaking
         if symmetry_breaking:
             self._symmetry_breaking()
         self._memory()
@@ -235,14 +250,8 @@ class _PlanMilp:
         "offloaded boundaries first" is memory-dominant but moved stash and fetch traffic enough to cost 0.8% on
         that plan and tripled its solve time.
         """
-        cm, h, v = self.cm, self.h, self.v
-        classes: dict[tuple[Any, ...], list[int]] = {}
-        for i in range(cm.num_layers):
-            sig = (cm.layer_kind[i], cm.fwd_ms[i], cm.bwd_ms[i], cm.param_bytes[i], cm.grad_bytes[i],
-                   cm.act_bytes[i], cm.saved_bytes[i], cm.num_params[i], cm.gpu_optim_h2d_bytes[i],
-                   cm.gpu_optim_d2h_bytes[i], cm.fwd_work_bytes[i], cm.bwd_work_bytes[i])
-            classes.setdefault(sig, []).append(i)
-        for members in classes.values():
+        h, v = self.h, self.v
+        for members in self.classes:
             for a, b in zip(members, members[1:]):
                 h.addConstr(v["o", a] >= v["o", b])
                 if a > 0:
@@ -419,6 +428,7 @@ class _PlanMilp:
         sol.col_value = x
         sol.value_valid = True
         self.h.setSolution(sol)
+        self._start = (x, schedule)
 
     def _violations(self, x: list[float], tol: float = 1e-6) -> list[str]:
         """Rows and bounds of the model that the column values `x` violate (relative tolerance `tol`)."""
@@ -445,14 +455,18 @@ class _PlanMilp:
         return out
 
     def solve(self, time_limit_s: float, mip_rel_gap: float) -> _Result:
-        import highspy
 
         h = self.h
         h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
         h.setOptionValue("time_limit", max(0.0, float(time_limit_s)))
         t0 = time.perf_counter()
         h.solve()
-        solve_ms = (time.perf_counter() - t0) * 1e3
+        return self._read_result((time.perf_counter() - t0) * 1e3)
+
+    def _read_result(self, solve_ms: float) -> _Result:
+        import highspy
+
+        h = self.h
         ms = h.getModelStatus()
         info = h.getInfo()
         has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
@@ -478,6 +492,172 @@ class _PlanMilp:
         if status == "optimal" and has_solution:
             bound = max(bound, obj * (1 - max(gap, 0.0)) if math.isfinite(gap) else obj)
         return _Result(self.d, status, has_solution, obj, gap, solve_ms, sched, bound)
+
+    def solve_search(self, time_limit_s: float, mip_rel_gap: float) -> _Result:
+        """Branch and bound over the structural decisions, HiGHS for the rest (the default path of `solve_milp`).
+
+        The LP relaxation of the full MILP is weak (2.5-4% under the optimum on 64 layers) almost only through the
+        optimizer placement o_i and the global flags yoff / ynv: a fractional o_i splits one layer's update between
+        CPU and GPU, and fractional flags charge a fraction of the prefetch / staging memory. With the optimizer
+        placement fixed the relaxation is within 0.2-0.5% of the optimum. With the symmetry-breaking orderings the
+        on-GPU updates of a class of identical layers are a prefix of the class, so the placement is one count per
+        class. This search branches on those counts (boxes of count ranges, LP bound per box, best first, LP
+        re-solved from the previous basis after each bound change) and then on fractional flags; a box whose counts
+        are fixed and whose LP has integral flags is a leaf, solved by HiGHS as a MILP with the incumbent as
+        cutoff. Boxes whose bound is within `mip_rel_gap` of the incumbent are pruned, so the returned gap is
+        proven over the whole MILP (with its orderings), as for `solve`.
+        """
+        import heapq
+
+        import highspy
+        import numpy as np
+
+        t0 = time.perf_counter()
+        deadline = t0 + max(0.0, float(time_limit_s))
+        h = self.h
+        base = h.getLp()
+        lp = highspy.Highs()
+        lp.silent()
+        lp.setOptionValue("presolve", "off")  # re-solves start from the previous basis
+        lp.passModel(base)
+        n = lp.getNumCol()
+        lp.changeColsIntegrality(n, np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.uint8))
+        col_lo, col_hi = np.asarray(base.col_lower_, dtype=float), np.asarray(base.col_upper_, dtype=float)
+        cost, offset = np.asarray(base.col_cost_, dtype=float), float(base.offset_)
+        o_cols = [np.array([self.v["o", i].index for i in members], dtype=np.int32) for members in self.classes]
+        widths = tuple(int(sum(col_hi[c] >= 0.5 for c in cols)) for cols in o_cols)  # GPU-updatable members
+        flag_cols = [self.v["yoff", 0].index, self.v["ynv", 0].index]
+        box_cols = np.concatenate(o_cols + [np.array(flag_cols, dtype=np.int32)]).astype(np.int32)
+
+        def bounds_of(box: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]) -> tuple[Any, Any]:
+            los, his, flags = box
+            lo, hi = [], []
+            for cols, a, b in zip(o_cols, los, his):
+                j = np.arange(len(cols))
+                lo.append((j < a).astype(float))
+                hi.append((j < b).astype(float))
+            fl = np.array([0.0 if f < 0 else float(f) for f in flags])
+            fh = np.array([1.0 if f < 0 else float(f) for f in flags])
+            lo_a = np.maximum(np.concatenate(lo + [fl]), col_lo[box_cols])
+            hi_a = np.minimum(np.concatenate(hi + [fh]), col_hi[box_cols])
+            return lo_a, hi_a
+
+        def apply(hs: Any, box: Any) -> bool:
+            lo_a, hi_a = bounds_of(box)
+            if np.any(lo_a > hi_a + 1e-9):
+                return False
+            hs.changeColsBounds(len(box_cols), box_cols, lo_a, hi_a)
+            return True
+
+        def relax(box: Any) -> tuple[float, Any]:
+            if not apply(lp, box):
+                return math.inf, None
+            lp.setOptionValue("time_limit", max(0.0, deadline - time.perf_counter()))
+            t_lp = time.perf_counter()
+            lp.run()
+            stats["lp"] += 1
+            stats["lp_ms"] += (time.perf_counter() - t_lp) * 1e3
+            st = lp.getModelStatus()
+            if st == highspy.HighsModelStatus.kOptimal:
+                return float(lp.getInfo().objective_function_value), np.asarray(lp.getSolution().col_value)
+            if st in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+                return math.inf, None
+            return -math.inf, None  # time limit or trouble: no bound
+
+        stats: dict[str, Any] = {"lp": 0, "lp_ms": 0.0, "leaves": []}
+        inc_obj, inc_sched = math.inf, None
+        if self._start is not None:
+            inc_obj = float(cost @ np.asarray(self._start[0]) + offset)
+            inc_sched = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in self._start[1].layers],
+                                 prefetch_depth=self.d)
+        gap = float(mip_rel_gap)
+        prune = lambda b: b >= inc_obj - gap * abs(inc_obj)  # noqa: E731
+        root = (tuple(0 for _ in o_cols), widths, (-1, -1))
+        bound, x = relax(root)
+        heap: list[tuple[float, int, int, Any, Any]] = []
+        tick = 0
+        if bound < math.inf:
+            heap.append((bound, 0, tick, root, x))
+        settled = math.inf  # smallest bound of the pruned boxes and solved leaves
+        timed_out = False
+        while heap:
+            if not math.isfinite(inc_obj) or not stats["leaves"]:
+                # dive first (deepest box, then smallest bound) to a leaf: its MILP gives the incumbent that prunes
+                # most boxes as soon as their LP is solved
+                heap.sort(key=lambda e: (e[1], e[0], e[2]))
+                entry = heap.pop(0)
+                heapq.heapify(heap)
+            else:
+                entry = heapq.heappop(heap)
+            bound, neg_depth, _, box, x = entry
+            if prune(bound):
+                settled = min(settled, bound)
+                heap.clear()
+                break
+            if time.perf_counter() >= deadline:
+                heapq.heappush(heap, (bound, neg_depth, 0, box, x))
+                timed_out = True
+                break
+            los, his, flags = box
+            children = []
+            wide = [c for c in range(len(o_cols)) if his[c] > los[c]]
+            split_flags = [j for j, (fv, col) in enumerate(zip(flags, flag_cols))
+                           if x is not None and fv < 0 and 1e-6 < x[col] < 1 - 1e-6]
+            if split_flags:
+                f = split_flags[0]
+                children = [(los, his, flags[:f] + (v,) + flags[f + 1:]) for v in (0, 1)]
+            elif x is not None and wide:
+                c = max(wide, key=lambda k: his[k] - los[k])
+                k = min(max(int(math.floor(float(x[o_cols[c]].sum()) + 1e-6)), los[c]), his[c] - 1)
+                children = [(los, his[:c] + (k,) + his[c + 1:], flags),
+                            (los[:c] + (k + 1,) + los[c + 1:], his, flags)]
+            if children:
+                for child in children:
+                    b, cx = relax(child)
+                    b = max(b, bound)
+                    if b == math.inf:
+                        continue
+                    if prune(b):
+                        settled = min(settled, b)
+                        continue
+                    tick += 1
+                    heapq.heappush(heap, (b, neg_depth - 1, tick, child, cx))
+                continue
+            # a leaf: the MILP with this box's counts and flags
+            apply(h, box)
+            h.setOptionValue("mip_rel_gap", gap)
+            h.setOptionValue("time_limit", max(0.0, deadline - time.perf_counter()))
+            h.setOptionValue("objective_bound", inc_obj if math.isfinite(inc_obj) else math.inf)
+            t1 = time.perf_counter()
+            h.solve()
+            res = self._read_result((time.perf_counter() - t1) * 1e3)
+            stats["leaves"].append((box, res.status, round(res.solve_ms), round(res.objective, 2),
+                                    round(res.bound, 2)))
+            if res.has_solution and res.objective < inc_obj:
+                inc_obj, inc_sched = res.objective, res.schedule
+            if res.status == "infeasible":  # nothing below the cutoff (or nothing at all) in this box
+                leaf_bound = max(bound, inc_obj)
+            else:
+                leaf_bound = max(bound, res.bound)
+            settled = min(settled, leaf_bound)
+            if res.status == "time_limit":
+                timed_out = True
+        # restore the full model (a later `solve` continues from it)
+        h.changeColsBounds(len(box_cols), box_cols, col_lo[box_cols], col_hi[box_cols])
+        h.setOptionValue("objective_bound", math.inf)
+        final_bound = min([settled] + [b for b, *_ in heap])
+        solve_ms = (time.perf_counter() - t0) * 1e3
+        if inc_sched is None:
+            status = "infeasible" if not timed_out and not heap else "time_limit"
+            return _Result(self.d, status, False, math.nan, math.nan, solve_ms, None,
+                           final_bound if status != "infeasible" else math.inf)
+        final_bound = min(final_bound, inc_obj)
+        mgap = max(0.0, (inc_obj - final_bound) / max(abs(inc_obj), 1e-9)) if math.isfinite(final_bound) else math.inf
+        status = "optimal" if mgap <= gap + 1e-9 else "time_limit"
+        self.search_stats = stats
+        logger.debug("search: %s", stats)
+        return _Result(self.d, status, True, inc_obj, mgap if math.isfinite(mgap) else math.nan, solve_ms,
+                       inc_sched, final_bound)
 
     def _extract(self) -> Schedule:
         val = self.h.val
@@ -573,7 +753,7 @@ def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
 
 def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), time_limit_s: float = 10.0,
                mip_rel_gap: float = 0.01, warm_start: bool = True, symmetry_breaking: bool = True,
-               gpu_optimizer: bool = True, fingerprint: str = "") -> Schedule:
+               gpu_optimizer: bool = True, fingerprint: str = "", search: bool = True) -> Schedule:
     """Solve the planning MILP for each prefetch depth and return the best schedule (policy "milp").
 
     Args:
@@ -588,6 +768,10 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         gpu_optimizer: allow per-layer optimizer updates on the GPU (o_i); False keeps every update on the CPU,
             as the current executor runs them (it warns about GPU placements it does not perform yet).
         fingerprint: stored in the schedule (default: a hash of the cost model).
+        search: solve by branch and bound over the per-class optimizer-placement counts and the global flags,
+            HiGHS for the rest (`_PlanMilp.solve_search`; used with `symmetry_breaking` and `gpu_optimizer`); False
+            hands HiGHS the whole MILP at once (64 layers with `gpu_optimizer`: 8-14 s instead of 0.1-2 s). Without
+            `gpu_optimizer` the whole MILP is handed to HiGHS either way (the search was not faster there).
 
     Returns:
         A `Schedule` with `solver` = {status, mip_gap, solve_ms, objective_ms, dual_bound_ms, depths: [...]} (the
@@ -634,7 +818,10 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
             start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None])
             if start is not None:
                 model.warm_start(start)
-        res = model.solve(share, mip_rel_gap)
+        if search and symmetry_breaking and gpu_optimizer:
+            res = model.solve_search(share, mip_rel_gap)
+        else:
+            res = model.solve(share, mip_rel_gap)
         results.append(res)
         models.append(model)
         if res.status == "infeasible":
