@@ -108,6 +108,9 @@ class LazyTrainConfig:
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
+        plan_buckets (int, defaults to 4): policy "milp": sequence-length buckets planned at the start of training
+            (powers of two up to the longest sequence, one MILP solve each); each batch runs the plan of the
+            smallest bucket that holds it. 1: one plan for the longest sequence.
         solver_time_limit_s (float, defaults to 10.0): HiGHS time limit (s).
         solver_mip_rel_gap (float, defaults to 0.01): HiGHS relative MIP gap.
         state_dtype (str, defaults to "8bit"): Hybrid8 optimizer moments: "8bit" blockwise or "fp32".
@@ -136,6 +139,7 @@ class LazyTrainConfig:
     gpu_layer_updates: bool = False
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None
+    plan_buckets: int = 4
     solver_time_limit_s: float = 10.0
     solver_mip_rel_gap: float = 0.01
     state_dtype: str = "8bit"
@@ -172,6 +176,7 @@ class LazyTrainConfig:
                 problems.append(f"lazytrain_config.{key} must be one of {list(allowed)}, but got {getattr(self, key)!r}")
         _check_int(problems, "checkpoint_every", self.checkpoint_every, 1, 10_000)
         _check_int(problems, "prefetch_depth", self.prefetch_depth, 1, 3)
+        _check_int(problems, "plan_buckets", self.plan_buckets, 1, 16)
         if not isinstance(self.gpu_memory_margin, (int, float)) or not 0 <= self.gpu_memory_margin < 0.9:
             problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), but got "
                             f"{self.gpu_memory_margin!r}")

@@ -36,7 +36,13 @@ class LazyTrainCallback(TrainerCallback):
         if cfg.schedule_path:
             ex.set_schedule(Schedule.from_json(cfg.schedule_path))
         elif cfg.policy == "milp":
-            ex.set_schedule(self.trainer.plan_schedule())
+            from .plan import plan_buckets_for_trainer
+
+            plans = self.trainer.bucket_plans = plan_buckets_for_trainer(self.trainer)
+            ex.set_schedule(plans.schedules[plans.buckets[-1]])
+            if len(plans.buckets) > 1:
+                logger.info("LazyTrain: %d sequence-length buckets %s, one plan each", len(plans.buckets),
+                            plans.buckets)
         s = ex.schedule
         logger.info("LazyTrain schedule: policy=%s, %d layers, %d checkpoints (tiers %s), %d retained, "
                     "prefetch_depth=%d", s.policy, s.num_layers, sum(lp.checkpoint for lp in s.layers),

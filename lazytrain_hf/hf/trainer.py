@@ -19,6 +19,7 @@ from transformers import Trainer
 
 from ..config import GIB, LazyTrainConfig
 from ..models import check_supported
+from ..planning.buckets import BucketSchedules
 from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
@@ -52,6 +53,7 @@ class LazyTrainerMixin:
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
+        self.bucket_plans: BucketSchedules | None = None  # policy "milp": one plan per sequence-length bucket
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -152,6 +154,11 @@ class LazyTrainerMixin:
                              "(-100 = ignored), e.g. from DataCollatorForLanguageModeling(mlm=False)")
         inputs = self._prepare_inputs(inputs)
         labels = inputs["labels"]
+        if self.bucket_plans is not None:  # the plan of the smallest bucket holding this batch's length
+            plans = self.bucket_plans
+            sched = plans.schedules[plans.bucket_for(min(labels.shape[1], plans.buckets[-1]))]
+            if sched is not self.executor.schedule:
+                self.executor.set_schedule(sched)
         # Ranks' gradients are SUMMED (streaming/comm.py), so the denominator is global: DDP's average of the
         # ranks' losses (each x world when the token count is already global, as Trainer.compute_loss does).
         world = self.executor.dp.world if self.executor.dp is not None else 1

@@ -41,7 +41,10 @@ class LayerUpdater:
         optimizer.set_deferred([p for ps in layer_params for p in ps], self._start)
 
     def set_device_layers(self, layers: set[int]) -> None:
-        """Layers whose updates run on the GPU at their next load (pending ones are applied first)."""
+        """Layers whose updates run on the GPU at their next load (pending ones are applied first when the set
+        changes; an unchanged set keeps the overlap)."""
+        if set(layers) == self.device_layers:
+            return
         self.wait_all()
         self.device_layers = set(layers)
 

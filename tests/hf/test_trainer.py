@@ -52,7 +52,7 @@ def _common(tmp_path, name, **kw):
     return base
 
 
-def _train_pair(tmp_path, arch, **kw):
+def _train_pair(tmp_path, arch, lazy_cfg=None, **kw):
     model = load_model(arch, "float32", seed=3)
     ds = _dataset(model.config.vocab_size)
     stock_model = copy.deepcopy(model)
@@ -60,7 +60,7 @@ def _train_pair(tmp_path, arch, **kw):
                     train_dataset=ds, data_collator=_collate)
     stock.train()
     lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy", **kw),
-                                                               lazytrain_config=dict(EXACT)),
+                                                               lazytrain_config=dict(lazy_cfg or EXACT)),
                        train_dataset=ds, data_collator=_collate)
     lazy.train()
     return stock, lazy
@@ -86,6 +86,30 @@ def test_lazytrainer_equals_stock_trainer(tmp_path, arch):
         assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
     if lazy.model.config.tie_word_embeddings:
         assert lazy.model.lm_head.weight is lazy.model.model.embed_tokens.weight
+
+
+def test_milp_policy_plans_per_length_bucket_and_equals_stock(tmp_path, monkeypatch):
+    """policy "milp": one plan per sequence-length bucket at train begin; each batch runs its bucket's plan; the
+    result still equals the stock Trainer."""
+    from lazytrain_hf.streaming.executor import StreamingExecutor
+
+    used = []
+    original = StreamingExecutor.set_schedule
+
+    def spy(self, schedule):
+        used.append(schedule.solver.get("seq_len_bucket"))
+        return original(self, schedule)
+
+    monkeypatch.setattr(StreamingExecutor, "set_schedule", spy)
+    stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp"})
+    assert lazy.bucket_plans.buckets == [8, 16, 24]  # data up to 20 tokens, rounded up to 24
+    assert all(s.policy == "milp" for s in lazy.bucket_plans.schedules.values())
+    assert len({b for b in used if b is not None}) >= 2, used  # batches of different lengths, different plans
+    for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
+        assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
 
 
 def test_unequal_micro_batches_equal_one_full_batch(tmp_path):
