@@ -124,3 +124,33 @@ def test_adamw_step_rejects_mismatched_sizes():
     with pytest.raises(ValueError, match="elements"):
         F.adamw_step(torch.zeros(8), torch.zeros(7), st, F.AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1), books,
                      block_size=256)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sliced_update_equals_whole(case, device, monkeypatch):
+    """Large tensors are updated in CHUNK_ELEMENTS slices (bounded fp32 temporaries); blocks are independent, so
+    the result is bitwise the whole-tensor update ("torch" kernel on the CPU, bitsandbytes' on CUDA)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _, pdtype, gdtype, master, state_dtype, n, block_size = case
+    kernel = "torch" if device == "cpu" else "bnb"
+    if kernel == "bnb" and state_dtype == "8bit" and block_size != F.BNB_BLOCK_SIZE:
+        pytest.skip("bitsandbytes' 8-bit kernel needs 256-element blocks")
+    p, grad, opt = _prepared_state(pdtype, gdtype, master, state_dtype, n, block_size)
+    books = opt._books_for(torch.device(device))
+    results = []
+    for chunk in (1 << 25, 3 * block_size):  # whole; slices of 3 blocks (the last one partial)
+        monkeypatch.setattr(F, "CHUNK_ELEMENTS", chunk)
+        q = p.detach().clone().to(device)
+        st = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in copy.deepcopy(opt.state[p]).items()}
+        st["step"] += 1
+        hyper = F.AdamWHyper(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=st["step"],
+                             clip_coef=0.37)
+        F.adamw_step(q, grad.to(device), st, hyper, books, block_size=block_size, kernel=kernel)
+        results.append((q, st))
+    (q_w, s_w), (q_s, s_s) = results
+    assert torch.equal(q_s, q_w)
+    for k, v in s_w.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(s_s[k], v), k
