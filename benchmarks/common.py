@@ -83,13 +83,26 @@ def append_results(path: str | Path, suite: str, rows: list[dict[str, Any]]) -> 
     tmp.replace(path)
 
 
+def gsm8k_dir(data_dir: str | None = None) -> Path:
+    """The GSM8K folder: `data_dir`, else LAZYTRAIN_GSM8K_DIR, else <repo>/../shared/data/gsm8k.
+
+    Raises:
+        FileNotFoundError: it has no train.jsonl (names the two ways to point at it).
+    """
+    d = Path(data_dir or os.environ.get("LAZYTRAIN_GSM8K_DIR") or
+             Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
+    if not (d / "train.jsonl").is_file():
+        raise FileNotFoundError(f"no GSM8K train.jsonl in {d}: pass --data-dir /path/to/gsm8k or set "
+                                "LAZYTRAIN_GSM8K_DIR")
+    return d
+
+
 def gsm8k_token_rows(seq_len: int, num_rows: int, data_dir: str | None = None) -> torch.Tensor:
     """[num_rows, seq_len] int64: GSM8K train problems (question + answer, eos-separated) tokenized with the real
-    Qwen tokenizer and packed into rows; repeats the stream if needed."""
+    Qwen tokenizer and packed into rows; repeats the stream if needed (folder: `gsm8k_dir`)."""
     from lazytrain_hf.data import load_tokenizer
 
-    data_dir = data_dir or os.environ.get("LAZYTRAIN_GSM8K_DIR") or str(
-        Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
+    data_dir = gsm8k_dir(data_dir)
     tok = load_tokenizer("qwen-offline")
     ids: list[int] = []
     need = seq_len * num_rows

@@ -199,13 +199,16 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results")
-    p.add_argument("--md", default="BENCHMARKS.md")
-    p.add_argument("--png", default=None, help="default: benchmarks/results/<results stem>.png")
+    p.add_argument("--md", default=None, help="default: BENCHMARKS.md for a results file under benchmarks/results/ "
+                   "(the committed table), else <results stem>.md next to the results file")
+    p.add_argument("--png", default=None, help="default: <results stem>.png next to the results file")
     args = p.parse_args(argv)
     src = Path(args.results)
     doc = json.loads(src.read_text())
-    png = Path(args.png) if args.png else Path("benchmarks/results") / f"{src.stem}.png"
-    md = Path(args.md)
+    png = Path(args.png) if args.png else src.with_suffix(".png")
+    committed = src.resolve().parent == (Path(__file__).resolve().parent / "results")
+    md = Path(args.md) if args.md else (Path(__file__).resolve().parents[1] / "BENCHMARKS.md" if committed
+                                        else src.with_suffix(".md"))
     plot(doc, png)
     try:
         rel = png.resolve().relative_to(md.resolve().parent)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import git_commit, row
+from .common import git_commit, gsm8k_dir, row
 from .systems import ONE_BATCH_PER_PROCESS, SYSTEMS, unsupported_reason
 from .worker import fmt_row
 
@@ -280,7 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-start-s", type=float, default=45.0, help="do not start a process with less time left")
     p.add_argument("--embedding-states", choices=["8bit", "fp32"], default="8bit")
     p.add_argument("--zero-stage", type=int, choices=[2, 3], default=3)
-    p.add_argument("--data-dir", default=None, help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR or ../shared/data)")
+    p.add_argument("--data-dir", default=None,
+                   help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR, else <repo>/../shared/data/gsm8k)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
@@ -290,6 +291,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(args.systems or []) - set(SYSTEMS)
     if bad:
         p.error(f"unknown systems {sorted(bad)}; known: {', '.join(SYSTEMS)}")
+    try:  # before any worker starts: every system reads the same token rows
+        gsm8k_dir(args.data_dir)
+    except FileNotFoundError as e:
+        p.error(str(e))
     return args
 
 

@@ -70,7 +70,9 @@ def train(args: argparse.Namespace) -> int:
     result = trainer.train(resume_from_checkpoint=resume)
     out = Path(targs.output_dir)
     final = out / "final"
-    trainer.save_model(str(final))
+    trainer.save_model(str(final))  # the Trainer writes on the main process only
+    if not trainer.is_world_process_zero():  # data parallel: the other ranks are done (rank 0 evaluates, reports)
+        return 0
     tokenizer.save_pretrained(str(final))
     metrics: dict[str, Any] = {
         "recipe": recipe.path, "model": recipe.model.name_or_path, "train": result.metrics,

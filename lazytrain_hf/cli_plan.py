@@ -85,8 +85,12 @@ def run(args: argparse.Namespace) -> int:
         problems.append("--tier nvme needs --nvme-dir")
     sizes: dict[str, int | None] = {}
     for flag in ("gpu_memory", "host_memory", "nvme_budget"):
+        value = getattr(args, flag)
+        if value is not None and re.fullmatch(r"\s*[0-9.]+\s*", str(value)):  # "24": bytes, surely not meant
+            problems.append(f"--{flag.replace('_', '-')} {value}: give a unit, e.g. {value.strip()}GiB")
+            continue
         try:
-            sizes[flag] = parse_bytes(getattr(args, flag))
+            sizes[flag] = parse_bytes(value)
         except ValueError as e:
             problems.append(f"--{flag.replace('_', '-')}: {e}")
     if problems:

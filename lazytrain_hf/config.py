@@ -91,7 +91,8 @@ class LazyTrainConfig:
         gpu_memory_margin (float, defaults to 0.12): fraction of the GPU budget the MILP keeps free for allocator
             fragmentation and workspaces the analytic cost model does not count. On the H200 (benchmarks/NOTES.md,
             2026-11-29) a plan predicted at 23.4 GB ran out of memory under a 25.8 GB cap: >= 9% under-prediction.
-        host_memory_budget (str or int, defaults to None): pinned host memory the plan may use. None: 90% of RAM.
+        host_memory_budget (str or int, defaults to None): pinned host memory the plan may use (per process). None:
+            90% of RAM divided among the data-parallel ranks on this host (LOCAL_WORLD_SIZE).
         nvme_dir (str, defaults to None): directory for the "nvme" tier; required when that tier is used.
         nvme_budget (str or int, defaults to None): bytes the plan may write to `nvme_dir`.
         pin_memory (bool, defaults to True): keep host weights and gradients in pinned (page-locked) memory
@@ -177,9 +178,10 @@ class LazyTrainConfig:
         _check_int(problems, "checkpoint_every", self.checkpoint_every, 1, 10_000)
         _check_int(problems, "prefetch_depth", self.prefetch_depth, 1, 3)
         _check_int(problems, "plan_buckets", self.plan_buckets, 1, 16)
-        if not isinstance(self.gpu_memory_margin, (int, float)) or not 0 <= self.gpu_memory_margin < 0.9:
-            problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), but got "
-                            f"{self.gpu_memory_margin!r}")
+        margin = self.gpu_memory_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.9:
+            problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), e.g. 0.12 (the "
+                            f"default), but got {margin!r}")
         _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
         if self.max_rows_per_pass is not None:
             _check_int(problems, "max_rows_per_pass", self.max_rows_per_pass, 1, 1 << 20)

@@ -49,6 +49,9 @@ def test_smoke_suite_and_report(tmp_path, monkeypatch):
     assert "python -m benchmarks.run --suite smoke" in text and "| lazytrain_milp | 2 | ok |" in text
     assert "Ratios lazytrain_milp / system" in text and "unsupported" in text
     assert png.stat().st_size > 1000
+    # by default a results file outside benchmarks/results/ is reported next to itself (never over BENCHMARKS.md)
+    md, png = report.main([str(out)])
+    assert md == out.with_suffix(".md") and png == out.with_suffix(".png") and md.exists() and png.exists()
 
 
 def test_worker_timeout_is_recorded(tmp_path):

@@ -62,6 +62,8 @@ class LazyTrainCallback(TrainerCallback):
         self.trainer.executor.flush_updates()
 
     def on_save(self, args, state, control, **kwargs: Any):
+        if not state.is_world_process_zero:  # one writer, as the Trainer's own checkpoint files
+            return
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if os.path.isdir(ckpt) and self.trainer.executor is not None:
             self.trainer.executor.schedule.to_json(os.path.join(ckpt, SCHEDULE_NAME))

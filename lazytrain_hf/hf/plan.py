@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -41,14 +42,18 @@ def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
         gpu = cfg.gpu_memory_budget or free
     else:
         hardware, gpu = H200_DEFAULTS, cfg.gpu_memory_budget or 80 * GIB
+    # data parallel: every rank on this host keeps its own host store and stash (streaming/comm.py)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     if cfg.host_memory_budget:
         host = cfg.host_memory_budget
     else:
         import psutil
 
-        host = int(0.9 * psutil.virtual_memory().total)
+        host = int(0.9 * psutil.virtual_memory().total) // local
     gpu = int(gpu * (1 - cfg.gpu_memory_margin))  # fragmentation and unmodelled workspaces (config docs)
-    nvme = (cfg.nvme_budget or 256 * GIB) if cfg.nvme_dir else 0
+    nvme = (cfg.nvme_budget or 256 * GIB // local) if cfg.nvme_dir else 0
+    if local > 1 and not cfg.host_memory_budget:
+        logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)", host / GIB, local)
     return hardware, gpu, host, nvme
 
 
@@ -61,7 +66,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
         prefetch_depths: prefetch depths the MILP may choose from.
 
     Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
-    `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM), `nvme_budget` when `nvme_dir` is set.
+    `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM / data-parallel ranks on this host), `nvme_budget`
+    when `nvme_dir` is set.
     Hardware rates: the cached or fresh probe on CUDA, the H200 defaults elsewhere.
 
     Raises:

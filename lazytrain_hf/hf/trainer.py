@@ -83,6 +83,9 @@ class LazyTrainerMixin:
         # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
+        dp = self.executor.dp
+        logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "
+                    f"({dp.backend})" if dp is not None else "one process (no data parallelism)")
         self.streaming_model = StreamingModel(self.executor)
         n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
         self.meter = StepMeter(n_params, device)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,10 +97,15 @@ class Schedule:
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            tmp = Path(str(path) + ".tmp")
-            tmp.write_text(text)
-            tmp.replace(path)  # atomic: never a half-written schedule
+        if path is not None:  # atomic, and safe with concurrent writers: a unique temp file, then rename
+            fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=Path(path).name + ".", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
         return text
 
     @classmethod

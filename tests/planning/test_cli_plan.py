@@ -49,6 +49,11 @@ def test_bad_arguments_exit_2_listing_every_problem(capsys, tmp_path):
     rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "lots", "--batch-size", "0"))
     err = capsys.readouterr().err
     assert rc == 2 and "--gpu-memory" in err and "--batch-size" in err
+    # a bare number would be bytes: refused with the unit to add
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "24", "--hardware", "defaults")) == 2
+    assert "e.g. 24GiB" in capsys.readouterr().err
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory-margin", "0.95", "--hardware", "defaults")) == 2
+    assert "--gpu-memory-margin" in capsys.readouterr().err
     # an existing directory without a config.json: a clear error, no download attempt
     assert cli_plan.run(_args("--model", str(tmp_path), "--hardware", "defaults")) == 2
     assert "--model" in capsys.readouterr().err
