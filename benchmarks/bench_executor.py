@@ -91,6 +91,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
     opt = Hybrid8bitOptimizer(list({id(p): p for p in model.parameters()}.values()), lr=1e-5, weight_decay=0.01,
                               master_weights=args.master_weights, fp32_state_params=emb)
     opt.set_grad_source(ex.grad_source)
+    opt.set_state_allocator(ex.state_alloc)
     if not args.no_overlap:
         ex.attach_optimizer(opt)  # layer updates overlap the next forward; step time is steady-state
     world, rank = getattr(args, "world", 1), getattr(args, "rank", 0)
@@ -149,7 +150,8 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             r.update(percentiles(times), tokens_per_s=world * tokens / med, tflops_6nd=6 * n_params * tokens / med / 1e12,
                      tflops_executed=_executed_flops(model, ex, tokens, args.seq_len) / med / 1e12,
                      peak_gpu_gib=_peak_gib(args), peak_host_rss_gib=_peak_rss_gib(),
-                     pinned_planned_gib=(ex.store.pinned_bytes + ex.grads.staging_pinned_bytes) / GIB,
+                     pinned_planned_gib=ex.pinned_bytes["planned"] / GIB,
+                     pinned_locked_gib=(ex.pinned_bytes["registered"] + _host_allocator_bytes(args)) / GIB,
                      exposed_h2d_ms=statistics.median(h2d), exposed_d2h_ms=statistics.median(d2h),
                      optimizer_ms=statistics.median(optim) * 1e3)
             r["extra"].update(fwd_bwd_ms=statistics.median(fb) * 1e3, setup_s=setup_s, **mem,
@@ -240,6 +242,13 @@ def run_stock(args: argparse.Namespace) -> list[dict[str, Any]]:
         opt.zero_grad(set_to_none=True)
         _finish_row(args, rows, r)
     return rows
+
+
+def _host_allocator_bytes(args: argparse.Namespace) -> int:
+    """Bytes PyTorch's caching host allocator holds page-locked (pin_memory=True blocks, power-of-two rounded)."""
+    if args.device != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return 0
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
 
 def _global_targets(ids: torch.Tensor, ex: Any) -> torch.Tensor | None:

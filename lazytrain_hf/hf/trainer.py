@@ -123,6 +123,7 @@ class LazyTrainerMixin:
         if self.executor is not None:
             inner = self._inner_optimizer(opt)
             inner.set_grad_source(self.executor.grad_source)
+            inner.set_state_allocator(self.executor.state_alloc)  # exact-size pinned states (before any resume)
             if self.lazy_config.overlap_optimizer:
                 self.executor.attach_optimizer(inner)
         return opt
@@ -195,7 +196,7 @@ class LazyTrainerMixin:
     def executor_metrics(self) -> dict[str, float]:
         ex = self.executor
         st = ex.stats
-        m = {"pinned_host_gib": round(ex.store.pinned_bytes / GIB, 3),
+        m = {"pinned_host_gib": round((ex.pinned_bytes["registered"] + ex.grads.staging_pinned_bytes) / GIB, 3),
              "h2d_weight_gib_per_microbatch": round(st.h2d_weight_bytes / GIB, 4),
              "recomputed_layers": float(st.recomputed_layers)}
         opt = self._inner_optimizer(self.optimizer) if self.optimizer is not None else None

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 GradSource = Callable[[Tensor], "Tensor | None"]
 """``fn(param) -> fp32 gradient tensor (param.numel() elements) or None (param has no gradient this step)``."""
 Stage = Callable[[Tensor, Tensor, dict[str, Any]], "tuple[Tensor, Tensor, dict[str, Any]]"]
+StateAllocator = Callable[[Tensor, tuple, torch.dtype], "Tensor | None"]
 """``fn(param, grad, state) -> (param, grad, state) copies the update runs on`` (see `step_deferred`)."""
 
 STATE_TENSOR_KEYS = ("state1", "state2", "absmax1", "absmax2", "master", "kahan")
@@ -128,6 +129,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         # device -> codebooks (quantization maps; lookup tables on CPU), shared by all params on that device
         self._books: dict[torch.device, F.Codebooks] = {}
         self._grad_source: GradSource | None = None
+        self._state_alloc: StateAllocator | None = None
         self._pending: _PendingClip | None = None
         self._deferred_ids: set[int] = set()  # params whose update `step` hands to `_on_deferred_step`
         self._on_deferred_step: Callable[[dict[str, Any]], None] | None = None
@@ -164,6 +166,12 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         return self.param_groups[idx]
 
     # ------------------------------------------------------------------ gradients and clipping
+    def set_state_allocator(self, fn: StateAllocator | None) -> None:
+        """Where new state tensors live: ``fn(param, shape, dtype)`` returns a tensor (e.g. from the executor's
+        exact-size pinned arena) or None for the default (on the param's device, pinned like it). Set it before
+        the first step or `load_state_dict`."""
+        self._state_alloc = fn
+
     def set_grad_source(self, fn: GradSource | None) -> None:
         """Read gradients through ``fn(param)`` instead of ``param.grad`` (None restores ``param.grad``).
 
@@ -366,24 +374,25 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         """Allocate the states of ``p`` on its device (pinned when ``p`` is pinned host memory)."""
         state = self.state[p]
         n = p.numel()
+        a = self._state_alloc
         state["step"] = 0
         eight_bit = (group["state_dtype"] == "8bit" and n >= group["min_8bit_size"]
                      and id(p) not in self._fp32_state_ids)
         if eight_bit:
             books = self._books_for(p.device)
             nb = num_blocks(n, group["block_size"])
-            state["state1"] = _alloc_like(p, p.shape, torch.uint8).fill_(zero_code(books.qmap1.cpu()))
-            state["state2"] = _alloc_like(p, p.shape, torch.uint8).fill_(zero_code(books.qmap2.cpu()))
-            state["absmax1"] = _alloc_like(p, (nb,), torch.float32).zero_()
-            state["absmax2"] = _alloc_like(p, (nb,), torch.float32).zero_()
+            state["state1"] = _alloc_like(p, p.shape, torch.uint8, a).fill_(zero_code(books.qmap1.cpu()))
+            state["state2"] = _alloc_like(p, p.shape, torch.uint8, a).fill_(zero_code(books.qmap2.cpu()))
+            state["absmax1"] = _alloc_like(p, (nb,), torch.float32, a).zero_()
+            state["absmax2"] = _alloc_like(p, (nb,), torch.float32, a).zero_()
         else:
-            state["state1"] = _alloc_like(p, p.shape, torch.float32).zero_()
-            state["state2"] = _alloc_like(p, p.shape, torch.float32).zero_()
+            state["state1"] = _alloc_like(p, p.shape, torch.float32, a).zero_()
+            state["state2"] = _alloc_like(p, p.shape, torch.float32, a).zero_()
         mode = _resolve_master(group["master_weights"], p.dtype)
         if mode == "fp32":
-            state["master"] = _alloc_like(p, p.shape, torch.float32).copy_(p.detach())
+            state["master"] = _alloc_like(p, p.shape, torch.float32, a).copy_(p.detach())
         elif mode == "kahan":
-            state["kahan"] = _alloc_like(p, p.shape, p.dtype).zero_()
+            state["kahan"] = _alloc_like(p, p.shape, p.dtype, a).zero_()
 
     # ------------------------------------------------------------------ accounting and checkpoints
     def state_bytes(self) -> dict[str, int]:
@@ -436,7 +445,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                 problems.append(f"state for parameter index {key!r}, which no group lists")
                 continue
             p, group = id_map[key]
-            restored = _restore_state(p, saved, int(group["block_size"]), f"parameter {key}", problems)
+            restored = _restore_state(p, saved, int(group["block_size"]), f"parameter {key}", problems,
+                                      self._state_alloc)
             if restored is not None:
                 new_state[p] = restored
         if problems:
@@ -498,13 +508,18 @@ def _is_pinned(p: Tensor) -> bool:
     return p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned()
 
 
-def _alloc_like(p: Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
-    """Uninitialized tensor on ``p``'s device, pinned when ``p`` is pinned host memory."""
+def _alloc_like(p: Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                alloc: StateAllocator | None = None) -> Tensor:
+    """Uninitialized tensor on ``p``'s device, pinned when ``p`` is pinned host memory; from ``alloc`` when it
+    returns one (the executor's exact-size pinned arena for streamed layers)."""
+    t = alloc(p, tuple(shape), dtype) if alloc is not None else None
+    if t is not None:
+        return t
     return torch.empty(shape, dtype=dtype, device=p.device, pin_memory=_is_pinned(p))
 
 
 def _restore_state(p: Tensor, saved: dict[str, Any], block_size: int, where: str,
-                   problems: list[str]) -> dict[str, Any] | None:
+                   problems: list[str], alloc: StateAllocator | None = None) -> dict[str, Any] | None:
     """Copy one parameter's saved state next to ``p`` (device, pinnedness), keeping the saved dtypes."""
     unknown = sorted(set(saved) - _STATE_KEYS)
     if unknown:
@@ -526,7 +541,7 @@ def _restore_state(p: Tensor, saved: dict[str, Any], block_size: int, where: str
                             f"parameter of shape {tuple(p.shape)} (block_size {block_size})")
             continue
         shape = value.shape if key.startswith("absmax") else p.shape
-        out[key] = _alloc_like(p, shape, value.dtype).copy_(value.reshape(shape))
+        out[key] = _alloc_like(p, shape, value.dtype, alloc).copy_(value.reshape(shape))
     if "step" not in out or "state1" not in out or "state2" not in out:
         problems.append(f"{where}: saved state lacks 'step', 'state1' or 'state2'")
         return None

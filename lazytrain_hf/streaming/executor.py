@@ -29,7 +29,7 @@ from ..planning.schedule import Schedule
 from .comm import DataParallel
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
-from .host_store import HostParamStore, ParamSpec, sq_norm, structure_key
+from .host_store import HostParamStore, ParamSpec, PinnedArena, sq_norm, structure_key
 from .tiers import ActivationStash
 from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
@@ -156,6 +156,7 @@ class StreamingExecutor:
         pin = self.config.pin_memory and self.device.type == "cuda"
         self._place_resident()
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
+        self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
         self.grads = GradSink(self.store, self.device, self.dp)
         self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
@@ -323,6 +324,21 @@ class StreamingExecutor:
         if not self.grads.has_grad(hit[0]) and not pending:
             return None  # no backward reached this layer in the current window (like p.grad is None)
         return self.store.grad_view(*hit)
+
+    def state_alloc(self, p: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+        """Optimizer-state memory for a streamed parameter: exact-size page-locked host memory (`PinnedArena`);
+        None for resident parameters (the optimizer's default). For `Hybrid8bitOptimizer.set_state_allocator`."""
+        return self.state_arena.alloc(shape, dtype) if id(p) in self._param_specs else None
+
+    @property
+    def pinned_bytes(self) -> dict[str, int]:
+        """Page-locked host bytes: "planned" (host store buffers + optimizer states in the arena + gradient
+        staging, as used) and "registered" (what cudaHostRegister locked: the store's exact buffers and the
+        arena's whole chunks). Staging and the CPU-tier stash come from PyTorch's caching host allocator
+        (`torch.cuda.host_memory_stats`), which rounds to powers of two."""
+        return {"planned": self.store.pinned_bytes + self.state_arena.used_bytes + self.grads.staging_pinned_bytes,
+                "registered": self.store.pinned_bytes + (self.state_arena.reserved_bytes if self.state_arena.pin
+                                                         else 0)}
 
     def resident_parameters(self) -> list[nn.Parameter]:
         """Parameters that stay on the compute device (embedding, final norm, lm_head; a tied weight once)."""
@@ -596,3 +612,4 @@ class StreamingExecutor:
         self.flush_updates()
         self.stash.clear()
         self.store.release()
+        self.state_arena.release()

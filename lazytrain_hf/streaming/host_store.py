@@ -8,6 +8,8 @@ weights in fp32 host buffers (accumulated across gradient-accumulation micro-bat
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,63 @@ def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     except Exception as e:  # pragma: no cover - CUDA only
         logger.debug("cudaHostRegister failed (%s); using pin_memory()", e)
     return t.pin_memory(), False
+
+
+class PinnedArena:
+    """Page-locked host memory for many tensors (optimizer states beside the host store) at their exact size.
+
+    PyTorch's caching host allocator (`pin_memory=True`) rounds every block up to a power of two: a 7B model's MLP
+    states (68 MB codes, 136 MB Kahan buffers) would lock 128 / 256 MB each. The arena carves tensors first-fit from
+    `chunk_bytes` chunks page-locked in place with cudaHostRegister (`pin_tensor`), so locked bytes exceed used
+    bytes by at most the chunks' unused tails. Without `pin` it hands out ordinary memory. Thread-safe (the CPU
+    update worker and GPU-side updates allocate states concurrently). Nothing is freed before `release`.
+
+    Attributes:
+        used_bytes: bytes handed out; reserved_bytes: bytes allocated in chunks (page-locked when `pin`).
+    """
+
+    def __init__(self, pin: bool, chunk_bytes: int = 512 * 2**20) -> None:
+        self.pin = pin
+        self.chunk_bytes = chunk_bytes
+        self._chunks: list[list] = []  # [uint8 tensor, next free offset]
+        self._registered: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.used_bytes = 0
+        self.reserved_bytes = 0
+
+    def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of `shape` and `dtype` (64-byte aligned) in the arena."""
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        need = -(-n // 64) * 64
+        with self._lock:
+            chunk = next((c for c in self._chunks if c[0].numel() - c[1] >= need), None)
+            if chunk is None:
+                t = torch.empty(max(self.chunk_bytes, need), dtype=torch.uint8)
+                if self.pin:
+                    t, in_place = pin_tensor(t)
+                    if in_place:
+                        self._registered.append(t)
+                chunk = [t, 0]
+                self._chunks.append(chunk)
+                self.reserved_bytes += t.numel()
+            out = chunk[0][chunk[1]:chunk[1] + n].view(dtype).view(shape)
+            chunk[1] += need
+            self.used_bytes += n
+        return out
+
+    def __del__(self) -> None:
+        self.release()  # Note [host registration lifetime]
+
+    def release(self) -> None:
+        """Unregister the page-locked chunks (tensors stay valid as ordinary memory)."""
+        for t in getattr(self, "_registered", []):
+            try:  # pragma: no cover - CUDA only
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            except Exception:
+                pass
+        getattr(self, "_registered", []).clear()
 
 
 class HostParamStore:

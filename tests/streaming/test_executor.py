@@ -179,3 +179,57 @@ def test_row_chunked_passes_equal_autograd(arch, sched_name, tmp_path):
 def test_schedule_recompute_count_matches_executor_ops():
     for sched in _schedules().values():
         assert sched.recomputed_layers() == sum(op == "recompute" for op, _ in plan_ops(sched))
+
+
+def test_pinned_arena_exact_sizes_first_fit_and_threads():
+    import threading
+
+    from lazytrain_hf.streaming.host_store import PinnedArena
+
+    arena = PinnedArena(pin=False, chunk_bytes=4096)
+    a = arena.alloc((10, 3), torch.float32)
+    b = arena.alloc((5,), torch.uint8)
+    c = arena.alloc((1000,), torch.bfloat16)  # 2000 B: still fits the first chunk after a and b
+    big = arena.alloc((3000,), torch.float32)  # 12000 B: a chunk of its own size
+    assert a.shape == (10, 3) and a.dtype == torch.float32 and b.dtype == torch.uint8 and c.numel() == 1000
+    assert all(t.data_ptr() % 64 == 0 for t in (a, b, c, big))
+    assert arena.used_bytes == 120 + 5 + 2000 + 12000 and arena.reserved_bytes == 4096 + 12032  # 64-B rounded
+    a.fill_(1.0), b.fill_(7), c.fill_(2.0)
+    assert float(a.sum()) == 30 and int(b.sum()) == 35 and float(c.float().sum()) == 2000  # no overlap
+    out = []
+
+    def work():
+        out.extend(arena.alloc((16,), torch.float32) for _ in range(100))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({t.data_ptr() for t in out}) == 400  # every allocation distinct
+
+
+def test_streamed_optimizer_states_live_in_the_arena():
+    """The executor hands the optimizer exact-size memory for streamed layers' states (pinned under CUDA)."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    model = load_model("qwen3-tiny", "float32", seed=2)
+    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu")
+    opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, min_8bit_size=256, master_weights="fp32")
+    opt.set_grad_source(ex.grad_source)
+    opt.set_state_allocator(ex.state_alloc)
+    ids, mask, labels = random_batch(model.config.vocab_size)
+    ex.forward_backward(ids, labels, mask)
+    opt.step()
+    streamed = [p for p in model.parameters() if ex.is_streamed(p)]
+    state_bytes = sum(v.numel() * v.element_size() for p in streamed for v in opt.state[p].values()
+                      if torch.is_tensor(v))
+    assert ex.state_arena.used_bytes == state_bytes > 0
+    chunks = [(c[0].data_ptr(), c[0].data_ptr() + c[0].numel()) for c in ex.state_arena._chunks]
+    for p in streamed:
+        for v in opt.state[p].values():
+            if torch.is_tensor(v):
+                assert any(lo <= v.data_ptr() < hi for lo, hi in chunks)
+    resident = [p for p in model.parameters() if not ex.is_streamed(p)]
+    assert all(not any(lo <= opt.state[p]["state1"].data_ptr() < hi for lo, hi in chunks) for p in resident)
+    assert ex.pinned_bytes["planned"] >= ex.state_arena.used_bytes
