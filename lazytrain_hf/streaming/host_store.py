@@ -89,9 +89,10 @@ class PinnedArena:
 
     PyTorch's caching host allocator (`pin_memory=True`) rounds every block up to a power of two: a 7B model's MLP
     states (68 MB codes, 136 MB Kahan buffers) would lock 128 / 256 MB each. The arena carves tensors first-fit from
-    `chunk_bytes` chunks page-locked in place with cudaHostRegister (`pin_tensor`), so locked bytes exceed used
-    bytes by at most the chunks' unused tails. Without `pin` it hands out ordinary memory. Thread-safe (the CPU
-    update worker and GPU-side updates allocate states concurrently). Nothing is freed before `release`.
+    chunks of about `chunk_bytes`, one pool per dtype (so tensors sharing a storage share its dtype, as torch.save
+    requires), page-locked in place with cudaHostRegister (`pin_tensor`); locked bytes exceed used bytes by at most
+    the chunks' unused tails. Without `pin` it hands out ordinary memory. Thread-safe (the CPU update worker and
+    GPU-side updates allocate states concurrently). Nothing is freed before `release`.
 
     Attributes:
         used_bytes: bytes handed out; reserved_bytes: bytes allocated in chunks (page-locked when `pin`).
@@ -100,7 +101,7 @@ class PinnedArena:
     def __init__(self, pin: bool, chunk_bytes: int = 512 * 2**20) -> None:
         self.pin = pin
         self.chunk_bytes = chunk_bytes
-        self._chunks: list[list] = []  # [uint8 tensor, next free offset]
+        self._chunks: dict[torch.dtype, list[list]] = {}  # dtype -> [[1-D tensor, next free element], ...]
         self._registered: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.used_bytes = 0
@@ -108,25 +109,31 @@ class PinnedArena:
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` (64-byte aligned) in the arena."""
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape)
         if n == 0:
             return torch.empty(shape, dtype=dtype)
-        need = -(-n // 64) * 64
+        align = max(1, 64 // size)
+        need = -(-n // align) * align  # elements
         with self._lock:
-            chunk = next((c for c in self._chunks if c[0].numel() - c[1] >= need), None)
+            pool = self._chunks.setdefault(dtype, [])
+            chunk = next((c for c in pool if c[0].numel() - c[1] >= need), None)
             if chunk is None:
-                t = torch.empty(max(self.chunk_bytes, need), dtype=torch.uint8)
+                t = torch.empty(max(self.chunk_bytes // size, need), dtype=dtype)
                 if self.pin:
                     t, in_place = pin_tensor(t)
                     if in_place:
                         self._registered.append(t)
                 chunk = [t, 0]
-                self._chunks.append(chunk)
-                self.reserved_bytes += t.numel()
-            out = chunk[0][chunk[1]:chunk[1] + n].view(dtype).view(shape)
+                pool.append(chunk)
+                self.reserved_bytes += t.numel() * size
+            out = chunk[0][chunk[1]:chunk[1] + n].view(shape)
             chunk[1] += need
-            self.used_bytes += n
+            self.used_bytes += n * size
         return out
+
+    def chunks(self) -> list[torch.Tensor]:
+        return [c[0] for pool in self._chunks.values() for c in pool]
 
     def __del__(self) -> None:
         self.release()  # Note [host registration lifetime]

@@ -188,14 +188,15 @@ def test_pinned_arena_exact_sizes_first_fit_and_threads():
 
     arena = PinnedArena(pin=False, chunk_bytes=4096)
     a = arena.alloc((10, 3), torch.float32)
-    b = arena.alloc((5,), torch.uint8)
-    c = arena.alloc((1000,), torch.bfloat16)  # 2000 B: still fits the first chunk after a and b
+    b = arena.alloc((5,), torch.uint8)  # its own pool: one dtype per storage (torch.save requires it)
+    c = arena.alloc((500,), torch.float32)  # 2000 B: fits the float32 chunk after a
     big = arena.alloc((3000,), torch.float32)  # 12000 B: a chunk of its own size
-    assert a.shape == (10, 3) and a.dtype == torch.float32 and b.dtype == torch.uint8 and c.numel() == 1000
+    assert a.shape == (10, 3) and a.dtype == torch.float32 and b.dtype == torch.uint8 and c.numel() == 500
     assert all(t.data_ptr() % 64 == 0 for t in (a, b, c, big))
-    assert arena.used_bytes == 120 + 5 + 2000 + 12000 and arena.reserved_bytes == 4096 + 12032  # 64-B rounded
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+    assert arena.used_bytes == 120 + 5 + 2000 + 12000 and arena.reserved_bytes == 4096 * 2 + 12032  # 64-B rounded
     a.fill_(1.0), b.fill_(7), c.fill_(2.0)
-    assert float(a.sum()) == 30 and int(b.sum()) == 35 and float(c.float().sum()) == 2000  # no overlap
+    assert float(a.sum()) == 30 and int(b.sum()) == 35 and float(c.sum()) == 1000  # no overlap
     out = []
 
     def work():
@@ -225,7 +226,7 @@ def test_streamed_optimizer_states_live_in_the_arena():
     state_bytes = sum(v.numel() * v.element_size() for p in streamed for v in opt.state[p].values()
                       if torch.is_tensor(v))
     assert ex.state_arena.used_bytes == state_bytes > 0
-    chunks = [(c[0].data_ptr(), c[0].data_ptr() + c[0].numel()) for c in ex.state_arena._chunks]
+    chunks = [(c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in ex.state_arena.chunks()]
     for p in streamed:
         for v in opt.state[p].values():
             if torch.is_tensor(v):
