@@ -564,7 +564,10 @@ class _PlanMilp:
                 return math.inf, None
             return -math.inf, None  # time limit or trouble: no bound
 
-        stats: dict[str, Any] = {"lp": 0, "lp_ms": 0.0, "leaves": []}
+        stats: dict[str, Any] = {"lp": 0, "lp_ms": 0.0, "leaves": [], "dives": [], "dive_plans": [], "dive_lp": 0,
+                                 "dive_ms": 0.0}
+        dive_cols = np.array([self.v[s, i].index for s in ("c", "g", "k", "n", "r") for i in range(self.cm.num_layers)]
+                             + [self.v["ygo", 0].index], dtype=np.int32)
         inc_obj, inc_sched = math.inf, None
         if self._start is not None:
             inc_obj = float(cost @ np.asarray(self._start[0]) + offset)
@@ -623,11 +626,29 @@ class _PlanMilp:
                     tick += 1
                     heapq.heappush(heap, (b, neg_depth - 1, tick, child, cx))
                 continue
-            # a leaf: the MILP with this box's counts and flags
-            apply(h, box)
+            # a leaf: first a diving start from its LP (HiGHS alone spends most of a leaf finding a solution
+            # within the gap of its tight bound), then the MILP with this box's counts and flags
+            cutoff = inc_obj
+            xd = self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats) if x is not None else None
+            if xd is not None:
+                d_obj = float(cost @ xd + offset)
+                stats["dives"].append(round(d_obj, 2))
+                stats["dive_plans"].append((d_obj, self._schedule_of(xd)))
+                if d_obj < inc_obj - 1e-9:
+                    inc_obj, inc_sched = d_obj, self._schedule_of(xd)
+                    if prune(bound):  # the diving start is within the gap of the leaf's LP bound: no MILP
+                        settled = min(settled, bound)
+                        continue
+            apply(h, box)  # (a bound change drops a given solution: set the start afterwards)
+            if xd is not None and cutoff > inc_obj:
+                sol = h.getSolution()
+                sol.col_value = list(xd)
+                sol.value_valid = True
+                h.setSolution(sol)
             h.setOptionValue("mip_rel_gap", gap)
             h.setOptionValue("time_limit", max(0.0, deadline - time.perf_counter()))
-            h.setOptionValue("objective_bound", inc_obj if math.isfinite(inc_obj) else math.inf)
+            # the cutoff is the incumbent before the dive (a start equal to the cutoff might be discarded)
+            h.setOptionValue("objective_bound", cutoff if math.isfinite(cutoff) else math.inf)
             t1 = time.perf_counter()
             h.solve()
             res = self._read_result((time.perf_counter() - t1) * 1e3)
@@ -638,7 +659,10 @@ class _PlanMilp:
             if res.status == "infeasible":  # nothing below the cutoff (or nothing at all) in this box
                 leaf_bound = max(bound, inc_obj)
             else:
-                leaf_bound = max(bound, res.bound)
+                # HiGHS's dual bound can exceed a solution it has not seen once it prunes nodes within its gap
+                # (seen with a start: bound 2714.9 on a leaf holding a 2710.9 plan); its stopping rule only promises
+                # the objective within the gap
+                leaf_bound = max(bound, min(res.bound, res.objective * (1 - gap)) if res.has_solution else res.bound)
             settled = min(settled, leaf_bound)
             if res.status == "time_limit":
                 timed_out = True
@@ -655,16 +679,73 @@ class _PlanMilp:
         mgap = max(0.0, (inc_obj - final_bound) / max(abs(inc_obj), 1e-9)) if math.isfinite(final_bound) else math.inf
         status = "optimal" if mgap <= gap + 1e-9 else "time_limit"
         self.search_stats = stats
-        logger.debug("search: %s", stats)
+        logger.debug("search: %s", {k: v for k, v in stats.items() if k != "dive_plans"})
         return _Result(self.d, status, True, inc_obj, mgap if math.isfinite(mgap) else math.nan, solve_ms,
                        inc_sched, final_bound)
 
+    def _dive(self, lp: Any, cols: Any, x: Any, col_lo: Any, col_hi: Any, deadline: float,
+              stats: dict[str, Any]) -> Any:
+        """Fractional diving on the relaxed copy `lp` (its bounds already those of a leaf box, `x` its LP
+        solution): round a quarter of the fractional integer columns `cols` to their nearest value (first those
+        whose rounding frees GPU memory, each group least fractional first), re-solve the LP from the previous basis, repeat until integral. A fix that makes the LP infeasible is
+        undone and its least fractional column fixed the other way (then the dive gives up). Returns the column
+        values of an integral LP solution: a feasible point of the MILP (every row holds, the integer columns are
+        0/1), or None. The bounds of `cols` are restored afterwards. Typically 10-30 LPs (0.07-0.2 s at 64 layers).
+        On the benchmarks the start is within the gap of the leaf's LP bound for synthetic-64 without GPU updates
+        and qwen3.6-27b (the leaf MILP is skipped), 16% above it on synthetic-64 with GPU updates (HiGHS then
+        solves the leaf as before)."""
+        import highspy
+        import numpy as np
+
+        ok = highspy.HighsModelStatus.kOptimal
+        t0 = time.perf_counter()
+        L = self.cm.num_layers
+        # rounding up frees GPU memory for k, n (offload); rounding down for g, r, c
+        safe_up = np.array([s in ("k", "n") for s in ("c", "g", "k", "n", "r") for i in range(L)] + [False])
+        out = None
+        try:
+            while time.perf_counter() < deadline:
+                xi = x[cols]
+                rd = np.round(xi)
+                fr = np.abs(xi - rd)
+                frac = np.nonzero(fr > 1e-6)[0]
+                if not len(frac):
+                    out = x.copy()
+                    break
+                frac = frac[np.argsort(fr[frac], kind="stable")]
+                # roundings that free GPU memory first (offload up; GPU tier, retain, checkpoint down), then the rest
+                safe = safe_up[frac] == (rd[frac] > 0.5)
+                frac = np.concatenate([frac[safe], frac[~safe]])
+                sel = frac[:max(1, int(math.ceil(len(frac) / 4)))]
+                fix_c, fix_v = cols[sel], rd[sel]
+                lp.changeColsBounds(len(fix_c), fix_c, fix_v, fix_v)
+                lp.setOptionValue("time_limit", max(0.0, deadline - time.perf_counter()))
+                lp.run()
+                stats["dive_lp"] += 1
+                if lp.getModelStatus() != ok:
+                    lp.changeColsBounds(len(fix_c), fix_c, col_lo[fix_c], col_hi[fix_c])
+                    j = cols[sel[:1]]
+                    other = 1.0 - rd[sel[:1]]
+                    lp.changeColsBounds(1, j, other, other)
+                    lp.run()
+                    stats["dive_lp"] += 1
+                    if lp.getModelStatus() != ok:
+                        break
+                x = np.asarray(lp.getSolution().col_value)
+        finally:
+            lp.changeColsBounds(len(cols), cols, col_lo[cols], col_hi[cols])
+            stats["dive_ms"] += (time.perf_counter() - t0) * 1e3
+        return out
+
     def _extract(self) -> Schedule:
-        val = self.h.val
+        return self._schedule_of([self.h.val(var) for var, _ in self.cols])
+
+    def _schedule_of(self, x: Any) -> Schedule:
+        """The schedule of column values `x` (integer columns rounded)."""
         L = self.cm.num_layers
         layers = []
         for i in range(L):
-            c, k, n, r, o = (round(float(val(self.v[s, i]))) for s in ("c", "k", "n", "r", "o"))
+            c, k, n, r, o = (round(float(x[self.v[s, i].index])) for s in ("c", "k", "n", "r", "o"))
             tier = "cpu" if k else "nvme" if n else "gpu"
             layers.append(LayerPlan(checkpoint=bool(c) or i == 0, tier=tier if c else "gpu", retain=bool(r),
                                     optimizer_device="gpu" if o else "cpu"))
@@ -771,7 +852,8 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         search: solve by branch and bound over the per-class optimizer-placement counts and the global flags,
             HiGHS for the rest (`_PlanMilp.solve_search`; used with `symmetry_breaking` and `gpu_optimizer`); False
             hands HiGHS the whole MILP at once (64 layers with `gpu_optimizer`: 8-14 s instead of 0.1-2 s). Without
-            `gpu_optimizer` the whole MILP is handed to HiGHS either way (the search was not faster there).
+            `gpu_optimizer` the search runs too (only the flags are branched on; symmetry breaking not needed);
+            each leaf gets a diving start from its LP first (`_PlanMilp._dive`).
 
     Returns:
         A `Schedule` with `solver` = {status, mip_gap, solve_ms, objective_ms, dual_bound_ms, depths: [...]} (the
@@ -818,7 +900,7 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
             start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None])
             if start is not None:
                 model.warm_start(start)
-        if search and symmetry_breaking and gpu_optimizer:
+        if search and (symmetry_breaking or not gpu_optimizer):
             res = model.solve_search(share, mip_rel_gap)
         else:
             res = model.solve(share, mip_rel_gap)

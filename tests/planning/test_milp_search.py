@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from lazytrain_hf.planning import CostModel, evaluate, solve_milp
-from lazytrain_hf.planning.milp import fixed_candidates
+from lazytrain_hf.planning.milp import _PlanMilp, fixed_candidates
 
 from .conftest import GIB, HOST_FIXED, A, small_cm
 
@@ -77,3 +77,28 @@ def test_64_identical_layers_reach_the_gap_with_optimizer_placement_open(two_kin
     assert s.predicted["peak_gpu_bytes"] <= cm.gpu_bytes
     assert s.predicted["step_ms"] <= evaluate(cm, fixed_candidates(cm)[0]).step_ms * 1.0001
     assert any(lp.optimizer_device == "gpu" for lp in s.layers)
+
+
+@pytest.mark.parametrize("gpu_optimizer", [True, False])
+def test_diving_start_fits_the_budgets_under_the_memory_terms(gpu_optimizer):
+    """The leaf's diving start (`_PlanMilp._dive`) is an integral point of the MILP: its plan fits the GPU, host and
+    NVMe budgets under estimate.py's memory terms, and its objective is the linear model's step time (plus the
+    tie-breakers, which only add)."""
+    cm = small_cm(64, gpu_bytes=16 * GIB, cpu_optim_params_per_s=4e9, nvme_bytes=100 * GIB,
+                  pinned_host_bytes=HOST_FIXED + 4 * GIB)
+    model = _PlanMilp(cm, 1, gpu_optimizer=gpu_optimizer)
+    model.warm_start(fixed_candidates(cm)[0])
+    res = model.solve_search(60, 0.01)
+    assert res.status == "optimal"
+    plans = model.search_stats["dive_plans"]
+    assert plans, "no leaf was dived"
+    for obj, plan in plans:
+        est = evaluate(cm, plan)
+        assert est.peak_gpu_bytes <= cm.gpu_bytes
+        assert est.pinned_host_bytes <= cm.pinned_host_bytes
+        assert est.nvme_bytes <= cm.nvme_bytes
+        assert est.step_ms <= obj + 1e-6 and obj <= est.step_ms * 1.001 + 1.0
+        if not gpu_optimizer:
+            assert all(lp.optimizer_device == "cpu" for lp in plan.layers)
+    # the search's answer is no worse than any diving start
+    assert res.objective <= min(o for o, _ in plans) + 1e-6
