@@ -291,10 +291,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(args.systems or []) - set(SYSTEMS)
     if bad:
         p.error(f"unknown systems {sorted(bad)}; known: {', '.join(SYSTEMS)}")
-    try:  # before any worker starts: every system reads the same token rows
-        gsm8k_dir(args.data_dir)
-    except FileNotFoundError as e:
-        p.error(str(e))
     return args
 
 
@@ -302,6 +298,10 @@ def main(argv: list[str] | None = None) -> Results:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     suite = SUITES[args.suite]
+    try:  # before any worker starts: every system reads the same token rows
+        gsm8k_dir(args.data_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"benchmarks.run: {e}") from None
     deadline = time.time() + (args.budget_s or 1e9)
     res = Results(Path(args.out), args.suite, " ".join(["python -m benchmarks.run", *argv]))
     systems = [s for s in ORDER if s in (args.systems or ORDER)]
