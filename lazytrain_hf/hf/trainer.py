@@ -160,7 +160,7 @@ class LazyTrainerMixin:
         labels = inputs["labels"]
         if self.bucket_plans is not None:  # the plan of the smallest bucket holding this batch's length
             plans = self.bucket_plans
-            sched = plans.schedules[plans.bucket_for(min(labels.shape[1], plans.buckets[-1]))]
+            sched = plans.schedule_for(min(labels.shape[1], plans.buckets[-1]))
             if sched is not self.executor.schedule:
                 self.executor.set_schedule(sched)
         # Ranks' gradients are SUMMED (streaming/comm.py), so the denominator is global: DDP's average of the

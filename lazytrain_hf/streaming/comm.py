@@ -56,7 +56,10 @@ class DataParallel:
         return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for t in tensors]
 
     def all_reduce_(self, tensors: list[torch.Tensor]) -> None:
-        """SUM all-reduce in place, blocking (tensors on the device the backend reduces: CUDA for NCCL)."""
+        """SUM all-reduce in place, blocking. CUDA tensors under a host backend (gloo) are read only after the
+        current stream has produced them."""
+        if not self.async_device and any(t.is_cuda for t in tensors):
+            torch.cuda.current_stream(tensors[0].device).synchronize()
         for t in tensors:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 

@@ -290,21 +290,21 @@ class StreamingExecutor:
         self.device_updates += 1
         if not back:
             return  # skipped step (non-finite norm) or no gradients
-        if not cuda:
+
+        def copy_back() -> None:
             for p, on_device, state, dev_state in back:
-                p.data.copy_(on_device)
+                p.data.copy_(on_device, non_blocking=cuda)
                 for k, v in dev_state.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        state[k].copy_(v)
+                    if torch.is_tensor(v) and v.dim() > 0:  # the staged tensors ("step" is an int)
+                        state[k].copy_(v, non_blocking=cuda)
+
+        if not cuda:
+            copy_back()
             return
         d2h = self.grads.d2h_stream  # idle in forward: gradient copies happen in backward
         d2h.wait_stream(stream)
         with torch.cuda.stream(d2h):
-            for p, on_device, state, dev_state in back:
-                p.data.copy_(on_device, non_blocking=True)
-                for k, v in dev_state.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        state[k].copy_(v, non_blocking=True)
+            copy_back()
             done = torch.cuda.Event()
             done.record(d2h)
         self.streamer.host_written[layer] = done
@@ -366,10 +366,7 @@ class StreamingExecutor:
         for p in params:
             if p.grad is None:  # every rank must join every collective
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        if self.device.type == "cuda" and not self.dp.async_device:
-            torch.cuda.current_stream(self.device).synchronize()
-        self.dp.all_reduce_(grads)
+        self.dp.all_reduce_([p.grad for p in params])
 
     def zero_grad(self) -> None:
         self.grads.zero()

@@ -95,7 +95,6 @@ class GradSink:
         if self.dp is not None and self.dp.async_device:
             works = self.dp.all_reduce_async(grads)  # after this layer's backward, on the NCCL stream
         elif self.dp is not None:
-            compute.synchronize()
             self.dp.all_reduce_(grads)
         self.d2h_stream.wait_stream(compute)
         with torch.cuda.stream(self.d2h_stream):

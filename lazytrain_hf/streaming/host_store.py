@@ -84,6 +84,16 @@ def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return t.pin_memory(), False
 
 
+def unregister(tensors: list[torch.Tensor]) -> None:
+    """Undo `pin_tensor`'s in-place registrations (the tensors stay valid as ordinary memory) and empty the list."""
+    for t in tensors:
+        try:  # pragma: no cover - CUDA only
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        except Exception:
+            pass
+    tensors.clear()
+
+
 class PinnedArena:
     """Page-locked host memory for many tensors (optimizer states beside the host store) at their exact size.
 
@@ -140,12 +150,7 @@ class PinnedArena:
 
     def release(self) -> None:
         """Unregister the page-locked chunks (tensors stay valid as ordinary memory)."""
-        for t in getattr(self, "_registered", []):
-            try:  # pragma: no cover - CUDA only
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-            except Exception:
-                pass
-        getattr(self, "_registered", []).clear()
+        unregister(getattr(self, "_registered", []))
 
 
 class HostParamStore:
@@ -229,9 +234,4 @@ class HostParamStore:
 
     def release(self) -> None:
         """Unregister page-locked memory (the tensors stay valid as ordinary memory)."""
-        for t in getattr(self, "_registered", []):
-            try:  # pragma: no cover - CUDA only
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-            except Exception:
-                pass
-        getattr(self, "_registered", []).clear()
+        unregister(getattr(self, "_registered", []))

@@ -14,24 +14,12 @@ import argparse
 import os
 
 import torch
-from datasets import Dataset
+from tiny_data import tiny_dataset  # this script's folder is on sys.path
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 from lazytrain_hf.models import load_model
 
 SEQ = 20
-
-
-def dataset(vocab: int, n: int, seed: int = 0) -> Dataset:
-    """n examples of 5..20 tokens, loss masked on a prompt prefix of varying length."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n):
-        length = 5 + (i * 7) % 16
-        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
-        labels = [-100] * (1 + i % 3) + ids[1 + i % 3:]
-        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": labels})
-    return Dataset.from_list(rows)
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -68,7 +56,7 @@ def train(a: argparse.Namespace, tag: str) -> None:
         lazytrain_config={"policy": "none"} if stock else
         {"state_dtype": "fp32", "master_weights": "none", "checkpoint_every": 2, "loss_chunk_tokens": 16,
          "max_rows_per_pass": 2, "device": a.device})
-    trainer = LazyTrainer(model=model, args=args, train_dataset=dataset(model.config.vocab_size, n),
+    trainer = LazyTrainer(model=model, args=args, train_dataset=tiny_dataset(model.config.vocab_size, n),
                           data_collator=collate)
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import lazytrain_hf  # noqa: F401  (registers optim="lazytrain_hybrid8")
@@ -16,6 +15,7 @@ from lazytrain_hf.models import load_model
 from lazytrain_hf.planning.fixed import fixed_schedule
 
 from ..conftest import rel_err
+from .tiny_data import tiny_dataset
 
 # The key-projection bias gets an exactly-zero gradient in exact arithmetic (softmax is invariant to adding
 # q.b_k to every logit of a row), so its computed gradient is pure rounding noise that Adam's per-element
@@ -25,16 +25,7 @@ NOISE_ONLY = ("self_attn.k_proj.bias",)
 EXACT = {"state_dtype": "fp32", "master_weights": "none", "checkpoint_every": 2, "loss_chunk_tokens": 16}
 
 
-def _dataset(vocab: int, n: int = 12, seed: int = 0) -> Dataset:
-    """Examples of unequal length (5..20 tokens), loss masked on a 'prompt' prefix of varying length."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n):
-        length = 5 + (i * 7) % 16
-        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
-        labels = [-100] * (1 + i % 3) + ids[1 + i % 3:]
-        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": labels})
-    return Dataset.from_list(rows)
+_dataset = tiny_dataset
 
 
 def _collate(rows):
