@@ -149,7 +149,7 @@ def machine_info() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    info: dict[str, Any] = {"gpu": None, "gpu_memory_gib": None, "cpu_cores": os.cpu_count(),
+    info: dict[str, Any] = {"gpu": None, "gpu_memory_gib": None, "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                             "cpu_model": platform.processor() or None, "host_memory_gib": None,
                             "torch": torch.__version__, "transformers": version("transformers")}
     try:

@@ -25,7 +25,7 @@ ROW_KEYS = ("system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len",
 def machine() -> dict[str, Any]:
     import transformers
 
-    m = {"cpu_cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+    m = {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
          "python": platform.python_version()}
     try:
         import psutil

@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | fixed | overlap | milp | stock | ddp | ddptests | memcal | milp24 | cap80 | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | fixed | overlap | milp | stock | ddp | ddptests | memcal | milp24 | cap80 | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -28,6 +28,10 @@ COMMON="--model qwen2.5-7b --seq-len 1024 --steps 5 --loss-chunk-tokens 2048 --o
 for stage in "$@"; do
   case $stage in
     tests) timeout 150 python3 -m pytest -q -m gpu tests/streaming tests/optim -p no:cacheprovider 2>&1 | tail -15 ;;
+    gputests) # nvidia-h200-x2 (~2.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
+           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+           timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \
+             -p no:cacheprovider 2>&1 | tail -15 ;;
     fixed) timeout 300 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
              --batch-sizes 8,16,32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     overlap) timeout 250 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
@@ -51,13 +55,13 @@ for stage in "$@"; do
            # machine grows host memory ~3 s per 8 GiB: a 7B process needs >= 150 s (2 replicas: ~115 GB host).
            # DDP_HALF_THREADS=1 adds 1 GPU with half the cores (what each of 2 ranks gets; +2.5 min).
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-           DDP="--system lazytrain_fixed --gpu-cap-gib 24 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON"
-           timeout 190 python3 -m benchmarks.bench_executor $DDP --batch-sizes 32 2>&1 | grep -v Warning
+           DDP="--system lazytrain_fixed --gpu-cap-gib 24 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON --steps ${DDP_STEPS:-5}"
+           timeout 170 python3 -m benchmarks.bench_executor $DDP --batch-sizes 32 2>&1 | grep -v Warning
            if [ "${DDP_HALF_THREADS:-0}" = 1 ]; then
              LAZYTRAIN_CPU_THREADS=$(( $(nproc) / 2 )) timeout 150 python3 -m benchmarks.bench_executor $DDP \
                --batch-sizes 32 2>&1 | grep -v Warning
            fi
-           timeout 250 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_executor \
+           timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_executor \
              $DDP --batch-sizes 32 2>&1 | grep -v Warning ;;
     ddptests) # nvidia-h200-x2 (~2 min): the GPU tests, including 2 GPUs over NCCL == 1 GPU
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -77,12 +81,14 @@ for stage in "$@"; do
              --batch-sizes 64 --rows-per-pass 16 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     milp24|cap80) # 1 GPU (~9 min each): fixed vs MILP vs MILP with GPU-side layer updates, same run, batch 8 and 64
            # (milp24: 24 GiB cap, 8 rows per pass; cap80: 80 GiB, 16 rows per pass)
+           # CPUSET=0-15 pins the processes to 16 cores (the single-GPU kind's count) on a larger host.
+           PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN_CPU_THREADS=$(( $(taskset -c "$CPUSET" nproc) )); fi
            if [ "$stage" = milp24 ]; then CAP="--gpu-cap-gib 24 --rows-per-pass 8"; else CAP="--gpu-cap-gib 80 --rows-per-pass 16"; fi
            S="--batch-sizes 8,64 --steps 4 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
-           timeout 180 python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
              $CAP $S 2>&1 | grep -v Warning
-           timeout 180 python3 -m benchmarks.bench_executor --system lazytrain_milp $CAP $S 2>&1 | grep -v Warning
-           timeout 180 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer $CAP $S 2>&1 \
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp $CAP $S 2>&1 | grep -v Warning
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer $CAP $S 2>&1 \
              | grep -v Warning ;;
     stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
              2>&1 | grep -v Warning ;;

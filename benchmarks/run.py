@@ -69,7 +69,7 @@ def _machine() -> dict[str, Any]:
     import torch
     import transformers
 
-    m: dict[str, Any] = {"cpu_cores": os.cpu_count(), "torch": torch.__version__,
+    m: dict[str, Any] = {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()}
     try:
         import psutil
