@@ -149,7 +149,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             tokens = B * args.seq_len  # per GPU
             r.update(percentiles(times), tokens_per_s=world * tokens / med, tflops_6nd=6 * n_params * tokens / med / 1e12,
                      tflops_executed=_executed_flops(model, ex, tokens, args.seq_len) / med / 1e12,
-                     peak_gpu_gib=_peak_gib(args), peak_host_rss_gib=_peak_rss_gib(),
+                     peak_gpu_gib=max(mem.values(), default=None), peak_host_rss_gib=_peak_rss_gib(),
                      pinned_planned_gib=ex.pinned_bytes["planned"] / GIB,
                      pinned_locked_gib=(ex.pinned_bytes["registered"] + _host_allocator_bytes(args)) / GIB,
                      exposed_h2d_ms=statistics.median(h2d), exposed_d2h_ms=statistics.median(d2h),

@@ -178,8 +178,11 @@ class StreamingExecutor:
                                [p.data for p in self._resident])
         self.streamer: WeightStreamer | None = None
         self.updater: LayerUpdater | None = None
-        self._stage: dict[tuple, dict[tuple, torch.Tensor]] = {}  # structure -> device copies for GPU-side updates
-        self._stage_free: dict[tuple, torch.cuda.Event] = {}  # structure -> its staging copied back (CUDA)
+        # GPU-side updates: two staging sets per structure, used in turn, so one layer's states go H2D while the
+        # previous layer's copy back D2H (one set serialized both directions: measured 2.08 s vs 1.57 s predicted)
+        self._stage: dict[tuple, dict[tuple, torch.Tensor]] = {}  # (structure, turn) -> device copies
+        self._stage_free: dict[tuple, torch.cuda.Event] = {}  # (structure, turn) -> that set copied back (CUDA)
+        self._stage_turn: dict[tuple, int] = {}  # structure -> the set the next GPU-side update uses
         self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
@@ -259,7 +262,9 @@ class StreamingExecutor:
         if snapshot is None:
             return
         cuda = self.device.type == "cuda"
-        key = self.keys[layer]
+        turn = self._stage_turn.get(self.keys[layer], 0)
+        self._stage_turn[self.keys[layer]] = 1 - turn
+        key = (self.keys[layer], turn)
         stream = torch.cuda.current_stream(self.device) if cuda else None  # the H2D stream (WeightStreamer._load)
         if cuda and key in self._stage_free:
             stream.wait_event(self._stage_free[key])  # the previous user of this staging set has copied back

@@ -61,15 +61,19 @@ def test_cuda_bf16_close_to_autograd():
         assert rel_err(ex.grad_source(p).cpu(), ref_grads[name].float()) < 5e-2, name
 
 
-@pytest.mark.parametrize("state_dtype, tol", [("fp32", 1e-5), ("8bit", 2e-2)])
-def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, tol):
+@pytest.mark.parametrize("state_dtype, model_dtype, tol", [("fp32", "float32", 1e-5), ("8bit", "bfloat16", 2e-2)])
+def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, tol):
     """Layers whose schedule says optimizer_device "gpu" are updated on the GPU at their next load (staged host
     states and gradient, bitsandbytes' kernel for 8-bit states, copy-back on the D2H stream); the weights after
-    3 steps equal every update on the CPU (fp32 states: rounding only; 8-bit: the two kernels' quantization)."""
+    3 steps equal every update on the CPU (fp32 states: rounding only; 8-bit: the two kernels' quantization).
+
+    The fp32 case runs an fp32 model: with bf16 weights a one-ulp difference between the CUDA and CPU kernels'
+    rounding grows chaotically through Adam's m / sqrt(v) (one ulp on 1% of one layer's weights after step 1 gives
+    2e-3 relative differences after step 3 on the CPU alone; 1.7e-7 in fp32)."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
     from lazytrain_hf.planning.fixed import fixed_schedule
 
-    base = load_model("qwen3-tiny", "bfloat16", seed=6)
+    base = load_model("qwen3-tiny", model_dtype, seed=6)
     weights = {}
     for placed in ((), (0, 1, 3)):
         model = copy.deepcopy(base)
@@ -78,7 +82,8 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, tol):
             sched.layers[i].optimizer_device = "gpu"
         ex = StreamingExecutor(model, LazyTrainConfig(), "cuda", sched, host_grad_dtype="param")
         opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, state_dtype=state_dtype,
-                                  min_8bit_size=256, block_size=256, master_weights="kahan")
+                                  min_8bit_size=256, block_size=256,
+                                  master_weights="kahan" if model_dtype == "bfloat16" else "none")
         opt.set_grad_source(ex.grad_source)
         ex.attach_optimizer(opt)
         for step in range(3):
