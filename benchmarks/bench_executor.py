@@ -117,7 +117,10 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
 
             est = evaluate(cm, sched)  # the cost model's view of this schedule, fixed or MILP
             r.update(predicted_step_s=est.step_ms / 1e3)
-            r["extra"].update(predicted_peak_gpu_gib=est.peak_gpu_bytes / GIB, plan_gpu_gib=cm.gpu_bytes / GIB)
+            r["extra"].update(predicted_peak_gpu_gib=est.peak_gpu_bytes / GIB, plan_gpu_gib=cm.gpu_bytes / GIB,
+                              cost_model_rates={k: getattr(cm, k) for k in (
+                                  "h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_optim_params_per_s",
+                                  "gpu_optim_params_per_s")})
             ex.set_schedule(sched)
             ex.instrument(True)
             _reset_peak(args)

@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | fixed | overlap | milp | stock | ddp | ddptests | memcal | milp24 | cap80 | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | fixed | overlap | milp | stock | ddp | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -17,7 +17,8 @@
 # 8,16,32 ~1.5 min, offload systems as at 24. Whole suite ~35-45 min of device time: 4-5 calls of this stage.
 # HARNESS_SYSTEMS / HARNESS_CAPS pick a subset (e.g. HARNESS_SYSTEMS=lazytrain_milp,lazytrain_fixed HARNESS_CAPS=24).
 # harness7b-maxbatch: largest feasible batch of LazyTrain-MILP and stock 8-bit Adam under 24 GiB (doubling from the
-# largest measured batch, then bisection, one process per probe, up to batch 256): ~5-9 min.
+# largest measured batch, then bisection, one process per probe, up to batch 256): ~5-9 min. HARNESS_SYSTEMS /
+# HARNESS_CAPS pick others (an out-of-memory row with no feasible one below bisects down to batch 1).
 # Both write BENCHMARKS.md and the PNG into $OUT (python -m benchmarks.report).
 set -uo pipefail
 export PYTHONPATH=$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -44,7 +45,7 @@ for stage in "$@"; do
            if [ "$stage" = harness7b ]; then
              HARGS="--systems ${HARNESS_SYSTEMS:-lazytrain_milp,lazytrain_fixed,stock_trainer,stock_trainer_bnb8,fsdp2_cpu_offload,zero_offload} --caps ${HARNESS_CAPS:-24,80}"
            else
-             HARGS="--systems lazytrain_milp,stock_trainer_bnb8 --caps 24 --find-max-batch --max-batch-limit 256"
+             HARGS="--systems ${HARNESS_SYSTEMS:-lazytrain_milp,stock_trainer_bnb8} --caps ${HARNESS_CAPS:-24} --find-max-batch --max-batch-limit 256"
            fi
            # shellcheck disable=SC2086
            timeout 585 python3 -m benchmarks.run --suite 7b $HARGS --budget-s "${HARNESS_BUDGET_S:-540}" \
@@ -90,6 +91,11 @@ for stage in "$@"; do
            timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp $CAP $S 2>&1 | grep -v Warning
            timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer $CAP $S 2>&1 \
              | grep -v Warning ;;
+    cap80big) # 1 GPU (~4 min): MILP with GPU-side updates at 80 GiB, batch 96 and 128 (the 450 TFLOPS target)
+           PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN_CPU_THREADS=$(( $(taskset -c "$CPUSET" nproc) )); fi
+           timeout 240 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer --gpu-cap-gib 80 \
+             --rows-per-pass 16 --batch-sizes 96,128 --steps 3 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 \
+             --out $RES 2>&1 | grep -v Warning ;;
     stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
              2>&1 | grep -v Warning ;;
   esac

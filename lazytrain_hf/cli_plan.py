@@ -52,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-depth", type=int, default=1, help="fixed policy: weight prefetch depth")
     parser.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit in seconds (default 10)")
     parser.add_argument("--mip-gap", type=float, default=0.01, help="MILP relative gap (default 0.01)")
-    parser.add_argument("--gpu-optimizer", action="store_true",
+    parser.add_argument("--gpu-optimizer", action=argparse.BooleanOptionalAction, default=True,
                         help="let the plan move layers' optimizer updates to the GPU (the executor runs them at "
-                             "the layer's next load; lazytrain_config.gpu_layer_updates=True)")
+                             "the layer's next load; lazytrain_config.gpu_layer_updates, default on)")
     parser.add_argument("--rows-per-pass", type=int, default=None,
                         help="the executor's max_rows_per_pass (layers run over the batch in chunks of this many rows)")
     parser.add_argument("--hardware", default=None,

@@ -4,8 +4,9 @@
 the same quantities on the CUDA device in use (pinned copies timed with CUDA events, a bf16 GEMM, a disk write and
 read of a temporary file) and caches the result per machine fingerprint in
 ``~/.cache/lazytrain_hf/hardware-<fingerprint>.json`` (directory overridable with ``LAZYTRAIN_CACHE_DIR``). On a
-machine without CUDA it returns the defaults marked ``measured=False``. Optimizer update rates are not probed
-(they depend on the optimizer kernel in use): they keep the defaults unless passed in.
+machine without CUDA it returns the defaults marked ``measured=False``. The optimizer update rates are timed with
+`optimizer_rate` (the Hybrid8bitOptimizer's own kernels: the C++ CPU kernel on this process's CPU threads, and
+bitsandbytes' 8-bit kernel on the GPU) unless passed in.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HardwareProfile", "H200_DEFAULTS", "probe", "machine_fingerprint", "cache_dir"]
+__all__ = ["HardwareProfile", "H200_DEFAULTS", "probe", "machine_fingerprint", "cache_dir", "optimizer_rate"]
 
 MIB = 1024**2
 GIB = 1024**3
@@ -103,7 +104,11 @@ def machine_fingerprint(device: Any = "cuda", nvme_dir: str | os.PathLike | None
     host name, CPU count, RAM and the NVMe directory."""
     import torch
 
-    parts: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "ram": _host_memory_bytes(),
+    from ..config import cpu_threads
+
+    # cpu_threads: the CPU optimizer rate depends on the cores this process may use (taskset, ranks per host)
+    parts: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "cpu_threads": cpu_threads(),
+                             "ram": _host_memory_bytes(),
                              "torch": torch.__version__, "nvme_dir": str(Path(nvme_dir).resolve()) if nvme_dir else None}
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
@@ -122,8 +127,8 @@ def probe(device: Any = "cuda", nvme_dir: str | os.PathLike | None = None, *, re
         nvme_dir: directory of the NVMe activation tier; its disk is measured with a temporary file (removed).
             None: NVMe rates keep the defaults.
         refresh: measure again even when a cached probe exists.
-        cpu_optim_params_per_s, gpu_optim_params_per_s: optimizer update rates to record (params/s); None keeps
-            the defaults (the probe does not time optimizer kernels).
+        cpu_optim_params_per_s, gpu_optim_params_per_s: optimizer update rates to record (params/s); None times
+            them with `optimizer_rate`.
         copy_bytes: size of each timed pinned copy (bytes).
         disk_bytes: size of the temporary file (bytes).
 
@@ -161,7 +166,7 @@ def _measure(dev: Any, nvme_dir: str | os.PathLike | None, copy_bytes: int, disk
 
     torch.cuda.set_device(dev)
     props = torch.cuda.get_device_properties(dev)
-    notes = {"cpu_optim_params_per_s": "default (not probed)", "gpu_optim_params_per_s": "default (not probed)"}
+    notes: dict[str, str] = {}
     host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
     host2 = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
@@ -178,11 +183,50 @@ def _measure(dev: Any, nvme_dir: str | os.PathLike | None, copy_bytes: int, disk
         notes["nvme"] = "default (no nvme_dir given)"
     return HardwareProfile(h2d_gbps=h2d, d2h_gbps=d2h, bidir_gbps=bidir, nvme_read_gbps=nvme_r,
                            nvme_write_gbps=nvme_w, gpu_tflops=tflops,
-                           cpu_optim_params_per_s=H200_DEFAULTS.cpu_optim_params_per_s,
-                           gpu_optim_params_per_s=H200_DEFAULTS.gpu_optim_params_per_s,
+                           cpu_optim_params_per_s=_rate_or_default("cpu", "cpu_optim_params_per_s", notes),
+                           gpu_optim_params_per_s=_rate_or_default(dev, "gpu_optim_params_per_s", notes),
                            gpu_memory_bytes=int(props.total_memory), host_memory_bytes=_host_memory_bytes(),
                            measured=True, source=f"probe {time.strftime('%Y-%m-%d')}", device_name=props.name,
                            notes=notes)
+
+
+def optimizer_rate(device: Any = "cpu", numel: int = 2**26, steps: int = 3, master_weights: str = "kahan",
+                   state_dtype: str = "8bit") -> float:
+    """Parameters per second of one Hybrid8bitOptimizer AdamW update on `device` (median of `steps` timed steps
+    after one warm-up): a bf16 parameter of `numel` elements (default 2^26: ~0.5 GB of weight, gradient, states
+    and master buffers) with 8-bit blockwise states and Kahan-compensated bf16 master weights, as a streamed
+    decoder layer is updated (CPU: the C++ kernel on `lazytrain_hf.config.cpu_threads()` threads, else the torch
+    fallback; CUDA: bitsandbytes' kernel when it loads). The planner's cost model divides a layer's parameter
+    count by this rate (DESIGN.md §3)."""
+    import torch
+
+    from ..optim import Hybrid8bitOptimizer
+
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((0.02 * torch.randn(numel, generator=gen)).to(torch.bfloat16).to(dev))
+    p.grad = (1e-3 * torch.randn(numel, generator=gen)).to(torch.bfloat16).to(dev)
+    opt = Hybrid8bitOptimizer([p], lr=1e-5, state_dtype=state_dtype, master_weights=master_weights)
+    times = []
+    for step in range(steps + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if step:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return numel / times[len(times) // 2]
+
+
+def _rate_or_default(device: Any, key: str, notes: dict[str, str]) -> float:
+    try:
+        return optimizer_rate(device)
+    except Exception as e:  # a missing compiler or bitsandbytes build: plan with the H200 figure, say so
+        notes[key] = f"default (timing failed: {type(e).__name__}: {e})"[:300]
+        return getattr(H200_DEFAULTS, key)
 
 
 def _copy_gbps(dst: Any, src: Any, nbytes: int, reps: int = 10) -> float:

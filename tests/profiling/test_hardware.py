@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lazytrain_hf.profiling import H200_DEFAULTS, HardwareProfile, machine_fingerprint, probe
-from lazytrain_hf.profiling.hardware import _disk_gbps
+from lazytrain_hf.profiling.hardware import _disk_gbps, optimizer_rate
 
 
 def test_defaults_are_the_design_figures():
@@ -53,5 +53,16 @@ def test_probe_measures_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path))
     p = probe("cuda", refresh=True, copy_bytes=64 * 1024**2, disk_bytes=32 * 1024**2, nvme_dir=tmp_path / "nvme")
     assert p.measured and p.h2d_gbps > 1 and p.gpu_tflops > 10 and p.bidir_gbps > 1
+    assert p.cpu_optim_params_per_s > 1e7 and p.gpu_optim_params_per_s > 1e9, p.notes  # timed, not defaults
+    assert not any("default" in v for k, v in p.notes.items() if "optim" in k), p.notes
     assert any(tmp_path.glob("hardware-*.json"))
     assert probe("cuda", nvme_dir=tmp_path / "nvme") == p  # served from the cache
+
+
+def test_optimizer_rate_times_the_hybrid8_update_on_cpu(monkeypatch):
+    """The probe's CPU optimizer rate comes from the real Hybrid8bitOptimizer step: positive, finite, and it scales
+    with the work (the same update over 4x the parameters takes longer; rates within 8x of each other)."""
+    monkeypatch.setenv("LAZYTRAIN_CPU_THREADS", "1")
+    small, large = optimizer_rate("cpu", numel=2**16), optimizer_rate("cpu", numel=2**18)
+    assert 1e5 < small < 1e11 and 1e5 < large < 1e11
+    assert 1 / 8 < large / small < 8
