@@ -1,6 +1,9 @@
 """BENCHMARKS.md and a TFLOPS-vs-batch plot from a harness results file (benchmarks.run).
 
-    python -m benchmarks.report benchmarks/results/7b-YYYYMMDD.json [--md BENCHMARKS.md] [--png PATH]
+    python -m benchmarks.report benchmarks/results/7b-YYYYMMDD.json [more.json ...] [--md BENCHMARKS.md] [--png PATH]
+
+Several results files of one suite (calls at different commits) are reported as one table: each row names the file
+it came from, the header lists every file's commit and commands.
 
 Markdown: the exact commands, one table per (model, GPU cap) with every row (failures with their reason), the ratios
 LazyTrain-MILP / every other system (same batch, and best batch vs best batch), the largest feasible batches, and the
@@ -56,7 +59,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         step = "-" if r["step_s_median"] is None else \
             f"{r['step_s_median']:.3f} ({r['step_s_p10']:.3f}-{r['step_s_p90']:.3f}, n={r['steps_timed']})"
         xfer = "-" if r["exposed_h2d_ms"] is None else f"{r['exposed_h2d_ms']:.0f} / {r['exposed_d2h_ms'] or 0:.0f}"
-        note = (r.get("reason") or "").replace("|", "/")[:160]
+        note = ((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or "")).replace("|", "/")[:200]
         out.append(f"| {r['system']} | {r['batch_size']} | {r['status']} | {step} | {_f(r['tokens_per_s'], 0)} | "
                    f"{_f(r['tflops_6nd'])} | {_f(r['tflops_executed'])} | {_f(r['peak_gpu_gib'])} | "
                    f"{_f(r['peak_host_rss_gib'])} | {_f(r['pinned_planned_gib'])} | {xfer} | "
@@ -132,15 +135,50 @@ def targets(doc: dict[str, Any], model: str = "qwen2.5-7b") -> list[str]:
     return out
 
 
+def merge(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One report document from several results files (name, doc) of one suite: rows and max-batch entries
+    concatenated (a later file's row for the same (system, model, cap, batch) replaces an earlier one), each row's
+    "source" set to its file's name; "sources" lists every file with its commit, date, machine and commands."""
+    if len(docs) == 1:
+        return docs[0][1]
+    suites = {d["suite"] for _, d in docs}
+    if len(suites) > 1:
+        raise ValueError(f"results files of different suites {sorted(suites)}: report them separately")
+    rows: dict[tuple, dict[str, Any]] = {}
+    max_batch: dict[tuple, dict[str, Any]] = {}
+    for name, d in docs:
+        for r in d["rows"]:
+            rows[(r["system"], r["model"], r["gpu_cap_gib"], r["batch_size"])] = dict(r, source=name)
+        for e in d.get("max_batch", []):
+            max_batch[(e["system"], e["model"], e["gpu_cap_gib"])] = dict(e, source=name)
+    return {"suite": suites.pop(), "date": max(d["date"] for _, d in docs), "rows": list(rows.values()),
+            "max_batch": list(max_batch.values()),
+            "sources": [{"file": name, "git_commit": d.get("git_commit"), "date": d.get("date"),
+                         "machine": d.get("machine", {}), "commands": d.get("commands", [d.get("command", "")]),
+                         "notes": d.get("notes")} for name, d in docs]}
+
+
+def _header(doc: dict[str, Any]) -> list[str]:
+    def machine(m: dict[str, Any]) -> str:
+        return (f"{m.get('gpu', 'no GPU')} ({m.get('gpu_memory_gib', '-')} GiB), {m.get('cpu_cores')} CPU cores, "
+                f"{m.get('host_memory_gib', '-')} GiB host memory; torch {m.get('torch')}, "
+                f"transformers {m.get('transformers')}")
+
+    if "sources" not in doc:
+        return [f"Commit `{doc.get('git_commit')}` on {machine(doc.get('machine', {}))}.", "",
+                "Commands (in this order, resuming one results file):", "",
+                "```", *doc.get("commands", [doc.get("command", "")]), "python -m benchmarks.report <results.json>",
+                "```", ""]
+    out = ["Rows from several results files (column `source`), each with its commit, machine and commands:", ""]
+    for s in doc["sources"]:
+        out += [f"- `{s['file']}` ({s['date']}): commit `{s['git_commit']}` on {machine(s['machine'])}.",
+                *([f"  Notes: {s['notes']}"] if s.get("notes") else []), "", "  ```",
+                *[f"  {c}" for c in s["commands"]], "  ```", ""]
+    return out
+
+
 def markdown(doc: dict[str, Any], png: str | None) -> str:
-    m = doc.get("machine", {})
-    lines = [f"# Benchmarks: suite `{doc['suite']}`, {doc['date']}", "",
-             f"Commit `{doc.get('git_commit')}` on {m.get('gpu', 'no GPU')} "
-             f"({m.get('gpu_memory_gib', '-')} GiB), {m.get('cpu_cores')} CPU cores, "
-             f"{m.get('host_memory_gib', '-')} GiB host memory; torch {m.get('torch')}, "
-             f"transformers {m.get('transformers')}.", "", "Commands (in this order, resuming one results file):", "",
-             "```", *doc.get("commands", [doc.get("command", "")]), "python -m benchmarks.report <results.json>", "```",
-             "",
+    lines = [f"# Benchmarks: suite `{doc['suite']}`, {doc['date']}", "", *_header(doc),
              "All systems run through the HF Trainer on the same GSM8K token rows (real Qwen tokenizer, packed rows, no "
              "padding), bf16 random weights of the real config, AdamW lr 1e-5, betas (0.9, 0.999), eps 1e-8, weight "
              "decay 0.01, clip 1.0; warm-up steps are not timed. A step is timed from on_step_begin to on_step_end, "
@@ -198,13 +236,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("results")
+    p.add_argument("results", nargs="+", help="one or more results files of one suite")
     p.add_argument("--md", default=None, help="default: BENCHMARKS.md for a results file under benchmarks/results/ "
                    "(the committed table), else <results stem>.md next to the results file")
     p.add_argument("--png", default=None, help="default: <results stem>.png next to the results file")
     args = p.parse_args(argv)
-    src = Path(args.results)
-    doc = json.loads(src.read_text())
+    srcs = [Path(r) for r in args.results]
+    doc = merge([(src.name, json.loads(src.read_text())) for src in srcs])
+    src = srcs[0] if len(srcs) == 1 else srcs[0].with_name(f"{doc['suite']}-combined-{doc['date'].replace('-', '')}.json")
     png = Path(args.png) if args.png else src.with_suffix(".png")
     committed = src.resolve().parent == (Path(__file__).resolve().parent / "results")
     md = Path(args.md) if args.md else (Path(__file__).resolve().parents[1] / "BENCHMARKS.md" if committed

@@ -109,3 +109,28 @@ def test_report_targets_and_ratios():
     assert "| 24 GiB: MILP >= 1.3x lazytrain_fixed | 1.20x | not met |" in text
     assert "| 24 GiB: MILP >= 350 TFLOPS 6ND | 360.00 TFLOPS | met |" in text
     assert "| 80 GiB: MILP >= 450 TFLOPS 6ND at the best batch | - | not measured |" in text
+
+
+def test_report_merges_results_files_of_one_suite():
+    """Rows of calls at different commits report as one table: each names its file, a later file's row for the
+    same (system, model, cap, batch) wins, every file's commit is listed; files of different suites are refused."""
+    from benchmarks.common import row
+    from benchmarks.report import markdown, merge
+
+    def r(system, B, status, t=None):
+        return row(system=system, model="qwen2.5-7b", gpu_cap_gib=24, batch_size=B, status=status, tflops_6nd=t,
+                   step_s_median=t and 1.0, step_s_p10=t and 1.0, step_s_p90=t and 1.0, steps_timed=t and 5)
+
+    a = {"suite": "7b", "date": "2026-01-01", "git_commit": "aaa", "commands": ["cmd a"],
+         "rows": [r("lazytrain_milp", 64, "oom"), r("lazytrain_fixed", 64, "ok", 300.0)]}
+    b = {"suite": "7b", "date": "2026-01-02", "git_commit": "bbb", "commands": ["cmd b"],
+         "rows": [r("lazytrain_milp", 64, "ok", 390.0), r("zero_offload", 8, "ok", 100.0)]}
+    doc = merge([("a.json", a), ("b.json", b)])
+    got = {(x["system"], x["batch_size"]): (x["status"], x["source"]) for x in doc["rows"]}
+    assert got == {("lazytrain_milp", 64): ("ok", "b.json"), ("lazytrain_fixed", 64): ("ok", "a.json"),
+                   ("zero_offload", 8): ("ok", "b.json")}
+    text = markdown(doc, None)
+    assert "commit `aaa`" in text and "commit `bbb`" in text and "cmd a" in text and "cmd b" in text
+    assert "| zero_offload | 100.0 (8) | 3.90x | - |" in text  # 390 / 100, ratios across the files
+    with pytest.raises(ValueError, match="different suites"):
+        merge([("a.json", a), ("c.json", dict(b, suite="smoke"))])
