@@ -104,8 +104,8 @@ class LazyTrainConfig:
             overlapped with the next forward (layer i's update must land before layer i is streamed in) instead
             of serially inside `optimizer.step()`.
         gpu_layer_updates (bool, defaults to True): let the MILP place streamed layers' optimizer updates on the
-            GPU (run at the layer's next load, streamed states; needs overlap_optimizer); the plan moves a layer
-            only where the cost model predicts a shorter step. Measured on an H200 (Qwen2.5-7B shape, 24 GiB
+            GPU (run at the layer's next load, streamed states; needs overlap_optimizer and a CUDA device); the
+            plan moves a layer only where the cost model predicts a shorter step. Measured on an H200 (Qwen2.5-7B shape, 24 GiB
             cap, 16 cores): 1.5x the CPU-only MILP plan at batch 8, 1.14x at batch 64 (benchmarks/NOTES.md).
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).

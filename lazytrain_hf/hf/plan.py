@@ -82,10 +82,11 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
                              block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
     fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
-    # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py)
+    # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
+    # device they would only move the update from the worker thread into the forward's critical path
+    gpu_optimizer = cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda"
     schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
-                          mip_rel_gap=cfg.solver_mip_rel_gap,
-                          gpu_optimizer=cfg.gpu_layer_updates and cfg.overlap_optimizer, fingerprint=fp)
+                          mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
     schedule.solver["seq_len_bucket"] = T
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
     return schedule
