@@ -150,14 +150,17 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                     d2h.append(ex.stats.extra.get("exposed_d2h_ms", 0.0))
             med = statistics.median(times)
             tokens = B * args.seq_len  # per GPU
+            pinned = ex.pinned_bytes
+            pinned = ex.pinned_bytes
             r.update(percentiles(times), tokens_per_s=world * tokens / med, tflops_6nd=6 * n_params * tokens / med / 1e12,
                      tflops_executed=_executed_flops(model, ex, tokens, args.seq_len) / med / 1e12,
                      peak_gpu_gib=max(mem.values(), default=None), peak_host_rss_gib=_peak_rss_gib(),
-                     pinned_planned_gib=ex.pinned_bytes["planned"] / GIB,
-                     pinned_locked_gib=(ex.pinned_bytes["registered"] + _host_allocator_bytes(args)) / GIB,
+                     pinned_planned_gib=pinned["planned"] / GIB,
+                     pinned_locked_gib=(pinned["registered"] + pinned["host_allocator"]) / GIB,
                      exposed_h2d_ms=statistics.median(h2d), exposed_d2h_ms=statistics.median(d2h),
                      optimizer_ms=statistics.median(optim) * 1e3)
             r["extra"].update(fwd_bwd_ms=statistics.median(fb) * 1e3, setup_s=setup_s, **mem,
+                              pinned_gib={k: v / GIB for k, v in pinned.items()},
                               weight_loads=ex.stats.weight_loads, recomputed_layers=ex.stats.recomputed_layers,
                               h2d_weight_gib=ex.stats.h2d_weight_bytes / GIB,
                               d2h_grad_gib=ex.stats.d2h_grad_bytes / GIB, act_d2h_gib=ex.stats.act_d2h_bytes / GIB,
@@ -245,13 +248,6 @@ def run_stock(args: argparse.Namespace) -> list[dict[str, Any]]:
         opt.zero_grad(set_to_none=True)
         _finish_row(args, rows, r)
     return rows
-
-
-def _host_allocator_bytes(args: argparse.Namespace) -> int:
-    """Bytes PyTorch's caching host allocator holds page-locked (pin_memory=True blocks, power-of-two rounded)."""
-    if args.device != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
-        return 0
-    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
 
 def _global_targets(ids: torch.Tensor, ex: Any) -> torch.Tensor | None:

@@ -235,7 +235,9 @@ def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if ex is None:
         return {}, {}
     sched = ex.schedule
-    row: dict[str, Any] = {"pinned_planned_gib": (ex.store.pinned_bytes + ex.grads.staging_pinned_bytes) / GIB}
+    pinned = ex.pinned_bytes
+    row: dict[str, Any] = {"pinned_planned_gib": pinned["planned"] / GIB,
+                           "pinned_locked_gib": (pinned["registered"] + pinned["host_allocator"]) / GIB}
     if sched.policy == "milp":
         row.update(predicted_step_s=(sched.predicted.get("step_ms") or 0) / 1e3 or None,
                    solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))

@@ -196,7 +196,8 @@ class LazyTrainerMixin:
     def executor_metrics(self) -> dict[str, float]:
         ex = self.executor
         st = ex.stats
-        m = {"pinned_host_gib": round((ex.pinned_bytes["registered"] + ex.grads.staging_pinned_bytes) / GIB, 3),
+        pinned = ex.pinned_bytes
+        m = {"pinned_host_gib": round((pinned["registered"] + pinned["host_allocator"]) / GIB, 3),
              "h2d_weight_gib_per_microbatch": round(st.h2d_weight_bytes / GIB, 4),
              "recomputed_layers": float(st.recomputed_layers)}
         opt = self._inner_optimizer(self.optimizer) if self.optimizer is not None else None

@@ -175,6 +175,9 @@ def _measure(dev: Any, nvme_dir: str | os.PathLike | None, copy_bytes: int, disk
     d2h = _copy_gbps(host, gpu, copy_bytes)
     bidir = _bidir_gbps(host, gpu, host2, gpu2, copy_bytes)
     del host, host2, gpu, gpu2
+    torch.cuda.synchronize(dev)
+    if hasattr(torch._C, "_host_emptyCache"):  # the probe's pinned blocks would stay cached, page-locked, for good
+        torch._C._host_emptyCache()
     tflops = _gemm_tflops(dev)
     nvme_r, nvme_w = H200_DEFAULTS.nvme_read_gbps, H200_DEFAULTS.nvme_write_gbps
     if nvme_dir is not None:

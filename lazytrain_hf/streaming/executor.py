@@ -29,7 +29,7 @@ from ..planning.schedule import Schedule
 from .comm import DataParallel
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
-from .host_store import HostParamStore, ParamSpec, PinnedArena, sq_norm, structure_key
+from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
 from .tiers import ActivationStash
 from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
@@ -158,7 +158,7 @@ class StreamingExecutor:
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
-        self.grads = GradSink(self.store, self.device, self.dp)
+        self.grads = GradSink(self.store, self.device, self.dp, pin=pin)
         self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
         self._param_specs: dict[int, tuple[int, ParamSpec]] = {}
         for i, layer in enumerate(self.layers):
@@ -337,13 +337,28 @@ class StreamingExecutor:
 
     @property
     def pinned_bytes(self) -> dict[str, int]:
-        """Page-locked host bytes: "planned" (host store buffers + optimizer states in the arena + gradient
-        staging, as used) and "registered" (what cudaHostRegister locked: the store's exact buffers and the
-        arena's whole chunks). Staging and the CPU-tier stash come from PyTorch's caching host allocator
-        (`torch.cuda.host_memory_stats`), which rounds to powers of two."""
-        return {"planned": self.store.pinned_bytes + self.state_arena.used_bytes + self.grads.staging_pinned_bytes,
-                "registered": self.store.pinned_bytes + (self.state_arena.reserved_bytes if self.state_arena.pin
-                                                         else 0)}
+        """Page-locked host memory, in bytes.
+
+        "planned" is the sum of the parts, each its exact size: "store" (the streamed layers' weight and gradient
+        buffers), "optimizer_states" (the state arena's bytes in use), "grad_staging" (the accumulate path's
+        gradient staging, one set per slot) and "activations" (the CPU / NVMe tiers' host buffers at their
+        high-water mark, Note [stash buffers]). These buffers exist whatever the device; they are page-locked when
+        the executor pins (CUDA and `config.pin_memory`), so on a CPU run "planned" is what a CUDA run would lock.
+        "registered" is what cudaHostRegister locked in place: the store's and the staging's exact buffers, the
+        arena's whole chunks (used bytes plus each chunk's unused tail), the activation pool's buffers (all it
+        holds). "host_allocator" is what PyTorch's caching host allocator holds page-locked in this process
+        (`pin_memory=True` blocks, power-of-two rounded; active and cached): a buffer `pin_tensor` could not
+        register in place lands there, as does anything else in the process that pins. The process locks
+        "registered" + "host_allocator"; on a CPU run both are 0.
+        """
+        parts = {"store": self.store.param_bytes + self.store.grad_bytes,
+                 "optimizer_states": self.state_arena.used_bytes,
+                 "grad_staging": self.grads.staging_bytes,
+                 "activations": self.stash.buffers.high_water_bytes}
+        registered = (self.store.registered_bytes + self.state_arena.registered_bytes + self.grads.registered_bytes
+                      + self.stash.buffers.registered_bytes)
+        host_alloc = host_allocator_bytes() if self.device.type == "cuda" else 0
+        return {"planned": sum(parts.values()), **parts, "registered": registered, "host_allocator": host_alloc}
 
     def resident_parameters(self) -> list[nn.Parameter]:
         """Parameters that stay on the compute device (embedding, final norm, lm_head; a tied weight once)."""
@@ -613,5 +628,10 @@ class StreamingExecutor:
     def close(self) -> None:
         self.flush_updates()
         self.stash.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy may touch memory being unregistered
+        self.grads.flush()
+        self.grads.release()
+        self.stash.release()
         self.store.release()
         self.state_arena.release()

@@ -18,13 +18,14 @@ device; under NCCL the reduction is enqueued after the layer's backward and only
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from .comm import DataParallel
-from .host_store import HostParamStore, sq_norm
+from .host_store import HostParamStore, pin_tensor, sq_norm, unregister
 from .weights import Slot, wait_on
 
 __all__ = ["GradSink"]
@@ -39,21 +40,33 @@ class _Pending:
 
 
 class GradSink:
-    """Args: store (host buffers), device (compute device), dp (gradient all-reduce over ranks, or None)."""
+    """Args: store (host buffers), device (compute device), dp (gradient all-reduce over ranks, or None),
+    pin (page-lock the staging buffers; CUDA only).
 
-    def __init__(self, store: HostParamStore, device: torch.device, dp: DataParallel | None = None) -> None:
+    Attributes:
+        staging_bytes: bytes of the accumulate path's staging buffers (one set per slot, allocated at its first
+            use, kept: exact sizes, page-locked in place with cudaHostRegister when `pin`).
+        registered_bytes: the part of `staging_bytes` page-locked in place.
+    """
+
+    def __init__(self, store: HostParamStore, device: torch.device, dp: DataParallel | None = None,
+                 pin: bool = True) -> None:
         self.store = store
         self.device = device
         self.dp = dp
         self.cuda = device.type == "cuda"
+        self.pin = pin and self.cuda
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._staging: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # id(slot) -> dtype -> pinned staging
+        # id(slot) -> (weak reference to the slot, dtype -> staging buffer)
+        self._staging: dict[int, tuple[weakref.ref, dict[torch.dtype, torch.Tensor]]] = {}
+        self._registered: dict[int, torch.Tensor] = {}  # id(buffer) -> staging buffer registered in place
         self._pending: deque[_Pending] = deque()  # staged copies whose CPU add is still to do, FIFO
         self.sq = torch.zeros((), dtype=torch.float64, device=device)  # sum of squares seen this window
         self.microbatches = 0  # micro-batches since the last zero_grad
         self._fresh: set[int] = set(range(len(store.buffers)))  # layers whose host grads hold nothing yet
         self.d2h_bytes = 0
-        self.staging_pinned_bytes = 0
+        self.staging_bytes = 0
+        self.registered_bytes = 0
         self.instrument = False  # record compute-stream stalls on gradient copies (exposed D2H), as WeightStreamer
         self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -126,12 +139,38 @@ class GradSink:
         return ev
 
     def _staging_for(self, slot: Slot) -> dict[torch.dtype, torch.Tensor]:
-        key = id(slot)
-        if key not in self._staging:
-            self._staging[key] = {dt: torch.empty(g.numel(), dtype=g.dtype, pin_memory=True)
-                                  for dt, g in slot.grads.items()}
-            self.staging_pinned_bytes += sum(t.numel() * t.element_size() for t in self._staging[key].values())
-        return self._staging[key]
+        """The slot's staging buffers: exact sizes, page-locked in place (the caching host allocator would round
+        each up to a power of two). The sets of slots that no longer exist (a new prefetch depth rebuilt them) are
+        freed first, so their ids, reused by new slots, never hand out a wrong-sized set."""
+        hit = self._staging.get(id(slot))
+        if hit is not None and hit[0]() is slot:
+            return hit[1]
+        for key, (ref, old) in list(self._staging.items()):
+            if ref() is None:
+                for p in [p for p in self._pending if p.staging is old]:
+                    self._finish(p)
+                del self._staging[key]
+                self._free(old)
+        staging = {}
+        for dt, g in slot.grads.items():
+            t = torch.empty(g.numel(), dtype=g.dtype)
+            if self.pin:
+                t, in_place = pin_tensor(t)
+                if in_place:
+                    self._registered[id(t)] = t
+                    self.registered_bytes += t.numel() * t.element_size()
+            staging[dt] = t
+        self._staging[id(slot)] = (weakref.ref(slot), staging)
+        self.staging_bytes += sum(t.numel() * t.element_size() for t in staging.values())
+        return staging
+
+    def _free(self, staging: dict[torch.dtype, torch.Tensor]) -> None:
+        for t in staging.values():
+            nbytes = t.numel() * t.element_size()
+            if self._registered.pop(id(t), None) is not None:
+                unregister([t])
+                self.registered_bytes -= nbytes
+            self.staging_bytes -= nbytes
 
     def _finish(self, p: _Pending) -> None:
         p.event.synchronize()
@@ -154,3 +193,13 @@ class GradSink:
         self._fresh = set(range(len(self.store.buffers)))
         self.sq.zero_()
         self.microbatches = 0
+
+    def __del__(self) -> None:
+        self.release()  # Note [host registration lifetime] (host_store.py)
+
+    def release(self) -> None:
+        """Unregister the page-locked staging buffers (after `flush`; they stay valid as ordinary memory)."""
+        regs = getattr(self, "_registered", {})
+        unregister(list(regs.values()))
+        regs.clear()
+        self.registered_bytes = 0

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "structure_key", "pin_tensor", "sq_norm"]
+from .nvme import aligned_empty
+
+__all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "HostBufferPool", "PinnedArena", "structure_key",
+           "pin_tensor", "unregister", "host_allocator_bytes", "sq_norm"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,14 @@ def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return t.pin_memory(), False
 
 
+def host_allocator_bytes() -> int:
+    """Bytes PyTorch's caching host allocator holds page-locked (`pin_memory=True` blocks, active and cached,
+    power-of-two rounded) in this process; 0 when CUDA is not in use."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
 def unregister(tensors: list[torch.Tensor]) -> None:
     """Undo `pin_tensor`'s in-place registrations (the tensors stay valid as ordinary memory) and empty the list."""
     for t in tensors:
@@ -105,7 +116,9 @@ class PinnedArena:
     GPU-side updates allocate states concurrently). Nothing is freed before `release`.
 
     Attributes:
-        used_bytes: bytes handed out; reserved_bytes: bytes allocated in chunks (page-locked when `pin`).
+        used_bytes: bytes handed out; reserved_bytes: bytes allocated in chunks (page-locked when `pin`);
+        registered_bytes: bytes of the chunks page-locked in place (a chunk `pin_tensor` could not register is a
+            caching-allocator copy: `host_allocator_bytes`).
     """
 
     def __init__(self, pin: bool, chunk_bytes: int = 512 * 2**20) -> None:
@@ -116,6 +129,7 @@ class PinnedArena:
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.reserved_bytes = 0
+        self.registered_bytes = 0
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` (64-byte aligned) in the arena."""
@@ -134,6 +148,7 @@ class PinnedArena:
                     t, in_place = pin_tensor(t)
                     if in_place:
                         self._registered.append(t)
+                        self.registered_bytes += t.numel() * size
                 chunk = [t, 0]
                 pool.append(chunk)
                 self.reserved_bytes += t.numel() * size
@@ -151,6 +166,109 @@ class PinnedArena:
     def release(self) -> None:
         """Unregister the page-locked chunks (tensors stay valid as ordinary memory)."""
         unregister(getattr(self, "_registered", []))
+        self.registered_bytes = 0
+
+
+class HostBufferPool:
+    """Reusable host buffers of exact sizes, page-locked in place (the activation tiers' boundary copies).
+
+    PyTorch's caching host allocator would round every boundary up to a power of two (a 470 MB boundary locks a
+    512 MB block). The pool hands out 1-D uint8 buffers `ALIGN`-aligned (O_DIRECT needs it) of exactly the size
+    first asked for, page-locked with cudaHostRegister (`pin_tensor`) when `pin`, and reuses them across steps.
+
+    `acquire(nbytes)` returns the smallest free buffer of at least `nbytes` bytes (the caller slices it), else a new
+    one; before allocating, free buffers smaller than the request are dropped, so sizes that grow across steps
+    (dynamic padding) do not accumulate buffers. `release(buf, event)` gives a buffer back; `event` (CUDA) is
+    recorded after the last asynchronous copy that reads or writes it, and the next user orders itself after it:
+    `acquire(..., stream=s)` makes stream `s` wait for it (the user's copy is on `s`), otherwise the calling
+    thread waits (the user touches the bytes from the CPU). Thread-safe (NVMe I/O threads acquire and release).
+
+    Attributes:
+        held_bytes: bytes of every buffer the pool holds (in use or free).
+        in_use_bytes: bytes of the buffers handed out now; high_water_bytes: their maximum so far.
+        registered_bytes: bytes page-locked in place (== held_bytes when pinning succeeded).
+        allocations: buffers allocated so far.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._in_use: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer
+        self._registered: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer registered in place
+        self._lock = threading.Lock()
+        self.held_bytes = self.in_use_bytes = self.high_water_bytes = self.registered_bytes = 0
+        self.allocations = 0
+
+    def acquire(self, nbytes: int, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """A buffer of at least `nbytes` bytes, safe to use on `stream` (None: from this thread, now)."""
+        with self._lock:
+            fits = [k for k, (b, _) in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                buf, event = self._free.pop(min(fits, key=lambda k: self._free[k][0].numel()))
+            else:
+                small = [(b, ev) for b, ev in self._free if b.numel() < nbytes]
+                self._free = [f for f in self._free if f[0].numel() >= nbytes]
+                for b, ev in small:
+                    self._drop(b, ev)
+                buf, event = self._allocate(nbytes), None
+            self._in_use[id(buf)] = buf
+            self.in_use_bytes += buf.numel()
+            self.high_water_bytes = max(self.high_water_bytes, self.in_use_bytes)
+        if event is not None and stream is not None:
+            stream.wait_event(event)
+        elif event is not None:
+            event.synchronize()
+        return buf
+
+    def release(self, buf: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
+        """Give `buf` (as `acquire` returned it) back; `event`: completes after its last pending async copy."""
+        with self._lock:
+            if self._in_use.pop(id(buf), None) is None:
+                raise ValueError("release() of a buffer this pool did not hand out (or released twice)")
+            self.in_use_bytes -= buf.numel()
+            self._free.append((buf, event))
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        buf = aligned_empty(nbytes)[:nbytes]  # ALIGN-aligned start, exactly nbytes
+        if self.pin and nbytes:
+            buf, in_place = pin_tensor(buf)
+            if in_place:
+                self._registered[id(buf)] = buf
+                self.registered_bytes += nbytes
+        self.held_bytes += buf.numel()
+        self.allocations += 1
+        return buf
+
+    def _drop(self, buf: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()  # no copy may still touch memory that is unregistered and freed
+        if self._registered.pop(id(buf), None) is not None:
+            unregister([buf])
+            self.registered_bytes -= buf.numel()
+        self.held_bytes -= buf.numel()
+
+    def trim(self) -> None:
+        """Free every buffer not in use (unregistering it first)."""
+        with self._lock:
+            free, self._free = self._free, []
+            for b, ev in free:
+                self._drop(b, ev)
+
+    def __del__(self) -> None:
+        self.release_all()  # Note [host registration lifetime]
+
+    def release_all(self) -> None:
+        """Unregister every page-locked buffer (in use or not; they stay valid as ordinary memory)."""
+        regs = getattr(self, "_registered", {})
+        for _, ev in getattr(self, "_free", []):
+            if ev is not None:
+                try:
+                    ev.synchronize()
+                except Exception:  # pragma: no cover - interpreter shutdown
+                    pass
+        unregister(list(regs.values()))
+        regs.clear()
+        self.registered_bytes = 0
 
 
 class HostParamStore:
@@ -164,7 +282,8 @@ class HostParamStore:
 
     Attributes:
         buffers: one LayerBuffers per layer.
-        pinned_bytes: bytes this store page-locked (weights + grads).
+        pinned_bytes: bytes this store page-locked (weights + grads), in place or as `pin_memory()` copies.
+        registered_bytes: the part page-locked in place with cudaHostRegister (exact sizes).
     """
 
     def __init__(self, layers: nn.ModuleList, pin: bool = False, grad_dtype: str = "fp32") -> None:
@@ -173,6 +292,7 @@ class HostParamStore:
         self.grad_dtype = grad_dtype
         self.buffers: list[LayerBuffers] = []
         self.pinned_bytes = 0
+        self.registered_bytes = 0
         self._registered: list[torch.Tensor] = []
         for layer in layers:
             self.buffers.append(self._adopt(layer, pin))
@@ -194,6 +314,7 @@ class HostParamStore:
                     store[dt], in_place = pin_tensor(store[dt])
                     if in_place:
                         self._registered.append(store[dt])
+                        self.registered_bytes += store[dt].numel() * store[dt].element_size()
                     self.pinned_bytes += store[dt].numel() * store[dt].element_size()
         for (_, p), s in zip(named, specs):
             view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
@@ -235,3 +356,4 @@ class HostParamStore:
     def release(self) -> None:
         """Unregister page-locked memory (the tensors stay valid as ordinary memory)."""
         unregister(getattr(self, "_registered", []))
+        self.registered_bytes = 0

@@ -4,12 +4,20 @@ A boundary is a [B, T, H] hidden-state tensor. `ActivationStash.put(i, h, tier)`
 backward returns it on the compute device, bit-exact. CPU tier: async D2H on the D2H stream into pinned memory;
 the event recorded after the copy orders the later H2D (Note [stash keep-alive]: the device source is NOT kept;
 `record_stream` on the D2H stream stops the caching allocator from reusing its memory before the copy is done, so
-an offloaded boundary leaves the GPU as soon as forward drops it). NVMe tier: D2H into a 4096-byte-aligned (pinned) host buffer, then a background
-thread writes it to a file in `nvme_dir` with O_DIRECT where the filesystem allows it (`nvme.write_file`; raw
-bytes of any dtype, padded to 4096 bytes, the true size remembered). At most `max_pending_writes` boundaries wait
-in host memory for their write; a failed write (disk full, short write) raises at the next `put`, at that
-boundary's `get`, or at `flush`, and leaves no file behind. Read-ahead: each `get(i)` starts reading the next
-NVMe boundary backward will need (the largest stashed index below i) on the I/O threads.
+an offloaded boundary leaves the GPU as soon as forward drops it). NVMe tier: D2H into a 4096-byte-aligned (pinned)
+host buffer, then a background thread writes it to a file in `nvme_dir` with O_DIRECT where the filesystem allows
+it (`nvme.write_file`; raw bytes of any dtype, padded to 4096 bytes, the true size remembered). At most
+`max_pending_writes` boundaries wait in host memory for their write; a failed write (disk full, short write) raises
+at the next `put`, at that boundary's `get`, or at `flush`, and leaves no file behind. Read-ahead: each `get(i)`
+starts reading the next NVMe boundary backward will need (the largest stashed index below i) on the I/O threads.
+
+Host memory (Note [stash buffers]): every host copy (CPU-tier boundary, NVMe write or read buffer) is a
+`HostBufferPool` buffer of `padded(nbytes)` bytes, page-locked in place at its exact size and reused across steps
+(not PyTorch's caching host allocator, which rounds a block up to a power of two). A buffer goes back to the pool
+when its user is done: an NVMe write buffer once its file is written; a boundary's buffer once `get` has enqueued
+its H2D copy, with an event recorded after that copy on the compute stream, which the next user waits for (the
+D2H stream for a CPU-tier put, the calling thread for a file read into it). On a CPU device `get` returns the host
+buffer itself, so buffers go back only at `clear`.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .nvme import aligned_empty, read_file, write_file
+from .host_store import HostBufferPool
+from .nvme import padded, read_file, write_file
 
 __all__ = ["ActivationStash"]
 
@@ -36,9 +45,10 @@ class _Entry:
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
     nbytes: int = 0  # true byte count (the file is padded to 4096 bytes)
-    buf: torch.Tensor | None = None  # nvme: aligned uint8 host buffer behind `tensor`
+    buf: torch.Tensor | None = None  # cpu, nvme: the pool buffer behind `tensor` (nvme: until written)
     write: Future | None = None  # nvme: background write; result() is True when O_DIRECT was used
     read: Future | None = None  # nvme: read-ahead; result() is the host tensor
+    read_buf: torch.Tensor | None = None  # nvme: the pool buffer a read filled
 
 
 class ActivationStash:
@@ -51,6 +61,9 @@ class ActivationStash:
         o_direct: try O_DIRECT for NVMe files (falls back to buffered I/O where the filesystem refuses it).
         io_threads: threads for NVMe writes and read-ahead.
         max_pending_writes: NVMe boundaries that may wait in host memory for their write before `put` blocks.
+
+    Attributes:
+        buffers: the host buffers of the CPU and NVMe tiers (Note [stash buffers]); page-locked when `pin`.
     """
 
     def __init__(self, device: torch.device, nvme_dir: str | None = None, pin: bool = True, *,
@@ -69,6 +82,8 @@ class ActivationStash:
         self.h2d_bytes = 0
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[_Entry] = []  # nvme entries whose write may not have finished, oldest first
+        self.buffers = HostBufferPool(self.pin)
+        self._consumed: list[torch.Tensor] = []  # CPU device: buffers `get` handed out, returned at `clear`
 
     def put(self, i: int, h: torch.Tensor, tier: str) -> None:
         nbytes = h.numel() * h.element_size()
@@ -76,15 +91,12 @@ class ActivationStash:
             self.bytes_by_tier[tier] += nbytes
             self.entries[i] = _Entry("gpu", h)
             return
-        buf = None
         if tier == "nvme":
             if not self.nvme_dir:
                 raise ValueError("activation tier 'nvme' needs lazytrain_config.nvme_dir")
             self._throttle()
-            buf = aligned_empty(nbytes, self.pin)
-            host = buf[:nbytes].view(h.dtype).view(h.shape)
-        else:
-            host = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.pin)
+        buf = self.buffers.acquire(padded(nbytes), self.d2h_stream)  # the D2H below waits for its last reader
+        host = buf[:nbytes].view(h.dtype).view(h.shape)
         self.bytes_by_tier[tier] += nbytes
         if self.cuda:
             ev = torch.cuda.Event()
@@ -93,14 +105,14 @@ class ActivationStash:
                 host.copy_(h, non_blocking=True)
                 ev.record(self.d2h_stream)
             h.record_stream(self.d2h_stream)
-            entry = _Entry(tier, host, event=ev, shape=tuple(h.shape), dtype=h.dtype)
+            entry = _Entry(tier, host, event=ev, shape=tuple(h.shape), dtype=h.dtype, buf=buf)
         else:
             host.copy_(h)
-            entry = _Entry(tier, host, shape=tuple(h.shape), dtype=h.dtype)
+            entry = _Entry(tier, host, shape=tuple(h.shape), dtype=h.dtype, buf=buf)
         self.d2h_bytes += nbytes
         if tier == "nvme":
             os.makedirs(self.nvme_dir, exist_ok=True)
-            entry.nbytes, entry.buf = nbytes, buf
+            entry.nbytes = nbytes
             entry.path = os.path.join(self.nvme_dir, f"boundary{i}-{uuid.uuid4().hex}.bin")
             entry.write = self._io().submit(self._write, entry)
             self._pending.append(entry)
@@ -130,20 +142,26 @@ class ActivationStash:
                 del self.entries[k]
 
     def _write(self, e: _Entry) -> bool:
-        """I/O thread: wait for the D2H copy, write the file, free the host buffer. True when O_DIRECT."""
+        """I/O thread: wait for the D2H copy, write the file, return the host buffer. True when O_DIRECT."""
         try:
             if e.event is not None:
                 e.event.synchronize()
             e.src = None
-            return write_file(e.path, e.buf, e.nbytes, self.o_direct)
+            return write_file(e.path, e.buf[:padded(e.nbytes)], e.nbytes, self.o_direct)
         finally:
+            self.buffers.release(e.buf, e.event)  # the event: in case the wait above was cut short
             e.tensor = e.buf = None
 
     def _read(self, e: _Entry) -> torch.Tensor:
-        """Wait for e's write, then read its file into a new aligned host buffer (typed view returned)."""
+        """Wait for e's write, then read its file into a pool buffer (`e.read_buf`; typed view returned)."""
         direct = e.write.result()
-        buf = aligned_empty(e.nbytes, self.pin)
-        read_file(e.path, buf, direct)
+        buf = self.buffers.acquire(padded(e.nbytes))  # this thread writes it: waits for its last H2D reader
+        try:
+            read_file(e.path, buf[:padded(e.nbytes)], direct)
+        except BaseException:
+            self.buffers.release(buf)
+            raise
+        e.read_buf = buf
         return buf[:e.nbytes].view(e.dtype).view(e.shape)
 
     def _read_ahead(self, below: int) -> None:
@@ -166,13 +184,22 @@ class ActivationStash:
                     self._pending.remove(e)
                 if os.path.exists(e.path):
                     os.unlink(e.path)
+            buf = e.read_buf
         else:
             if e.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(e.event)
-            host = e.tensor
+            host, buf = e.tensor, e.buf
+        e.tensor = e.buf = e.read_buf = None
         self._read_ahead(i)
         self.h2d_bytes += host.numel() * host.element_size()
-        return host.to(self.device, non_blocking=self.cuda)
+        out = host.to(self.device, non_blocking=self.cuda)
+        if self.cuda:  # Note [stash buffers]: reusable once the H2D copy that reads it is done
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.buffers.release(buf, done)
+        else:
+            self._consumed.append(buf)  # `out` is the buffer itself
+        return out
 
     def flush(self) -> None:
         """Wait for every pending NVMe write; raise the first failure (its file already removed)."""
@@ -183,12 +210,25 @@ class ActivationStash:
                 e.write.result()
 
     def clear(self) -> None:
+        """End of a step: drop every boundary and return every host buffer to the pool."""
         for e in self.entries.values():
             for fut in (e.write, e.read):
                 if fut is not None:
                     fut.exception()  # wait; errors of boundaries nobody asked for again are dropped
             if e.path and os.path.exists(e.path):
                 os.unlink(e.path)
+            if e.tier == "cpu" and e.buf is not None:
+                self.buffers.release(e.buf, e.event)  # its D2H may still be running
+            if e.read_buf is not None:  # nvme write buffers went back when their write ended
+                self.buffers.release(e.read_buf)
+            e.tensor = e.buf = e.read_buf = None
+        for buf in self._consumed:
+            self.buffers.release(buf)
+        self._consumed.clear()
         self.entries.clear()
         self._pending.clear()
         self.bytes_by_tier = {"gpu": 0, "cpu": 0, "nvme": 0}
+
+    def release(self) -> None:
+        """Unregister the pool's page-locked buffers (after `clear`; they stay valid as ordinary memory)."""
+        self.buffers.release_all()

@@ -1,0 +1,176 @@
+"""Pinned-memory accounting: exact-size reusable host buffers for the activation tiers, and `pinned_bytes` parts
+that add up (CPU: the same buffers exist unpinned, so every accounting path runs here)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lazytrain_hf.config import LazyTrainConfig
+from lazytrain_hf.models import load_model
+from lazytrain_hf.optim import Hybrid8bitOptimizer
+from lazytrain_hf.planning.fixed import fixed_schedule
+from lazytrain_hf.planning.schedule import LayerPlan, Schedule
+from lazytrain_hf.streaming import host_store
+from lazytrain_hf.streaming.executor import StreamingExecutor
+from lazytrain_hf.streaming.host_store import HostBufferPool
+from lazytrain_hf.streaming.nvme import ALIGN, padded
+from lazytrain_hf.streaming.tiers import ActivationStash
+
+from ..conftest import random_batch, rel_err
+
+CPU = torch.device("cpu")
+PARTS = ("store", "optimizer_states", "grad_staging", "activations")
+
+
+@pytest.fixture
+def fake_pin(monkeypatch):
+    """cudaHostRegister stand-in: every tensor 'registers' in place; records registrations and unregistrations."""
+    log = {"registered": [], "unregistered": []}
+
+    def pin(t):
+        log["registered"].append(t.data_ptr())
+        return t, True
+
+    def unreg(ts):
+        log["unregistered"].extend(t.data_ptr() for t in ts)
+        ts.clear()
+
+    monkeypatch.setattr(host_store, "pin_tensor", pin)
+    monkeypatch.setattr(host_store, "unregister", unreg)
+    return log
+
+
+def test_pool_exact_aligned_reuse_best_fit_and_counters():
+    pool = HostBufferPool(pin=False)
+    a = pool.acquire(10_000)
+    assert a.dtype == torch.uint8 and a.numel() == 10_000 and a.data_ptr() % ALIGN == 0
+    b = pool.acquire(3 * ALIGN)
+    assert pool.in_use_bytes == pool.high_water_bytes == pool.held_bytes == 10_000 + 3 * ALIGN
+    pool.release(a)
+    pool.release(b)
+    assert pool.in_use_bytes == 0 and pool.high_water_bytes == 10_000 + 3 * ALIGN
+    assert pool.acquire(3 * ALIGN) is b  # the smallest free buffer that fits
+    assert pool.acquire(5_000) is a
+    assert pool.allocations == 2
+    with pytest.raises(ValueError, match="did not hand out"):
+        pool.release(torch.empty(8, dtype=torch.uint8))
+
+
+def test_pool_drops_smaller_free_buffers_when_it_must_grow(fake_pin):
+    pool = HostBufferPool(pin=True)
+    small = [pool.acquire(ALIGN) for _ in range(3)]
+    assert pool.registered_bytes == pool.held_bytes == 3 * ALIGN
+    ptrs = [s.data_ptr() for s in small]
+    for s in small[:2]:
+        pool.release(s)
+    big = pool.acquire(2 * ALIGN)  # nothing free fits: the two free small buffers go (unregistered first)
+    assert sorted(fake_pin["unregistered"]) == sorted(ptrs[:2])
+    assert pool.held_bytes == pool.registered_bytes == ALIGN + 2 * ALIGN  # the in-use small one stays
+    pool.release(big)
+    pool.release(small[2])
+    pool.trim()
+    assert pool.held_bytes == pool.registered_bytes == 0
+    pool.release_all()
+
+
+def test_pool_release_all_unregisters_everything(fake_pin):
+    pool = HostBufferPool(pin=True)
+    bufs = [pool.acquire(n) for n in (100, ALIGN, 3 * ALIGN + 1)]
+    pool.release(bufs[0])
+    pool.release_all()
+    assert sorted(fake_pin["unregistered"]) == sorted(b.data_ptr() for b in bufs)
+    assert pool.registered_bytes == 0
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_stash_reuses_buffers_across_steps(tier, tmp_path):
+    stash = ActivationStash(CPU, str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    allocs, held = [], []
+    for width in (600, 1200, 600, 600):  # a step with larger boundaries (dynamic padding), then smaller again
+        hs = {i: torch.randn(2, 5, width, generator=g) for i in (0, 2, 3)}
+        for i, h in hs.items():
+            stash.put(i, h, tier)
+            stash.flush()  # deterministic buffer counts: each write ends before the next put
+        for i in sorted(hs, reverse=True):
+            assert torch.equal(stash.get(i), hs[i])
+        stash.clear()
+        assert stash.buffers.in_use_bytes == 0
+        allocs.append(stash.buffers.allocations)
+        held.append(stash.buffers.held_bytes)
+    assert allocs[1] > allocs[0]  # the larger step could not reuse the smaller buffers: they were dropped
+    assert held[1] == 3 * padded(2 * 5 * 1200 * 4)
+    assert allocs[3] == allocs[2] == allocs[1] and held[3] == held[2] == held[1]  # no growth afterwards
+    assert not list(tmp_path.iterdir())
+
+
+def test_stash_buffer_sizes_are_padded_boundary_bytes(tmp_path):
+    stash = ActivationStash(CPU, str(tmp_path))
+    h = torch.randn(2, 3, 5)  # 120 bytes
+    for step in range(2):
+        stash.put(0, h, "cpu")
+        stash.put(1, h, "cpu")
+        stash.put(2, h, "nvme")
+        stash.flush()  # the NVMe write buffer went back: the read below reuses it
+        for i in (2, 1, 0):
+            assert torch.equal(stash.get(i), h)
+        stash.clear()
+        assert stash.buffers.allocations == 3, step
+    assert stash.buffers.high_water_bytes == stash.buffers.held_bytes == 3 * padded(120)
+
+
+def _schedules() -> dict[str, Schedule]:
+    P = LayerPlan
+    return {"every-layer-cpu": fixed_schedule(4, 1, "cpu", 2),
+            "mixed-tiers-retain": Schedule("milp", [P(True, "cpu"), P(False), P(True, "nvme"), P(False, retain=True)],
+                                           prefetch_depth=2),
+            "one-segment-nvme": fixed_schedule(4, 4, "nvme", 3)}
+
+
+@pytest.mark.parametrize("sched_name", list(_schedules()))
+def test_executor_two_steps_reuse_buffers_and_stay_exact(sched_name, tmp_path):
+    model = load_model("qwen3-tiny", "float32", seed=1)
+    ids, mask, labels = random_batch(model.config.vocab_size)
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    ex = StreamingExecutor(model, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), "cpu",
+                           _schedules()[sched_name])
+    counts = []
+    for _ in range(2):
+        ex.zero_grad()
+        loss = ex.forward_backward(ids, labels, mask)
+        counts.append((ex.stash.buffers.allocations, ex.stash.buffers.held_bytes))
+        assert rel_err(loss, out.loss.detach()) < 1e-6
+        for name, p in model.named_parameters():
+            assert rel_err(ex.grad_source(p), dict(ref.named_parameters())[name].grad) < 1e-5, name
+    assert counts[0] == counts[1] and counts[0][0] > 0  # the second step allocated nothing
+    assert ex.stash.buffers.in_use_bytes == 0
+    assert not list(tmp_path.iterdir())
+
+
+def test_pinned_bytes_parts_add_up_on_cpu():
+    model = load_model("qwen3-tiny", "float32", seed=2)
+    ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
+    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", fixed_schedule(4, 1, "cpu", 2))
+    opt = Hybrid8bitOptimizer(model.parameters(), lr=1e-3, block_size=64)
+    opt.set_state_allocator(ex.state_alloc)
+    opt.set_grad_source(ex.grad_source)
+    before = ex.pinned_bytes
+    assert before["activations"] == before["optimizer_states"] == 0
+    for _ in range(2):
+        ex.zero_grad()
+        ex.forward_backward(ids, labels, mask)
+        opt.step()
+    pb = ex.pinned_bytes
+    assert pb["planned"] == sum(pb[k] for k in PARTS)
+    assert pb["store"] == ex.store.param_bytes + ex.store.grad_bytes
+    assert pb["optimizer_states"] == ex.state_arena.used_bytes > 0
+    assert pb["grad_staging"] == 0  # the CPU path adds into the host buffers directly
+    boundary = ids.numel() * model.config.hidden_size * 4
+    assert pb["activations"] == 4 * padded(boundary)  # every layer's input on the CPU tier, all alive at once
+    assert pb["registered"] == pb["host_allocator"] == 0  # nothing is page-locked on a CPU run
+    ex.close()
