@@ -42,6 +42,7 @@ from .estimate import (
     unit_terms,
     workspace_slack_ms,
 )
+from .fast_eval import TIE_MS_PER_DECISION, TIE_MS_PER_GIB_PEAK, PlanArrays, StepEvaluator
 from .fixed import fixed_schedule
 from .schedule import LayerPlan, Schedule
 from .schedule import fingerprint as _fingerprint
@@ -53,10 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes per GiB: memory enters the model in GiB (coefficients of order 1) and leaves it in bytes.
 GIB = float(1024**3)
-#: Tie-breakers (ms-equivalents, far below the 1% gap): prefer less GPU memory, then fewer offloads / retains /
-#: on-GPU updates / checkpoints, among plans of equal predicted step time.
-TIE_MS_PER_GIB_PEAK = 1e-3
-TIE_MS_PER_DECISION = 1e-3
+# Tie-breakers (TIE_MS_PER_GIB_PEAK, TIE_MS_PER_DECISION, from fast_eval.py; ms-equivalents, far below the 1% gap):
+# prefer less GPU memory, then fewer offloads / retains / on-GPU updates / checkpoints, among plans of equal step time.
 #: Slack added to the smallest feasible budgets named by InfeasiblePlanError before rounding up to 0.01 GiB.
 _BUDGET_ROUND = GIB / 100
 
@@ -759,18 +758,21 @@ class _PlanMilp:
 # Public API
 
 
-def fixed_candidates(cm: CostModel, prefetch_depth: int = 1) -> list[Schedule]:
+def fixed_candidates(cm: CostModel, prefetch_depth: int = 1, *, evaluator: StepEvaluator | None = None
+                     ) -> list[Schedule]:
     """Variants of the `fixed` heuristic (checkpoint every k in 1, 2, 4, 8, all boundaries in one tier) that fit
-    the budgets under the linear model, fastest first. Used as MILP warm starts and as the no-solution fallback."""
+    the budgets under the linear model, fastest first. Used as MILP warm starts and as the no-solution fallback.
+    `evaluator`: a `StepEvaluator` of `cm` at `prefetch_depth` (built here when not given)."""
+    ev = evaluator if evaluator is not None else StepEvaluator(cm, prefetch_depth)
     tiers = ["gpu", "cpu"] + (["nvme"] if cm.nvme_bytes > 0 else [])
     out: list[tuple[float, Schedule]] = []
     for every in (1, 2, 4, 8):
         for tier in tiers:
             s = fixed_schedule(cm.num_layers, checkpoint_every=every, tier=tier, prefetch_depth=prefetch_depth)
             s.layers[0].tier = "gpu"  # boundary 0 stays on the GPU (DESIGN §3)
-            est = evaluate(cm, s)
-            if _fits(cm, est.peak_gpu_bytes, est.pinned_host_bytes, est.nvme_bytes):
-                out.append((est.step_ms, s))
+            val = ev.evaluate(PlanArrays.of(s))
+            if val.fits(cm):
+                out.append((val.step_ms, s))
     out.sort(key=lambda p: p[0])
     return [s for _, s in out]
 
@@ -886,9 +888,10 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     results: list[_Result] = []
     models: list[_PlanMilp] = []
     skipped: list[int] = []
+    evaluators = _Evaluators(cm)
     for idx, d in enumerate(depths):
         best_so_far = min((r for r in results if r.schedule is not None), key=lambda r: r.objective, default=None)
-        if best_so_far is not None and not _deeper_may_help(cm, best_so_far.schedule, d, mip_rel_gap):
+        if best_so_far is not None and not _deeper_may_help(cm, best_so_far.schedule, d, mip_rel_gap, evaluators):
             skipped.append(d)
             continue
         # the first depth gets 80% of the budget (deeper ones are usually screened out, and then the rest continues
@@ -897,7 +900,7 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         share = left * 0.8 if idx == 0 and len(depths) > 1 else left / (len(depths) - idx)
         model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking, gpu_optimizer=gpu_optimizer)
         if warm_start:
-            start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None])
+            start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None], evaluators)
             if start is not None:
                 model.warm_start(start)
         if search and (symmetry_breaking or not gpu_optimizer):
@@ -931,7 +934,7 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     if not feasible:
         if all(r.status == "infeasible" for r in results):
             raise infeasible_error(cm)
-        fallback = fixed_candidates(cm, depths[0])
+        fallback = fixed_candidates(cm, depths[0], evaluator=evaluators(depths[0]))
         if not fallback:
             mg = min_gpu_bytes(cm)
             if mg is None or mg > cm.gpu_bytes:
@@ -968,29 +971,49 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     return sched
 
 
-def _deeper_may_help(cm: CostModel, incumbent: Schedule | None, depth: int, mip_rel_gap: float) -> bool:
+def _deeper_may_help(cm: CostModel, incumbent: Schedule | None, depth: int, mip_rel_gap: float,
+                     evaluators: _Evaluators | None = None) -> bool:
     """Screen for solving prefetch depth `depth`: the incumbent moved to that depth must still fit and predict a
     step shorter by more than the gap; otherwise a deeper prefetch buys less than the gap (or costs memory the
     incumbent uses). A heuristic: the optimum at `depth` may differ from the moved incumbent."""
     if incumbent is None:
         return True
-    moved = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in incumbent.layers], prefetch_depth=depth)
-    now, then = evaluate(cm, incumbent), evaluate(cm, moved)
-    if not _fits(cm, then.peak_gpu_bytes, then.pinned_host_bytes, then.nvme_bytes):
+    evs = evaluators if evaluators is not None else _Evaluators(cm)
+    plan = PlanArrays.of(incumbent)
+    now, then = evs(incumbent.prefetch_depth).evaluate(plan), evs(depth).evaluate(plan)
+    if not then.fits(cm):
         return False
     return then.step_ms < now.step_ms * (1.0 - mip_rel_gap)
 
 
-def _best_start(cm: CostModel, depth: int, previous: list[Schedule]) -> Schedule | None:
+def _best_start(cm: CostModel, depth: int, previous: list[Schedule],
+                evaluators: _Evaluators | None = None) -> Schedule | None:
     """The fastest warm start for depth `depth` under the linear model: earlier depths' solutions moved to this
     depth (when they still fit: one more weight slot per kind) or the best fixed variant."""
-    cands = fixed_candidates(cm, depth)[:1]
+    ev = (evaluators if evaluators is not None else _Evaluators(cm))(depth)
+    cands = [(ev.evaluate(PlanArrays.of(s)).step_ms, s) for s in fixed_candidates(cm, depth, evaluator=ev)[:1]]
     for s in previous:
         moved = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in s.layers], prefetch_depth=depth)
-        est = evaluate(cm, moved)
-        if _fits(cm, est.peak_gpu_bytes, est.pinned_host_bytes, est.nvme_bytes):
-            cands.append(moved)
-    return min(cands, key=lambda s: evaluate(cm, s).step_ms, default=None)
+        val = ev.evaluate(PlanArrays.of(moved))
+        if val.fits(cm):
+            cands.append((val.step_ms, moved))
+    return min(cands, key=lambda c: c[0])[1] if cands else None
+
+
+class _Evaluators:
+    """`StepEvaluator`s of one cost model by prefetch depth, built on first use (unit terms shared)."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self._units: list[Any] | None = None
+        self._by_depth: dict[int, StepEvaluator] = {}
+
+    def __call__(self, depth: int) -> StepEvaluator:
+        if depth not in self._by_depth:
+            if self._units is None:
+                self._units = unit_terms(self.cm)
+            self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self._units)
+        return self._by_depth[depth]
 
 
 def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
