@@ -7,8 +7,8 @@ recompute indicator x_i follows from them by linking constraints. The weight pre
 `estimate.py` (compute + recompute + exposed transfers + exposed optimizer, as event times of max-plus lane
 recursions), plus tiny tie-breakers. Memory rows are in GiB (`GIB`), time rows in ms.
 
-Solved with HiGHS through `highspy`'s modelling layer: output silenced, explicit `mip_rel_gap` and `time_limit`,
-warm-started from the best feasible `fixed` variant (MegaTrain's heuristic). The result is a `Schedule` with
+Solved with HiGHS through `highspy` (rows collected as sparse arrays, one `passModel`): output silenced, explicit
+`mip_rel_gap` and `time_limit`, warm-started from the best feasible `fixed` variant (MegaTrain's heuristic). The result is a `Schedule` with
 `solver` = {status, mip_gap, solve_ms, objective_ms, ...} and `predicted` = {step_ms, peak_gpu_bytes, ...}.
 Infeasible budgets raise `InfeasiblePlanError`, which names the smallest feasible GPU and host budgets.
 
@@ -137,44 +137,144 @@ class _Result:
     bound: float = -math.inf  # HiGHS's dual bound (ms incl. tie-breakers)
 
 
+class _X:
+    """A linear expression over MILP columns (column index -> coefficient, plus a constant), for building rows."""
+
+    __slots__ = ("t", "c")
+
+    def __init__(self, t: dict[int, float] | None = None, c: float = 0.0) -> None:
+        self.t = t if t is not None else {}
+        self.c = c
+
+    @staticmethod
+    def of(x: _X | float) -> _X:
+        return x if isinstance(x, _X) else _X(None, float(x))
+
+    def __add__(self, other: _X | float) -> _X:
+        if not isinstance(other, _X):
+            return _X(self.t, self.c + other)  # terms shared: expressions are never mutated
+        t = dict(self.t)
+        for j, a in other.t.items():
+            t[j] = t.get(j, 0.0) + a
+        return _X(t, self.c + other.c)
+
+    __radd__ = __add__
+
+    def __mul__(self, s: float) -> _X:
+        return _X({j: a * s for j, a in self.t.items()}, self.c * s)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> _X:
+        return self * -1.0
+
+    def __sub__(self, other: _X | float) -> _X:
+        return self + (-_X.of(other))
+
+    def __rsub__(self, other: _X | float) -> _X:
+        return _X.of(other) + (-self)
+
+
 class _PlanMilp:
     """The MILP for one prefetch depth d (or, with `memory_only`, the smallest-peak-memory problem).
 
-    Columns are created in a fixed order and remembered with a key, so a warm start can give every column a value.
+    Columns are created in a fixed order and remembered with a key (`v[key]` is the column index), so a warm start
+    can give every column a value. Rows are collected as sparse arrays and handed to HiGHS in one `passModel`
+    (highspy's expression objects took 0.4-0.6 s for 64 layers).
     """
 
     def __init__(self, cm: CostModel, depth: int, *, memory_only: bool = False,
                  symmetry_breaking: bool = True, gpu_optimizer: bool = True) -> None:
-        import highspy
-
         self.cm, self.d, self.memory_only = cm, depth, memory_only
         self.gpu_optimizer = gpu_optimizer and not memory_only
         self.h = _new_highs()
         self._start: tuple[list[float], Schedule] | None = None  # the warm start (column values, schedule)
-        self._int = highspy.HighsVarType.kInteger
-        self.cols: list[tuple[Any, tuple[str, int]]] = []  # (highs var, key) in column order
-        self.v: dict[Key, Any] = {}
+        self.cols: list[Key] = []  # keys in column order
+        self.v: dict[Key, int] = {}  # key -> column index
+        self._x: dict[Key, _X] = {}  # key -> the column as an expression
+        self._col_lb: list[float] = []
+        self._col_ub: list[float] = []
+        self._col_int: list[bool] = []
+        self._row_lb: list[float] = []
+        self._row_ub: list[float] = []
+        self._row_of: list[int] = []  # nonzeros: row, column, value
+        self._col_of: list[int] = []
+        self._val_of: list[float] = []
         self._build(symmetry_breaking)
 
-    # -- variables ----------------------------------------------------------------------------------------------
-    def _var(self, key: Key, lb: float = 0.0, ub: float = math.inf, integer: bool = False) -> Any:
-        kw = {"type": self._int} if integer else {}
-        var = self.h.addVariable(lb=lb, ub=ub, name=f"{key[0]}_{key[1]}", **kw)
-        self.v[key] = var
-        self.cols.append((var, key))
-        return var
+    # -- columns and rows ---------------------------------------------------------------------------------------
+    def _var(self, key: Key, lb: float = 0.0, ub: float = math.inf, integer: bool = False) -> _X:
+        j = len(self.cols)
+        self.v[key] = j
+        self.cols.append(key)
+        self._col_lb.append(lb)
+        self._col_ub.append(ub)
+        self._col_int.append(integer)
+        x = self._x[key] = _X({j: 1.0})
+        return x
 
-    def _expr(self, lin: Lin, scale: float = 1.0) -> Any:
-        """Lin (over decision keys) -> highspy expression, times `scale`."""
-        e = self.h.expr(lin.const * scale)
-        for k, c in lin.terms.items():
-            e += (c * scale) * self.v[k]
-        return e
+    def _expr(self, lin: Lin, scale: float = 1.0) -> _X:
+        """Lin (over decision keys) -> expression over columns, times `scale`."""
+        return _X({self.v[k]: c * scale for k, c in lin.terms.items()}, lin.const * scale)
+
+    def _row(self, e: _X, lb: float, ub: float) -> None:
+        """lb <= e <= ub (e's constant moves into the bounds)."""
+        r = len(self._row_lb)
+        self._row_lb.append(lb - e.c)
+        self._row_ub.append(ub - e.c)
+        for j, a in e.t.items():
+            if a:
+                self._row_of.append(r)
+                self._col_of.append(j)
+                self._val_of.append(a)
+
+    def _ge(self, a: _X | float, b: _X | float) -> None:
+        self._row(_X.of(a) - b, 0.0, math.inf)
+
+    def _le(self, a: _X | float, b: _X | float) -> None:
+        self._row(_X.of(a) - b, -math.inf, 0.0)
+
+    def _eq(self, a: _X | float, b: _X | float) -> None:
+        self._row(_X.of(a) - b, 0.0, 0.0)
+
+    def _pass_model(self, objective: _X) -> None:
+        """Hand the collected columns, rows and objective to HiGHS (column-wise matrix, minimize)."""
+        import highspy
+        import numpy as np
+
+        n, m = len(self.cols), len(self._row_lb)
+        rows = np.asarray(self._row_of, dtype=np.int32)
+        cols = np.asarray(self._col_of, dtype=np.int32)
+        vals = np.asarray(self._val_of, dtype=float)
+        order = np.lexsort((rows, cols))
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n, m
+        cost = np.zeros(n)
+        for j, a in objective.t.items():
+            cost[j] += a
+        lp.col_cost_ = cost
+        lp.offset_ = objective.c
+        lp.col_lower_ = np.asarray(self._col_lb, dtype=float)
+        lp.col_upper_ = np.asarray(self._col_ub, dtype=float)
+        lp.row_lower_ = np.asarray(self._row_lb, dtype=float)
+        lp.row_upper_ = np.asarray(self._row_ub, dtype=float)
+        a = lp.a_matrix_
+        a.format_ = highspy.MatrixFormat.kColwise
+        a.num_col_, a.num_row_ = n, m
+        a.start_ = np.concatenate([[0], np.cumsum(np.bincount(cols, minlength=n))]).astype(np.int32)
+        a.index_ = rows[order]
+        a.value_ = vals[order]
+        lp.a_matrix_ = a
+        kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [kint if b else kcont for b in self._col_int]
+        lp.sense_ = highspy.ObjSense.kMinimize
+        status = self.h.passModel(lp)
+        if status == highspy.HighsStatus.kError:
+            raise RuntimeError("HiGHS refused the planning model (passModel returned an error)")
+        self._row_of, self._col_of, self._val_of = [], [], []  # not needed any more
 
     def _build(self, symmetry_breaking: bool) -> None:
-        import highspy
-
-        cm, h = self.cm, self.h
+        cm = self.cm
         L = cm.num_layers
         nvme_ok = cm.nvme_bytes > 0
         for i in range(L):
@@ -188,22 +288,22 @@ class _PlanMilp:
         self._var(("yoff", 0), 0.0, 1.0, True)  # yoff: some boundary is offloaded (CPU or NVMe)
         self._var(("ynv", 0), 0.0, 1.0, True)  # ynv: some boundary is on NVMe (host staging buffers)
         self._var(("ygo", 0), 0.0, 1.0, True)  # ygo: some layer updates on the GPU (one state workspace)
-        v = self.v
+        v = self._x
 
         # [Constraint] tier one-hot: a materialized boundary lives in exactly one tier; an absent one in none
         for i in range(L):
-            h.addConstr(v["g", i] + v["k", i] + v["n", i] == v["c", i])
-            h.addConstr(v["yoff", 0] >= v["k", i] + v["n", i])
-            h.addConstr(v["ynv", 0] >= v["n", i])
-            h.addConstr(v["ygo", 0] >= v["o", i])
+            self._eq(v["g", i] + v["k", i] + v["n", i], v["c", i])
+            self._ge(v["yoff", 0], v["k", i] + v["n", i])
+            self._ge(v["ynv", 0], v["n", i])
+            self._ge(v["ygo", 0], v["o", i])
 
         # [Constraint] recompute linking: x_i = 1 iff boundary i+1 is not materialized and neither layer i (it
         # keeps its output) nor layer i+1 (it needs no input) is retained
         for i in range(L - 1):
-            h.addConstr(v["x", i] >= 1 - v["c", i + 1] - v["r", i + 1] - v["r", i])
-            h.addConstr(v["x", i] <= 1 - v["c", i + 1])
-            h.addConstr(v["x", i] <= 1 - v["r", i + 1])
-            h.addConstr(v["x", i] <= 1 - v["r", i])
+            self._ge(v["x", i], 1 - v["c", i + 1] - v["r", i + 1] - v["r", i])
+            self._le(v["x", i], 1 - v["c", i + 1])
+            self._le(v["x", i], 1 - v["r", i + 1])
+            self._le(v["x", i], 1 - v["r", i])
 
         # [Constraint] segment-start tier, carried along the segment; its fetch is charged where the segment ends
         # (lower bounds suffice: these only add cost)
@@ -213,14 +313,14 @@ class _PlanMilp:
             self._var(("z", i), 0.0, 1.0)  # z_i: layer i ends a segment with an offloaded start (fetch before B(i))
             self._var(("zn", i), 0.0, 1.0)  # zn_i: ... with an NVMe start (disk read before B(i))
         for i in range(L):
-            h.addConstr(v["t", i] >= v["k", i] + v["n", i])
-            h.addConstr(v["tn", i] >= v["n", i])
+            self._ge(v["t", i], v["k", i] + v["n", i])
+            self._ge(v["tn", i], v["n", i])
             if i:
-                h.addConstr(v["t", i] >= v["t", i - 1] - v["c", i])
-                h.addConstr(v["tn", i] >= v["tn", i - 1] - v["c", i])
+                self._ge(v["t", i], v["t", i - 1] - v["c", i])
+                self._ge(v["tn", i], v["tn", i - 1] - v["c", i])
             ends = v["c", i + 1] if i + 1 < L else 1.0
-            h.addConstr(v["z", i] >= v["t", i] + ends - 1)
-            h.addConstr(v["zn", i] >= v["tn", i] + ends - 1)
+            self._ge(v["z", i], v["t", i] + ends - 1)
+            self._ge(v["zn", i], v["tn", i] + ends - 1)
 
         self.classes = _layer_classes(cm)
         self.ordered = symmetry_breaking
@@ -229,8 +329,7 @@ class _PlanMilp:
         self._memory()
         if not self.memory_only:
             self._time()
-        # the objective goes in before any warm start (changing costs afterwards drops a given solution)
-        self.h.setObjective(self.objective(), highspy.ObjSense.kMinimize)
+        self._pass_model(self.objective())
 
     def _symmetry_breaking(self) -> None:
         """Order decisions among identical layers (same kind and costs), by exchange arguments.
@@ -249,16 +348,16 @@ class _PlanMilp:
         "offloaded boundaries first" is memory-dominant but moved stash and fetch traffic enough to cost 0.8% on
         that plan and tripled its solve time.
         """
-        h, v = self.h, self.v
+        v = self._x
         for members in self.classes:
             for a, b in zip(members, members[1:]):
-                h.addConstr(v["o", a] >= v["o", b])
+                self._ge(v["o", a], v["o", b])
                 if a > 0:
-                    h.addConstr(v["r", a] <= v["r", b])
+                    self._le(v["r", a], v["r", b])
 
     # -- memory (GiB) -------------------------------------------------------------------------------------------
     def _memory(self) -> None:
-        cm, h, v = self.cm, self.h, self.v
+        cm, v = self.cm, self._x
         L = cm.num_layers
         mem = memory_terms(cm, self.d)
         s = 1.0 / GIB
@@ -270,34 +369,34 @@ class _PlanMilp:
         # [Constraint] cumulative stored bytes
         for i in range(L):
             prev = Q[i - 1] if i else 0.0
-            h.addConstr(Q[i] == prev + self._expr(mem.stored[i], s))
+            self._eq(Q[i], prev + self._expr(mem.stored[i], s))
 
         # [Constraint] segment working set: reset to the fetched start boundary at c_i = 1, else grow by the
         # recomputed input of layer i
         for i in range(L):
-            h.addConstr(m[i] >= self._expr(mem.fetched[i], s))
+            self._ge(m[i], self._expr(mem.fetched[i], s))
             if i:
-                h.addConstr(m[i] >= m[i - 1] + self._expr(mem.recomputed_input[i], s) - big_m_ws * v["c", i])
+                self._ge(m[i], m[i - 1] + self._expr(mem.recomputed_input[i], s) - big_m_ws * v["c", i])
 
         # [Constraint] GPU peak: forward of each layer, the head, backward of each layer
         base = mem.base * s
         for i in range(L):
-            h.addConstr(peak >= base + Q[i] + self._expr(mem.fwd[i], s))
-            h.addConstr(peak >= base + Q[i] + m[i] + self._expr(mem.bwd[i], s))
-        h.addConstr(peak >= base + Q[L - 1] + self._expr(mem.head, s))
+            self._ge(peak, base + Q[i] + self._expr(mem.fwd[i], s))
+            self._ge(peak, base + Q[i] + m[i] + self._expr(mem.bwd[i], s))
+        self._ge(peak, base + Q[L - 1] + self._expr(mem.head, s))
         if not self.memory_only:
             # [Constraint] GPU budget
-            h.addConstr(peak <= cm.gpu_bytes * s)
+            self._le(peak, cm.gpu_bytes * s)
 
         # [Constraint] host budget: fixed host bytes + CPU-tier boundaries + NVMe staging buffers
-        h.addConstr(self._expr(mem.host, s) <= cm.pinned_host_bytes * s)
+        self._le(self._expr(mem.host, s), cm.pinned_host_bytes * s)
         # [Constraint] NVMe budget
-        h.addConstr(self._expr(mem.nvme, s) <= cm.nvme_bytes * s)
+        self._le(self._expr(mem.nvme, s), cm.nvme_bytes * s)
         self.peak = peak
 
     # -- time (ms) ----------------------------------------------------------------------------------------------
     def _time(self) -> None:
-        cm, h, v, d = self.cm, self.h, self.v, self.d
+        cm, v, d = self.cm, self._x, self.d
         L = cm.num_layers
         units = unit_terms(cm)
         U = len(units)
@@ -316,61 +415,61 @@ class _PlanMilp:
         for u, t in enumerate(units):
             # [Constraint] H2D / D2H durations: one-way rate and the duplex limit shared with the neighbour unit
             for lb in t.h2d:
-                h.addConstr(hd[u] >= self._expr(lb))
+                self._ge(hd[u], self._expr(lb))
             for lb in t.d2h:
-                h.addConstr(dd[u] >= self._expr(lb))
+                self._ge(dd[u], self._expr(lb))
             c = self._expr(t.compute)
             is_fwd, is_head = u < L, u == L
             # [Constraint] compute lane in order; a unit computes after its inputs arrived
-            h.addConstr(E[u] >= (E[u - 1] if u else 0.0) + c)
+            self._ge(E[u], (E[u - 1] if u else 0.0) + c)
             if not is_head:
-                h.addConstr(E[u] >= HE[u] + c)
+                self._ge(E[u], HE[u] + c)
             # [Constraint] two D2H buffers: compute of u starts after the D2H of unit u-2 is done
             if u >= 2:
-                h.addConstr(E[u] >= DE[u - 2] + c)
+                self._ge(E[u], DE[u - 2] + c)
             # [Constraint] H2D lane in order; weight slots: loads of u start after the layer-unit d+1 earlier
-            h.addConstr(HE[u] >= (HE[u - 1] if u else 0.0) + hd[u])
+            self._ge(HE[u], (HE[u - 1] if u else 0.0) + hd[u])
             if u in slot_pred:
-                h.addConstr(HE[u] >= E[slot_pred[u]] + hd[u])
+                self._ge(HE[u], E[slot_pred[u]] + hd[u])
             # [Constraint] D2H lane in order, after the unit's compute (a forward unit's on-GPU update states
             # from the start of its forward; its stash after the forward)
-            h.addConstr(DE[u] >= (DE[u - 1] if u else 0.0) + dd[u])
-            h.addConstr(DE[u] >= E[u] - t.d2h_early_ms + dd[u])
+            self._ge(DE[u], (DE[u - 1] if u else 0.0) + dd[u])
+            self._ge(DE[u], E[u] - t.d2h_early_ms + dd[u])
             if is_fwd:
-                h.addConstr(DE[u] >= E[u] + self._expr(t.stash))
+                self._ge(DE[u], E[u] + self._expr(t.stash))
             # [Constraint] disk lane in order: stash writes after their D2H; reads as early as the lane allows
-            h.addConstr(DK[u] >= (DK[u - 1] if u else 0.0) + self._expr(t.disk_write) + self._expr(t.disk_read))
+            self._ge(DK[u], (DK[u - 1] if u else 0.0) + self._expr(t.disk_write) + self._expr(t.disk_read))
             if is_fwd and t.layer + 1 < L:
                 # [Constraint] a stash is written after its D2H (only when n_{i+1} = 1: big-M)
-                h.addConstr(DK[u] >= DE[u] + self._expr(t.disk_write) - big_m_ms * (1 - v["n", t.layer + 1]))
+                self._ge(DK[u], DE[u] + self._expr(t.disk_write) - big_m_ms * (1 - v["n", t.layer + 1]))
             elif not is_fwd and not is_head:
                 # [Constraint] a fetched NVMe boundary is read before its H2D. Unconditional (no big-M, a tight
                 # LP): the H2D lane runs in order, so loads behind a fetch wait for its read anyway, and DK_u only
                 # holds reads charged to units up to u (and writes, zero unless some boundary is on NVMe)
-                h.addConstr(HE[u] >= DK[u] + hd[u])
+                self._ge(HE[u], DK[u] + hd[u])
             if is_fwd:
                 i = t.layer
                 # [Constraint] CPU optimizer: resident parameters first, then the CPU-updated layers in order. F(i)'s loads
                 # start after the CPU chain through layer i (for a GPU-updated layer that is the chain through the
                 # previous CPU-updated one, which its forward waits for anyway); no big-M, so fractional o_i in
                 # the LP relaxation is a meaningful CPU/GPU split. The first forward waits for the resident update.
-                h.addConstr(O[i] == (O[i - 1] if i else cm.resident_optim_ms) + cm.cpu_optim_ms(i)
-                            - cm.cpu_optim_ms(i) * v["o", i])
-                h.addConstr(HE[u] >= O[i] + hd[u])
+                self._eq(O[i], (O[i - 1] if i else cm.resident_optim_ms) + cm.cpu_optim_ms(i)
+                         - cm.cpu_optim_ms(i) * v["o", i])
+                self._ge(HE[u], O[i] + hd[u])
                 if i == 0:
-                    h.addConstr(E[u] >= cm.resident_optim_ms + c)
+                    self._ge(E[u], cm.resident_optim_ms + c)
                 # [Constraint] two on-GPU update workspaces: when o_i = 1 (big-M), layer i's states and weights go
                 # up once layer i-1's update is done (its forward started), and after the D2H of unit F(i-2),
                 # which holds layer i-2's states
                 if i:
                     up_ms = (cm.gpu_optim_h2d_bytes[i] + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
-                    h.addConstr(HE[u] >= E[u - 1] - cm.fwd_ms[i - 1] + up_ms - big_m_ms * (1 - v["o", i]))
+                    self._ge(HE[u], E[u - 1] - cm.fwd_ms[i - 1] + up_ms - big_m_ms * (1 - v["o", i]))
                 if i >= 2:
                     slack = workspace_slack_ms(cm, t)  # a small, tight big-M (see workspace_slack_ms)
-                    h.addConstr(HE[u] >= DE[u - 2] + hd[u] - slack * (1 - v["o", i]))
+                    self._ge(HE[u], DE[u - 2] + hd[u] - slack * (1 - v["o", i]))
         # [Constraint] the step ends when the last compute and the last gradient D2H are done
-        h.addConstr(end >= E[U - 1])
-        h.addConstr(end >= DE[U - 1])
+        self._ge(end, E[U - 1])
+        self._ge(end, DE[U - 1])
         self.end = end
 
     def _big_m_ms(self, units: list[Any]) -> float:
@@ -384,9 +483,9 @@ class _PlanMilp:
         return 2.0 * total + 1.0
 
     # -- objective, warm start, solve ---------------------------------------------------------------------------
-    def objective(self) -> Any:
-        v, L = self.v, self.cm.num_layers
-        ties = self.h.expr(0.0)
+    def objective(self) -> _X:
+        v, L = self._x, self.cm.num_layers
+        ties = _X()
         for i in range(L):
             ties += TIE_MS_PER_DECISION * (v["k", i] + 2 * v["n", i] + v["r", i] + v["o", i] + 0.1 * v["c", i])
         if self.memory_only:
@@ -417,7 +516,7 @@ class _PlanMilp:
             vals[("dd", u)] = t.d2h_ms(vals)
         vals[("peak", 0)] = est.peak_gpu_bytes / GIB
         vals[("END", 0)] = est.step_ms
-        x = [float(vals.get(key, 0.0)) for _, key in self.cols]
+        x = [float(vals.get(key, 0.0)) for key in self.cols]
         bad = self._violations(x)
         if bad:  # a bug in the mirror; HiGHS can misreport objectives when handed an infeasible start
             warnings.warn(f"MILP warm start violates {len(bad)} rows (first: {bad[0]}); solving without it",
@@ -450,7 +549,7 @@ class _PlanMilp:
         out = [f"row {r}: {lo[r]:.6g} <= {act[r]:.6g} <= {up[r]:.6g}" for r in rows[:3]]
         cl, cu = np.asarray(lp.col_lower_), np.asarray(lp.col_upper_)
         for j in np.nonzero((xs < cl - tol) | (xs > cu + tol))[0][:3]:
-            out.append(f"column {self.cols[j][1]}={xs[j]:.6g} outside [{cl[j]:.6g}, {cu[j]:.6g}]")
+            out.append(f"column {self.cols[j]}={xs[j]:.6g} outside [{cl[j]:.6g}, {cu[j]:.6g}]")
         return out
 
     def solve(self, time_limit_s: float, mip_rel_gap: float) -> _Result:
@@ -523,9 +622,9 @@ class _PlanMilp:
         lp.changeColsIntegrality(n, np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.uint8))
         col_lo, col_hi = np.asarray(base.col_lower_, dtype=float), np.asarray(base.col_upper_, dtype=float)
         cost, offset = np.asarray(base.col_cost_, dtype=float), float(base.offset_)
-        o_cols = [np.array([self.v["o", i].index for i in members], dtype=np.int32) for members in self.classes]
+        o_cols = [np.array([self.v["o", i] for i in members], dtype=np.int32) for members in self.classes]
         widths = tuple(int(sum(col_hi[c] >= 0.5 for c in cols)) for cols in o_cols)  # GPU-updatable members
-        flag_cols = [self.v["yoff", 0].index, self.v["ynv", 0].index]
+        flag_cols = [self.v["yoff", 0], self.v["ynv", 0]]
         box_cols = np.concatenate(o_cols + [np.array(flag_cols, dtype=np.int32)]).astype(np.int32)
 
         def bounds_of(box: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]) -> tuple[Any, Any]:
@@ -565,8 +664,8 @@ class _PlanMilp:
 
         stats: dict[str, Any] = {"lp": 0, "lp_ms": 0.0, "leaves": [], "dives": [], "dive_plans": [], "dive_lp": 0,
                                  "dive_ms": 0.0}
-        dive_cols = np.array([self.v[s, i].index for s in ("c", "g", "k", "n", "r") for i in range(self.cm.num_layers)]
-                             + [self.v["ygo", 0].index], dtype=np.int32)
+        dive_cols = np.array([self.v[s, i] for s in ("c", "g", "k", "n", "r") for i in range(self.cm.num_layers)]
+                             + [self.v["ygo", 0]], dtype=np.int32)
         inc_obj, inc_sched = math.inf, None
         if self._start is not None:
             inc_obj = float(cost @ np.asarray(self._start[0]) + offset)
@@ -737,21 +836,21 @@ class _PlanMilp:
         return out
 
     def _extract(self) -> Schedule:
-        return self._schedule_of([self.h.val(var) for var, _ in self.cols])
+        return self._schedule_of(self.h.getSolution().col_value)
 
     def _schedule_of(self, x: Any) -> Schedule:
         """The schedule of column values `x` (integer columns rounded)."""
         L = self.cm.num_layers
         layers = []
         for i in range(L):
-            c, k, n, r, o = (round(float(x[self.v[s, i].index])) for s in ("c", "k", "n", "r", "o"))
+            c, k, n, r, o = (round(float(x[self.v[s, i]])) for s in ("c", "k", "n", "r", "o"))
             tier = "cpu" if k else "nvme" if n else "gpu"
             layers.append(LayerPlan(checkpoint=bool(c) or i == 0, tier=tier if c else "gpu", retain=bool(r),
                                     optimizer_device="gpu" if o else "cpu"))
         return Schedule(policy="milp", layers=layers, prefetch_depth=self.d)
 
     def peak_value_bytes(self) -> float:
-        return float(self.h.val(self.peak)) * GIB
+        return float(self.h.getSolution().col_value[self.v["peak", 0]]) * GIB
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1025,13 +1124,13 @@ def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
     """
     model = _PlanMilp(cm, schedule.prefetch_depth, symmetry_breaking=False)
     vals = decision_values(schedule)
-    for key, var in model.v.items():
+    for key, j in model.v.items():
         if key[0] in ("c", "g", "k", "n", "r", "o"):
-            model.h.changeColBounds(var.index, vals[key], vals[key])
+            model.h.changeColBounds(j, vals[key], vals[key])
     res = model.solve(60.0, 1e-9)
     if not res.has_solution:
         raise ValueError(f"the schedule does not fit the budgets (HiGHS status {res.status})")
-    return float(model.h.val(model.end)), model.peak_value_bytes()
+    return float(model.h.getSolution().col_value[model.v["END", 0]]), model.peak_value_bytes()
 
 
 def _every(s: Schedule) -> int:
