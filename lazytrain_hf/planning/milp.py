@@ -16,7 +16,9 @@ Size: about 26 columns (8 binary) and 50 rows per layer (64 layers: ~1,700 x ~3,
 takes 8-14 s on 2 CPU cores for 64 layers with optimizer placement open: the LP relaxation is weakest on the
 optimizer placement (fractional o_i split a layer's update between CPU and GPU) and the global flags. The default
 path (`_PlanMilp.solve_search`) branches on those itself (per-class counts of on-GPU updates, flags) with LP bounds
-and leaves the rest to HiGHS (benchmarks/results/planner-20261129-v3.json, benchmarks/NOTES.md).
+and leaves the rest to HiGHS (benchmarks/results/planner-20261129-v3.json, benchmarks/NOTES.md); its leaves are
+settled by an LP rounding improved by local search under the linear model (`fast_eval.improve_plan`), HiGHS only
+where that plan is not within the gap (planner-20261129-v5.json: every bench case under 1 s at 64 layers).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .estimate import (
     unit_terms,
     workspace_slack_ms,
 )
-from .fast_eval import TIE_MS_PER_DECISION, TIE_MS_PER_GIB_PEAK, PlanArrays, StepEvaluator
+from .fast_eval import TIE_MS_PER_DECISION, TIE_MS_PER_GIB_PEAK, PlanArrays, StepEvaluator, improve_plan
 from .fixed import fixed_schedule
 from .schedule import LayerPlan, Schedule
 from .schedule import fingerprint as _fingerprint
@@ -189,6 +191,7 @@ class _PlanMilp:
         self.gpu_optimizer = gpu_optimizer and not memory_only
         self.h = _new_highs()
         self._start: tuple[list[float], Schedule] | None = None  # the warm start (column values, schedule)
+        self._incumbent: Schedule | None = None  # a start for `solve_search` only (`set_incumbent`)
         self.cols: list[Key] = []  # keys in column order
         self.v: dict[Key, int] = {}  # key -> column index
         self._x: dict[Key, _X] = {}  # key -> the column as an expression
@@ -492,6 +495,12 @@ class _PlanMilp:
             return self.peak + 1e-4 * ties  # smallest peak GiB; ties only between equal peaks
         return self.end + TIE_MS_PER_GIB_PEAK * self.peak + ties
 
+    def set_incumbent(self, schedule: Schedule) -> None:
+        """A first incumbent for `solve_search` (no column vector: the search values it with its evaluator)."""
+        if schedule.prefetch_depth != self.d:
+            raise ValueError(f"incumbent has prefetch_depth {schedule.prefetch_depth}, the model {self.d}")
+        self._incumbent = schedule
+
     def warm_start(self, schedule: Schedule) -> None:
         """Give every column its value for `schedule` (a full solution, so HiGHS starts with an incumbent)."""
         cm = self.cm
@@ -591,7 +600,8 @@ class _PlanMilp:
             bound = max(bound, obj * (1 - max(gap, 0.0)) if math.isfinite(gap) else obj)
         return _Result(self.d, status, has_solution, obj, gap, solve_ms, sched, bound)
 
-    def solve_search(self, time_limit_s: float, mip_rel_gap: float) -> _Result:
+    def solve_search(self, time_limit_s: float, mip_rel_gap: float, evaluator: StepEvaluator | None = None,
+                     local_search: bool = True, dive: bool = True) -> _Result:
         """Branch and bound over the structural decisions, HiGHS for the rest (the default path of `solve_milp`).
 
         The LP relaxation of the full MILP is weak (2.5-4% under the optimum on 64 layers) almost only through the
@@ -601,9 +611,12 @@ class _PlanMilp:
         on-GPU updates of a class of identical layers are a prefix of the class, so the placement is one count per
         class. This search branches on those counts (boxes of count ranges, LP bound per box, best first, LP
         re-solved from the previous basis after each bound change) and then on fractional flags; a box whose counts
-        are fixed and whose LP has integral flags is a leaf, solved by HiGHS as a MILP with the incumbent as
-        cutoff. Boxes whose bound is within `mip_rel_gap` of the incumbent are pruned, so the returned gap is
-        proven over the whole MILP (with its orderings), as for `solve`.
+        are fixed and whose LP has integral flags is a leaf. At a leaf the LP solution is rounded and improved by a
+        local search under the linear model (`fast_eval.improve_plan`, `local_search`; its plans keep the orderings,
+        so they are points of this MILP); a plan within the gap of the leaf's LP bound settles the leaf. Otherwise a
+        diving start (`_dive`, `dive`) and HiGHS on the leaf MILP with the incumbent as cutoff. Boxes whose bound is
+        within `mip_rel_gap` of the incumbent are pruned, so the returned gap is proven over the whole MILP (with its
+        orderings), as for `solve`. `evaluator`: a `StepEvaluator` of this cost model and depth (built when None).
         """
         import heapq
 
@@ -667,10 +680,33 @@ class _PlanMilp:
         dive_cols = np.array([self.v[s, i] for s in ("c", "g", "k", "n", "r") for i in range(self.cm.num_layers)]
                              + [self.v["ygo", 0]], dtype=np.int32)
         inc_obj, inc_sched = math.inf, None
+        ev = evaluator if evaluator is not None else StepEvaluator(self.cm, self.d)
+        stats.update({"ls": [], "ls_plans": [], "ls_evals": 0, "ls_ms": 0.0})
+
+        def improve(xv: Any) -> tuple[float, Schedule] | None:
+            """LP rounding + local search (`fast_eval.improve_plan`): a plan that fits, with its objective."""
+            t_ls = time.perf_counter()
+            plan, val, evals = improve_plan(ev, self._round(xv), deadline, classes=self.classes,
+                                            nvme=self.cm.nvme_bytes > 0, gpu_optimizer=self.gpu_optimizer)
+            stats["ls_evals"] += evals
+            stats["ls_ms"] += (time.perf_counter() - t_ls) * 1e3
+            stats["ls"].append(round(val.objective, 2) if val.fits(self.cm) else None)
+            if not val.fits(self.cm):
+                return None
+            sched = plan.schedule(self.d)
+            stats["ls_plans"].append((val.objective, sched))
+            return val.objective, sched
+
         if self._start is not None:
             inc_obj = float(cost @ np.asarray(self._start[0]) + offset)
             inc_sched = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in self._start[1].layers],
                                  prefetch_depth=self.d)
+        elif self._incumbent is not None:
+            val = ev.evaluate(PlanArrays.of(self._incumbent))
+            if val.fits(self.cm):
+                inc_obj = val.objective
+                inc_sched = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in self._incumbent.layers],
+                                     prefetch_depth=self.d)
         gap = float(mip_rel_gap)
         prune = lambda b: b >= inc_obj - gap * abs(inc_obj)  # noqa: E731
         root = (tuple(0 for _ in o_cols), widths, (-1, -1))
@@ -726,8 +762,15 @@ class _PlanMilp:
                 continue
             # a leaf: first a diving start from its LP (HiGHS alone spends most of a leaf finding a solution
             # within the gap of its tight bound), then the MILP with this box's counts and flags
+            if local_search and x is not None:
+                found = improve(x)
+                if found is not None and found[0] < inc_obj - 1e-9:
+                    inc_obj, inc_sched = found
+                if prune(bound):  # the incumbent is within the gap of the leaf's LP bound: no MILP
+                    settled = min(settled, bound)
+                    continue
             cutoff = inc_obj
-            xd = self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats) if x is not None else None
+            xd = self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats) if x is not None and dive else None
             if xd is not None:
                 d_obj = float(cost @ xd + offset)
                 stats["dives"].append(round(d_obj, 2))
@@ -777,7 +820,7 @@ class _PlanMilp:
         mgap = max(0.0, (inc_obj - final_bound) / max(abs(inc_obj), 1e-9)) if math.isfinite(final_bound) else math.inf
         status = "optimal" if mgap <= gap + 1e-9 else "time_limit"
         self.search_stats = stats
-        logger.debug("search: %s", {k: v for k, v in stats.items() if k != "dive_plans"})
+        logger.debug("search: %s", {k: v for k, v in stats.items() if k not in ("dive_plans", "ls_plans")})
         return _Result(self.d, status, True, inc_obj, mgap if math.isfinite(mgap) else math.nan, solve_ms,
                        inc_sched, final_bound)
 
@@ -834,6 +877,19 @@ class _PlanMilp:
             lp.changeColsBounds(len(cols), cols, col_lo[cols], col_hi[cols])
             stats["dive_ms"] += (time.perf_counter() - t0) * 1e3
         return out
+
+    def _round(self, x: Any) -> PlanArrays:
+        """The plan nearest to LP column values `x`: c, r, o rounded (rounding keeps the orderings), each
+        materialized boundary in its largest tier."""
+        import numpy as np
+
+        L = self.cm.num_layers
+        col = {s: np.array([self.v[s, i] for i in range(L)]) for s in ("c", "g", "k", "n", "r", "o")}
+        c = np.round(x[col["c"]])
+        c[0] = 1.0
+        tier = np.argmax(np.stack([x[col["g"]], x[col["k"]], x[col["n"]]]), axis=0).astype(float) * c
+        tier[0] = 0.0
+        return PlanArrays(c, tier, np.round(x[col["r"]]), np.round(x[col["o"]]))
 
     def _extract(self) -> Schedule:
         return self._schedule_of(self.h.getSolution().col_value)
@@ -952,9 +1008,10 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         fingerprint: stored in the schedule (default: a hash of the cost model).
         search: solve by branch and bound over the per-class optimizer-placement counts and the global flags,
             HiGHS for the rest (`_PlanMilp.solve_search`; used with `symmetry_breaking` and `gpu_optimizer`); False
-            hands HiGHS the whole MILP at once (64 layers with `gpu_optimizer`: 8-14 s instead of 0.1-2 s). Without
+            hands HiGHS the whole MILP at once (64 layers with `gpu_optimizer`: 8-14 s instead of 0.05-0.6 s). Without
             `gpu_optimizer` the search runs too (only the flags are branched on; symmetry breaking not needed);
-            each leaf gets a diving start from its LP first (`_PlanMilp._dive`).
+            each leaf first gets an LP rounding + local search plan, then (if that is not within the gap) a diving start
+            from its LP (`_PlanMilp._dive`) and HiGHS.
 
     Returns:
         A `Schedule` with `solver` = {status, mip_gap, solve_ms, objective_ms, dual_bound_ms, depths: [...]} (the
@@ -998,12 +1055,15 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         left = max(0.0, deadline - time.perf_counter())
         share = left * 0.8 if idx == 0 and len(depths) > 1 else left / (len(depths) - idx)
         model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking, gpu_optimizer=gpu_optimizer)
+        use_search = search and (symmetry_breaking or not gpu_optimizer)
         if warm_start:
             start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None], evaluators)
-            if start is not None:
+            if start is not None and use_search:
+                model.set_incumbent(start)  # the search values it itself (no column vector needed)
+            elif start is not None:
                 model.warm_start(start)
-        if search and (symmetry_breaking or not gpu_optimizer):
-            res = model.solve_search(share, mip_rel_gap)
+        if use_search:
+            res = model.solve_search(share, mip_rel_gap, evaluators(d))
         else:
             res = model.solve(share, mip_rel_gap)
         results.append(res)
