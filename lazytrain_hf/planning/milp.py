@@ -681,7 +681,8 @@ class _PlanMilp:
                              + [self.v["ygo", 0]], dtype=np.int32)
         inc_obj, inc_sched = math.inf, None
         ev = evaluator if evaluator is not None else StepEvaluator(self.cm, self.d)
-        stats.update({"ls": [], "ls_plans": [], "ls_evals": 0, "ls_ms": 0.0})
+        stats.update({"ls": [], "ls_plans": [], "ls_evals": 0, "ls_ms": 0.0, "boxes": [], "branched": [],
+                      "leaf_boxes": []})
 
         def improve(xv: Any) -> tuple[float, Schedule] | None:
             """LP rounding + local search (`fast_eval.improve_plan`): a plan that fits, with its objective."""
@@ -717,9 +718,11 @@ class _PlanMilp:
             heap.append((bound, 0, tick, root, x))
         settled = math.inf  # smallest bound of the pruned boxes and solved leaves
         timed_out = False
+        leaves_done = 0  # leaves settled (by a heuristic plan, a dive or HiGHS)
         while heap:
-            if not math.isfinite(inc_obj) or not stats["leaves"]:
-                # dive first (deepest box, then smallest bound) to a leaf: its MILP gives the incumbent that prunes
+            diving = not math.isfinite(inc_obj) or not leaves_done
+            if diving:
+                # dive first (deepest box, then smallest bound) to a leaf: its plan gives the incumbent that prunes
                 # most boxes as soon as their LP is solved
                 heap.sort(key=lambda e: (e[1], e[0], e[2]))
                 entry = heap.pop(0)
@@ -729,7 +732,9 @@ class _PlanMilp:
             bound, neg_depth, _, box, x = entry
             if prune(bound):
                 settled = min(settled, bound)
-                heap.clear()
+                if diving:  # not the smallest bound: the others may still need work
+                    continue
+                heap.clear()  # best first: every box left has a bound at least this one's
                 break
             if time.perf_counter() >= deadline:
                 heapq.heappush(heap, (bound, neg_depth, 0, box, x))
@@ -749,9 +754,11 @@ class _PlanMilp:
                 children = [(los, his[:c] + (k,) + his[c + 1:], flags),
                             (los[:c] + (k + 1,) + los[c + 1:], his, flags)]
             if children:
+                stats["branched"].append(box)
                 for child in children:
                     b, cx = relax(child)
                     b = max(b, bound)
+                    stats["boxes"].append((child, b))
                     if b == math.inf:
                         continue
                     if prune(b):
@@ -760,8 +767,11 @@ class _PlanMilp:
                     tick += 1
                     heapq.heappush(heap, (b, neg_depth - 1, tick, child, cx))
                 continue
-            # a leaf: first a diving start from its LP (HiGHS alone spends most of a leaf finding a solution
-            # within the gap of its tight bound), then the MILP with this box's counts and flags
+            # a leaf: first an LP rounding improved by local search, then a diving start from its LP (HiGHS alone
+            # spends most of a leaf finding a solution within the gap of its tight bound), then the MILP with this
+            # box's counts and flags
+            leaves_done += 1
+            stats["leaf_boxes"].append(box)
             if local_search and x is not None:
                 found = improve(x)
                 if found is not None and found[0] < inc_obj - 1e-9:

@@ -105,6 +105,24 @@ def test_diving_start_fits_the_budgets_under_the_memory_terms(gpu_optimizer):
     assert res.objective <= min(o for o, _ in plans) + 1e-6
 
 
+@pytest.mark.parametrize("two_kinds", [False, True])
+def test_every_box_below_the_reported_bound_was_branched_or_solved(two_kinds):
+    """The search's dual bound is the smallest bound of the boxes it pruned or settled: every box it created with a
+    smaller LP bound must have been split or settled as a leaf. (A box popped while diving is not the smallest one
+    left: pruning it must not end the search; v4 did, and reported 0.92% on qwen3.6-27b where 1.9% was proven.)"""
+    cm = small_cm(64, gpu_bytes=16 * GIB, cpu_optim_params_per_s=4e9, nvme_bytes=100 * GIB,
+                  pinned_host_bytes=HOST_FIXED + 4 * GIB)
+    cm = _two_kinds(cm, every=4) if two_kinds else cm
+    model = _PlanMilp(cm, 1)
+    model.set_incumbent(fixed_candidates(cm)[0])
+    res = model.solve_search(60, 0.01)
+    st = model.search_stats
+    assert res.status == "optimal" and st["boxes"]
+    done = set(st["branched"]) | set(st["leaf_boxes"])
+    for box, b in st["boxes"]:
+        assert b >= res.bound - 1e-6 or box in done, (box, b, res.bound)
+
+
 @pytest.mark.parametrize("gpu_optimizer", [True, False])
 def test_local_search_plans_fit_the_budgets_and_equal_the_linear_model(gpu_optimizer):
     """The leaf heuristic (LP rounding + `fast_eval.improve_plan`) returns plans that fit the GPU, host and NVMe
@@ -146,8 +164,8 @@ def _random_cm(rng: random.Random) -> CostModel:
 def test_search_stays_within_the_gap_of_the_whole_milp_on_random_instances(seed):
     """Exactness guard of the default path (search with LP-rounding + local-search leaf plans, 1% gap): on random
     small instances its objective is within 1% of HiGHS's proven optimum of the whole MILP (gap 0, same orderings),
-    never below it (its plans are points of that MILP), and the plan fits every budget under estimate.py; with the
-    optimizer placement open and with every update on the CPU."""
+    never below it (its plans are points of that MILP), its reported dual bound is not above it, and the plan fits
+    every budget under estimate.py; with the optimizer placement open and with every update on the CPU."""
     rng = random.Random(seed)
     cm = _random_cm(rng)
     for gpu_optimizer in (True, False):
@@ -167,6 +185,7 @@ def test_search_stays_within_the_gap_of_the_whole_milp_on_random_instances(seed)
         assert got.solver["status"] == "optimal"
         e, g = exact.solver["objective_ms"], got.solver["objective_ms"]
         assert e - 1e-3 <= g <= e * 1.01 + 1e-3
+        assert got.solver["dual_bound_ms"] <= e + 1e-3  # the proven bound is a bound
         est = evaluate(cm, got)
         assert est.peak_gpu_bytes <= cm.gpu_bytes
         assert est.pinned_host_bytes <= cm.pinned_host_bytes
