@@ -186,8 +186,9 @@ class _PlanMilp:
     """
 
     def __init__(self, cm: CostModel, depth: int, *, memory_only: bool = False,
-                 symmetry_breaking: bool = True, gpu_optimizer: bool = True) -> None:
+                 symmetry_breaking: bool = True, gpu_optimizer: bool = True, units: list[Any] | None = None) -> None:
         self.cm, self.d, self.memory_only = cm, depth, memory_only
+        self._units = units  # unit_terms(cm), when the caller has them
         self.gpu_optimizer = gpu_optimizer and not memory_only
         self.h = _new_highs()
         self._start: tuple[list[float], Schedule] | None = None  # the warm start (column values, schedule)
@@ -231,14 +232,26 @@ class _PlanMilp:
                 self._col_of.append(j)
                 self._val_of.append(a)
 
+    def _diff_row(self, a: _X | float, b: _X | float, lb: float, ub: float) -> None:
+        """lb <= a - b <= ub."""
+        if not isinstance(a, _X):
+            a = _X(None, float(a))
+        if isinstance(b, _X):
+            t = dict(a.t)
+            for j, x in b.t.items():
+                t[j] = t.get(j, 0.0) - x
+            self._row(_X(t, a.c - b.c), lb, ub)
+        else:
+            self._row(_X(a.t, a.c - b), lb, ub)
+
     def _ge(self, a: _X | float, b: _X | float) -> None:
-        self._row(_X.of(a) - b, 0.0, math.inf)
+        self._diff_row(a, b, 0.0, math.inf)
 
     def _le(self, a: _X | float, b: _X | float) -> None:
-        self._row(_X.of(a) - b, -math.inf, 0.0)
+        self._diff_row(a, b, -math.inf, 0.0)
 
     def _eq(self, a: _X | float, b: _X | float) -> None:
-        self._row(_X.of(a) - b, 0.0, 0.0)
+        self._diff_row(a, b, 0.0, 0.0)
 
     def _pass_model(self, objective: _X) -> None:
         """Hand the collected columns, rows and objective to HiGHS (column-wise matrix, minimize)."""
@@ -401,7 +414,7 @@ class _PlanMilp:
     def _time(self) -> None:
         cm, v, d = self.cm, self._x, self.d
         L = cm.num_layers
-        units = unit_terms(cm)
+        units = self._units if self._units is not None else unit_terms(cm)
         U = len(units)
         lus = layer_units(L)
         slot_pred = {u: lus[k - d - 1] for k, u in enumerate(lus) if k - d - 1 >= 0}
@@ -928,18 +941,21 @@ def fixed_candidates(cm: CostModel, prefetch_depth: int = 1, *, evaluator: StepE
     """Variants of the `fixed` heuristic (checkpoint every k in 1, 2, 4, 8, all boundaries in one tier) that fit
     the budgets under the linear model, fastest first. Used as MILP warm starts and as the no-solution fallback.
     `evaluator`: a `StepEvaluator` of `cm` at `prefetch_depth` (built here when not given)."""
+    import numpy as np
+
     ev = evaluator if evaluator is not None else StepEvaluator(cm, prefetch_depth)
     tiers = ["gpu", "cpu"] + (["nvme"] if cm.nvme_bytes > 0 else [])
-    out: list[tuple[float, Schedule]] = []
+    scheds = []
     for every in (1, 2, 4, 8):
         for tier in tiers:
             s = fixed_schedule(cm.num_layers, checkpoint_every=every, tier=tier, prefetch_depth=prefetch_depth)
             s.layers[0].tier = "gpu"  # boundary 0 stays on the GPU (DESIGN §3)
-            val = ev.evaluate(PlanArrays.of(s))
-            if val.fits(cm):
-                out.append((val.step_ms, s))
-    out.sort(key=lambda p: p[0])
-    return [s for _, s in out]
+            scheds.append(s)
+    plans = [PlanArrays.of(s) for s in scheds]
+    vals = ev.evaluate_many(*(np.stack([getattr(p, f) for p in plans], axis=1) for f in ("c", "tier", "r", "o")))
+    out = [(val.step_ms, k) for k, val in enumerate(vals) if val.fits(cm)]
+    out.sort()
+    return [scheds[k] for _, k in out]
 
 
 def _fits(cm: CostModel, peak: float, host: float, nvme: float) -> bool:
@@ -1064,7 +1080,8 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         # the first depth), the others share what is left
         left = max(0.0, deadline - time.perf_counter())
         share = left * 0.8 if idx == 0 and len(depths) > 1 else left / (len(depths) - idx)
-        model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking, gpu_optimizer=gpu_optimizer)
+        model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking, gpu_optimizer=gpu_optimizer,
+                          units=evaluators.units)
         use_search = search and (symmetry_breaking or not gpu_optimizer)
         if warm_start:
             start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None], evaluators)
@@ -1135,7 +1152,7 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     sched.solver = {"status": status, "mip_gap": _nan_none(gap), "solve_ms": total_ms,
                     "objective_ms": best.objective, "dual_bound_ms": _nan_none(bound if math.isfinite(bound) else
                                                                                math.nan), "depths": per_depth}
-    sched.predicted = evaluate(cm, sched).as_predicted(cm.tokens_per_step)
+    sched.predicted = evaluate(cm, sched, units=evaluators.units).as_predicted(cm.tokens_per_step)
     sched.predicted["recomputed_layers"] = sum(recompute_flags(sched))
     return sched
 
@@ -1177,11 +1194,16 @@ class _Evaluators:
         self._units: list[Any] | None = None
         self._by_depth: dict[int, StepEvaluator] = {}
 
+    @property
+    def units(self) -> list[Any]:
+        """unit_terms(cm), computed once."""
+        if self._units is None:
+            self._units = unit_terms(self.cm)
+        return self._units
+
     def __call__(self, depth: int) -> StepEvaluator:
         if depth not in self._by_depth:
-            if self._units is None:
-                self._units = unit_terms(self.cm)
-            self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self._units)
+            self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self.units)
         return self._by_depth[depth]
 
 
