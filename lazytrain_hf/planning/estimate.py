@@ -415,8 +415,9 @@ def _event_times(cm: CostModel, units: list[UnitTerms], vals: Mapping[Key, float
     return max(E[-1], DE[-1]), times
 
 
-def evaluate(cm: CostModel, schedule: Schedule) -> PlanEstimate:
+def evaluate(cm: CostModel, schedule: Schedule, *, units: list[UnitTerms] | None = None) -> PlanEstimate:
     """The linear model's step time and memory for `schedule` (what the MILP objective would be for it).
+    `units`: `unit_terms(cm)` when the caller has it already.
 
     Raises:
         ValueError: the schedule's layer count differs from the cost model's.
@@ -425,7 +426,7 @@ def evaluate(cm: CostModel, schedule: Schedule) -> PlanEstimate:
         raise ValueError(f"schedule has {schedule.num_layers} layers but the cost model has {cm.num_layers}")
     vals = decision_values(schedule)
     d = schedule.prefetch_depth
-    units = unit_terms(cm)
+    units = unit_terms(cm) if units is None else units
     step, times = _event_times(cm, units, vals, d)
     step_no_opt, _ = _event_times(cm, units, vals, d, cpu_optim=False)
     compute = cm.compute_ms()

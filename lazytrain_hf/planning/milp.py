@@ -7,8 +7,8 @@ recompute indicator x_i follows from them by linking constraints. The weight pre
 `estimate.py` (compute + recompute + exposed transfers + exposed optimizer, as event times of max-plus lane
 recursions), plus tiny tie-breakers. Memory rows are in GiB (`GIB`), time rows in ms.
 
-Solved with HiGHS through `highspy`'s modelling layer: output silenced, explicit `mip_rel_gap` and `time_limit`,
-warm-started from the best feasible `fixed` variant (MegaTrain's heuristic). The result is a `Schedule` with
+Solved with HiGHS through `highspy` (rows collected as sparse arrays, one `passModel`): output silenced, explicit
+`mip_rel_gap` and `time_limit`, warm-started from the best feasible `fixed` variant (MegaTrain's heuristic). The result is a `Schedule` with
 `solver` = {status, mip_gap, solve_ms, objective_ms, ...} and `predicted` = {step_ms, peak_gpu_bytes, ...}.
 Infeasible budgets raise `InfeasiblePlanError`, which names the smallest feasible GPU and host budgets.
 
@@ -16,7 +16,9 @@ Size: about 26 columns (8 binary) and 50 rows per layer (64 layers: ~1,700 x ~3,
 takes 8-14 s on 2 CPU cores for 64 layers with optimizer placement open: the LP relaxation is weakest on the
 optimizer placement (fractional o_i split a layer's update between CPU and GPU) and the global flags. The default
 path (`_PlanMilp.solve_search`) branches on those itself (per-class counts of on-GPU updates, flags) with LP bounds
-and leaves the rest to HiGHS (benchmarks/results/planner-20261129-v3.json, benchmarks/NOTES.md).
+and leaves the rest to HiGHS (benchmarks/results/planner-20261129-v3.json, benchmarks/NOTES.md); its leaves are
+settled by an LP rounding improved by local search under the linear model (`fast_eval.improve_plan`), HiGHS only
+where that plan is not within the gap (planner-20261129-v5.json: every bench case under 1 s at 64 layers).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .estimate import (
     unit_terms,
     workspace_slack_ms,
 )
+from .fast_eval import TIE_MS_PER_DECISION, TIE_MS_PER_GIB_PEAK, PlanArrays, StepEvaluator, improve_plan
 from .fixed import fixed_schedule
 from .schedule import LayerPlan, Schedule
 from .schedule import fingerprint as _fingerprint
@@ -53,10 +56,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes per GiB: memory enters the model in GiB (coefficients of order 1) and leaves it in bytes.
 GIB = float(1024**3)
-#: Tie-breakers (ms-equivalents, far below the 1% gap): prefer less GPU memory, then fewer offloads / retains /
-#: on-GPU updates / checkpoints, among plans of equal predicted step time.
-TIE_MS_PER_GIB_PEAK = 1e-3
-TIE_MS_PER_DECISION = 1e-3
+# Tie-breakers (TIE_MS_PER_GIB_PEAK, TIE_MS_PER_DECISION, from fast_eval.py; ms-equivalents, far below the 1% gap):
+# prefer less GPU memory, then fewer offloads / retains / on-GPU updates / checkpoints, among plans of equal step time.
 #: Slack added to the smallest feasible budgets named by InfeasiblePlanError before rounding up to 0.01 GiB.
 _BUDGET_ROUND = GIB / 100
 
@@ -138,44 +139,158 @@ class _Result:
     bound: float = -math.inf  # HiGHS's dual bound (ms incl. tie-breakers)
 
 
+class _X:
+    """A linear expression over MILP columns (column index -> coefficient, plus a constant), for building rows."""
+
+    __slots__ = ("t", "c")
+
+    def __init__(self, t: dict[int, float] | None = None, c: float = 0.0) -> None:
+        self.t = t if t is not None else {}
+        self.c = c
+
+    @staticmethod
+    def of(x: _X | float) -> _X:
+        return x if isinstance(x, _X) else _X(None, float(x))
+
+    def __add__(self, other: _X | float) -> _X:
+        if not isinstance(other, _X):
+            return _X(self.t, self.c + other)  # terms shared: expressions are never mutated
+        t = dict(self.t)
+        for j, a in other.t.items():
+            t[j] = t.get(j, 0.0) + a
+        return _X(t, self.c + other.c)
+
+    __radd__ = __add__
+
+    def __mul__(self, s: float) -> _X:
+        return _X({j: a * s for j, a in self.t.items()}, self.c * s)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> _X:
+        return self * -1.0
+
+    def __sub__(self, other: _X | float) -> _X:
+        return self + (-_X.of(other))
+
+    def __rsub__(self, other: _X | float) -> _X:
+        return _X.of(other) + (-self)
+
+
 class _PlanMilp:
     """The MILP for one prefetch depth d (or, with `memory_only`, the smallest-peak-memory problem).
 
-    Columns are created in a fixed order and remembered with a key, so a warm start can give every column a value.
+    Columns are created in a fixed order and remembered with a key (`v[key]` is the column index), so a warm start
+    can give every column a value. Rows are collected as sparse arrays and handed to HiGHS in one `passModel`
+    (highspy's expression objects took 0.4-0.6 s for 64 layers).
     """
 
     def __init__(self, cm: CostModel, depth: int, *, memory_only: bool = False,
-                 symmetry_breaking: bool = True, gpu_optimizer: bool = True) -> None:
-        import highspy
-
+                 symmetry_breaking: bool = True, gpu_optimizer: bool = True, units: list[Any] | None = None) -> None:
         self.cm, self.d, self.memory_only = cm, depth, memory_only
+        self._units = units  # unit_terms(cm), when the caller has them
         self.gpu_optimizer = gpu_optimizer and not memory_only
         self.h = _new_highs()
         self._start: tuple[list[float], Schedule] | None = None  # the warm start (column values, schedule)
-        self._int = highspy.HighsVarType.kInteger
-        self.cols: list[tuple[Any, tuple[str, int]]] = []  # (highs var, key) in column order
-        self.v: dict[Key, Any] = {}
+        self._incumbent: Schedule | None = None  # a start for `solve_search` only (`set_incumbent`)
+        self.cols: list[Key] = []  # keys in column order
+        self.v: dict[Key, int] = {}  # key -> column index
+        self._x: dict[Key, _X] = {}  # key -> the column as an expression
+        self._col_lb: list[float] = []
+        self._col_ub: list[float] = []
+        self._col_int: list[bool] = []
+        self._row_lb: list[float] = []
+        self._row_ub: list[float] = []
+        self._row_of: list[int] = []  # nonzeros: row, column, value
+        self._col_of: list[int] = []
+        self._val_of: list[float] = []
         self._build(symmetry_breaking)
 
-    # -- variables ----------------------------------------------------------------------------------------------
-    def _var(self, key: Key, lb: float = 0.0, ub: float = math.inf, integer: bool = False) -> Any:
-        kw = {"type": self._int} if integer else {}
-        var = self.h.addVariable(lb=lb, ub=ub, name=f"{key[0]}_{key[1]}", **kw)
-        self.v[key] = var
-        self.cols.append((var, key))
-        return var
+    # -- columns and rows ---------------------------------------------------------------------------------------
+    def _var(self, key: Key, lb: float = 0.0, ub: float = math.inf, integer: bool = False) -> _X:
+        j = len(self.cols)
+        self.v[key] = j
+        self.cols.append(key)
+        self._col_lb.append(lb)
+        self._col_ub.append(ub)
+        self._col_int.append(integer)
+        x = self._x[key] = _X({j: 1.0})
+        return x
 
-    def _expr(self, lin: Lin, scale: float = 1.0) -> Any:
-        """Lin (over decision keys) -> highspy expression, times `scale`."""
-        e = self.h.expr(lin.const * scale)
-        for k, c in lin.terms.items():
-            e += (c * scale) * self.v[k]
-        return e
+    def _expr(self, lin: Lin, scale: float = 1.0) -> _X:
+        """Lin (over decision keys) -> expression over columns, times `scale`."""
+        return _X({self.v[k]: c * scale for k, c in lin.terms.items()}, lin.const * scale)
+
+    def _row(self, e: _X, lb: float, ub: float) -> None:
+        """lb <= e <= ub (e's constant moves into the bounds)."""
+        r = len(self._row_lb)
+        self._row_lb.append(lb - e.c)
+        self._row_ub.append(ub - e.c)
+        for j, a in e.t.items():
+            if a:
+                self._row_of.append(r)
+                self._col_of.append(j)
+                self._val_of.append(a)
+
+    def _diff_row(self, a: _X | float, b: _X | float, lb: float, ub: float) -> None:
+        """lb <= a - b <= ub."""
+        if not isinstance(a, _X):
+            a = _X(None, float(a))
+        if isinstance(b, _X):
+            t = dict(a.t)
+            for j, x in b.t.items():
+                t[j] = t.get(j, 0.0) - x
+            self._row(_X(t, a.c - b.c), lb, ub)
+        else:
+            self._row(_X(a.t, a.c - b), lb, ub)
+
+    def _ge(self, a: _X | float, b: _X | float) -> None:
+        self._diff_row(a, b, 0.0, math.inf)
+
+    def _le(self, a: _X | float, b: _X | float) -> None:
+        self._diff_row(a, b, -math.inf, 0.0)
+
+    def _eq(self, a: _X | float, b: _X | float) -> None:
+        self._diff_row(a, b, 0.0, 0.0)
+
+    def _pass_model(self, objective: _X) -> None:
+        """Hand the collected columns, rows and objective to HiGHS (column-wise matrix, minimize)."""
+        import highspy
+        import numpy as np
+
+        n, m = len(self.cols), len(self._row_lb)
+        rows = np.asarray(self._row_of, dtype=np.int32)
+        cols = np.asarray(self._col_of, dtype=np.int32)
+        vals = np.asarray(self._val_of, dtype=float)
+        order = np.lexsort((rows, cols))
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n, m
+        cost = np.zeros(n)
+        for j, a in objective.t.items():
+            cost[j] += a
+        lp.col_cost_ = cost
+        lp.offset_ = objective.c
+        lp.col_lower_ = np.asarray(self._col_lb, dtype=float)
+        lp.col_upper_ = np.asarray(self._col_ub, dtype=float)
+        lp.row_lower_ = np.asarray(self._row_lb, dtype=float)
+        lp.row_upper_ = np.asarray(self._row_ub, dtype=float)
+        a = lp.a_matrix_
+        a.format_ = highspy.MatrixFormat.kColwise
+        a.num_col_, a.num_row_ = n, m
+        a.start_ = np.concatenate([[0], np.cumsum(np.bincount(cols, minlength=n))]).astype(np.int32)
+        a.index_ = rows[order]
+        a.value_ = vals[order]
+        lp.a_matrix_ = a
+        kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [kint if b else kcont for b in self._col_int]
+        lp.sense_ = highspy.ObjSense.kMinimize
+        status = self.h.passModel(lp)
+        if status == highspy.HighsStatus.kError:
+            raise RuntimeError("HiGHS refused the planning model (passModel returned an error)")
+        self._row_of, self._col_of, self._val_of = [], [], []  # not needed any more
 
     def _build(self, symmetry_breaking: bool) -> None:
-        import highspy
-
-        cm, h = self.cm, self.h
+        cm = self.cm
         L = cm.num_layers
         nvme_ok = cm.nvme_bytes > 0
         for i in range(L):
@@ -189,22 +304,22 @@ class _PlanMilp:
         self._var(("yoff", 0), 0.0, 1.0, True)  # yoff: some boundary is offloaded (CPU or NVMe)
         self._var(("ynv", 0), 0.0, 1.0, True)  # ynv: some boundary is on NVMe (host staging buffers)
         self._var(("ygo", 0), 0.0, 1.0, True)  # ygo: some layer updates on the GPU (one state workspace)
-        v = self.v
+        v = self._x
 
         # [Constraint] tier one-hot: a materialized boundary lives in exactly one tier; an absent one in none
         for i in range(L):
-            h.addConstr(v["g", i] + v["k", i] + v["n", i] == v["c", i])
-            h.addConstr(v["yoff", 0] >= v["k", i] + v["n", i])
-            h.addConstr(v["ynv", 0] >= v["n", i])
-            h.addConstr(v["ygo", 0] >= v["o", i])
+            self._eq(v["g", i] + v["k", i] + v["n", i], v["c", i])
+            self._ge(v["yoff", 0], v["k", i] + v["n", i])
+            self._ge(v["ynv", 0], v["n", i])
+            self._ge(v["ygo", 0], v["o", i])
 
         # [Constraint] recompute linking: x_i = 1 iff boundary i+1 is not materialized and neither layer i (it
         # keeps its output) nor layer i+1 (it needs no input) is retained
         for i in range(L - 1):
-            h.addConstr(v["x", i] >= 1 - v["c", i + 1] - v["r", i + 1] - v["r", i])
-            h.addConstr(v["x", i] <= 1 - v["c", i + 1])
-            h.addConstr(v["x", i] <= 1 - v["r", i + 1])
-            h.addConstr(v["x", i] <= 1 - v["r", i])
+            self._ge(v["x", i], 1 - v["c", i + 1] - v["r", i + 1] - v["r", i])
+            self._le(v["x", i], 1 - v["c", i + 1])
+            self._le(v["x", i], 1 - v["r", i + 1])
+            self._le(v["x", i], 1 - v["r", i])
 
         # [Constraint] segment-start tier, carried along the segment; its fetch is charged where the segment ends
         # (lower bounds suffice: these only add cost)
@@ -214,14 +329,14 @@ class _PlanMilp:
             self._var(("z", i), 0.0, 1.0)  # z_i: layer i ends a segment with an offloaded start (fetch before B(i))
             self._var(("zn", i), 0.0, 1.0)  # zn_i: ... with an NVMe start (disk read before B(i))
         for i in range(L):
-            h.addConstr(v["t", i] >= v["k", i] + v["n", i])
-            h.addConstr(v["tn", i] >= v["n", i])
+            self._ge(v["t", i], v["k", i] + v["n", i])
+            self._ge(v["tn", i], v["n", i])
             if i:
-                h.addConstr(v["t", i] >= v["t", i - 1] - v["c", i])
-                h.addConstr(v["tn", i] >= v["tn", i - 1] - v["c", i])
+                self._ge(v["t", i], v["t", i - 1] - v["c", i])
+                self._ge(v["tn", i], v["tn", i - 1] - v["c", i])
             ends = v["c", i + 1] if i + 1 < L else 1.0
-            h.addConstr(v["z", i] >= v["t", i] + ends - 1)
-            h.addConstr(v["zn", i] >= v["tn", i] + ends - 1)
+            self._ge(v["z", i], v["t", i] + ends - 1)
+            self._ge(v["zn", i], v["tn", i] + ends - 1)
 
         self.classes = _layer_classes(cm)
         self.ordered = symmetry_breaking
@@ -230,8 +345,7 @@ class _PlanMilp:
         self._memory()
         if not self.memory_only:
             self._time()
-        # the objective goes in before any warm start (changing costs afterwards drops a given solution)
-        self.h.setObjective(self.objective(), highspy.ObjSense.kMinimize)
+        self._pass_model(self.objective())
 
     def _symmetry_breaking(self) -> None:
         """Order decisions among identical layers (same kind and costs), by exchange arguments.
@@ -250,16 +364,16 @@ class _PlanMilp:
         "offloaded boundaries first" is memory-dominant but moved stash and fetch traffic enough to cost 0.8% on
         that plan and tripled its solve time.
         """
-        h, v = self.h, self.v
+        v = self._x
         for members in self.classes:
             for a, b in zip(members, members[1:]):
-                h.addConstr(v["o", a] >= v["o", b])
+                self._ge(v["o", a], v["o", b])
                 if a > 0:
-                    h.addConstr(v["r", a] <= v["r", b])
+                    self._le(v["r", a], v["r", b])
 
     # -- memory (GiB) -------------------------------------------------------------------------------------------
     def _memory(self) -> None:
-        cm, h, v = self.cm, self.h, self.v
+        cm, v = self.cm, self._x
         L = cm.num_layers
         mem = memory_terms(cm, self.d)
         s = 1.0 / GIB
@@ -271,36 +385,36 @@ class _PlanMilp:
         # [Constraint] cumulative stored bytes
         for i in range(L):
             prev = Q[i - 1] if i else 0.0
-            h.addConstr(Q[i] == prev + self._expr(mem.stored[i], s))
+            self._eq(Q[i], prev + self._expr(mem.stored[i], s))
 
         # [Constraint] segment working set: reset to the fetched start boundary at c_i = 1, else grow by the
         # recomputed input of layer i
         for i in range(L):
-            h.addConstr(m[i] >= self._expr(mem.fetched[i], s))
+            self._ge(m[i], self._expr(mem.fetched[i], s))
             if i:
-                h.addConstr(m[i] >= m[i - 1] + self._expr(mem.recomputed_input[i], s) - big_m_ws * v["c", i])
+                self._ge(m[i], m[i - 1] + self._expr(mem.recomputed_input[i], s) - big_m_ws * v["c", i])
 
         # [Constraint] GPU peak: forward of each layer, the head, backward of each layer
         base = mem.base * s
         for i in range(L):
-            h.addConstr(peak >= base + Q[i] + self._expr(mem.fwd[i], s))
-            h.addConstr(peak >= base + Q[i] + m[i] + self._expr(mem.bwd[i], s))
-        h.addConstr(peak >= base + Q[L - 1] + self._expr(mem.head, s))
+            self._ge(peak, base + Q[i] + self._expr(mem.fwd[i], s))
+            self._ge(peak, base + Q[i] + m[i] + self._expr(mem.bwd[i], s))
+        self._ge(peak, base + Q[L - 1] + self._expr(mem.head, s))
         if not self.memory_only:
             # [Constraint] GPU budget
-            h.addConstr(peak <= cm.gpu_bytes * s)
+            self._le(peak, cm.gpu_bytes * s)
 
         # [Constraint] host budget: fixed host bytes + CPU-tier boundaries + NVMe staging buffers
-        h.addConstr(self._expr(mem.host, s) <= cm.pinned_host_bytes * s)
+        self._le(self._expr(mem.host, s), cm.pinned_host_bytes * s)
         # [Constraint] NVMe budget
-        h.addConstr(self._expr(mem.nvme, s) <= cm.nvme_bytes * s)
+        self._le(self._expr(mem.nvme, s), cm.nvme_bytes * s)
         self.peak = peak
 
     # -- time (ms) ----------------------------------------------------------------------------------------------
     def _time(self) -> None:
-        cm, h, v, d = self.cm, self.h, self.v, self.d
+        cm, v, d = self.cm, self._x, self.d
         L = cm.num_layers
-        units = unit_terms(cm)
+        units = self._units if self._units is not None else unit_terms(cm)
         U = len(units)
         lus = layer_units(L)
         slot_pred = {u: lus[k - d - 1] for k, u in enumerate(lus) if k - d - 1 >= 0}
@@ -317,61 +431,61 @@ class _PlanMilp:
         for u, t in enumerate(units):
             # [Constraint] H2D / D2H durations: one-way rate and the duplex limit shared with the neighbour unit
             for lb in t.h2d:
-                h.addConstr(hd[u] >= self._expr(lb))
+                self._ge(hd[u], self._expr(lb))
             for lb in t.d2h:
-                h.addConstr(dd[u] >= self._expr(lb))
+                self._ge(dd[u], self._expr(lb))
             c = self._expr(t.compute)
             is_fwd, is_head = u < L, u == L
             # [Constraint] compute lane in order; a unit computes after its inputs arrived
-            h.addConstr(E[u] >= (E[u - 1] if u else 0.0) + c)
+            self._ge(E[u], (E[u - 1] if u else 0.0) + c)
             if not is_head:
-                h.addConstr(E[u] >= HE[u] + c)
+                self._ge(E[u], HE[u] + c)
             # [Constraint] two D2H buffers: compute of u starts after the D2H of unit u-2 is done
             if u >= 2:
-                h.addConstr(E[u] >= DE[u - 2] + c)
+                self._ge(E[u], DE[u - 2] + c)
             # [Constraint] H2D lane in order; weight slots: loads of u start after the layer-unit d+1 earlier
-            h.addConstr(HE[u] >= (HE[u - 1] if u else 0.0) + hd[u])
+            self._ge(HE[u], (HE[u - 1] if u else 0.0) + hd[u])
             if u in slot_pred:
-                h.addConstr(HE[u] >= E[slot_pred[u]] + hd[u])
+                self._ge(HE[u], E[slot_pred[u]] + hd[u])
             # [Constraint] D2H lane in order, after the unit's compute (a forward unit's on-GPU update states
             # from the start of its forward; its stash after the forward)
-            h.addConstr(DE[u] >= (DE[u - 1] if u else 0.0) + dd[u])
-            h.addConstr(DE[u] >= E[u] - t.d2h_early_ms + dd[u])
+            self._ge(DE[u], (DE[u - 1] if u else 0.0) + dd[u])
+            self._ge(DE[u], E[u] - t.d2h_early_ms + dd[u])
             if is_fwd:
-                h.addConstr(DE[u] >= E[u] + self._expr(t.stash))
+                self._ge(DE[u], E[u] + self._expr(t.stash))
             # [Constraint] disk lane in order: stash writes after their D2H; reads as early as the lane allows
-            h.addConstr(DK[u] >= (DK[u - 1] if u else 0.0) + self._expr(t.disk_write) + self._expr(t.disk_read))
+            self._ge(DK[u], (DK[u - 1] if u else 0.0) + self._expr(t.disk_write) + self._expr(t.disk_read))
             if is_fwd and t.layer + 1 < L:
                 # [Constraint] a stash is written after its D2H (only when n_{i+1} = 1: big-M)
-                h.addConstr(DK[u] >= DE[u] + self._expr(t.disk_write) - big_m_ms * (1 - v["n", t.layer + 1]))
+                self._ge(DK[u], DE[u] + self._expr(t.disk_write) - big_m_ms * (1 - v["n", t.layer + 1]))
             elif not is_fwd and not is_head:
                 # [Constraint] a fetched NVMe boundary is read before its H2D. Unconditional (no big-M, a tight
                 # LP): the H2D lane runs in order, so loads behind a fetch wait for its read anyway, and DK_u only
                 # holds reads charged to units up to u (and writes, zero unless some boundary is on NVMe)
-                h.addConstr(HE[u] >= DK[u] + hd[u])
+                self._ge(HE[u], DK[u] + hd[u])
             if is_fwd:
                 i = t.layer
                 # [Constraint] CPU optimizer: resident parameters first, then the CPU-updated layers in order. F(i)'s loads
                 # start after the CPU chain through layer i (for a GPU-updated layer that is the chain through the
                 # previous CPU-updated one, which its forward waits for anyway); no big-M, so fractional o_i in
                 # the LP relaxation is a meaningful CPU/GPU split. The first forward waits for the resident update.
-                h.addConstr(O[i] == (O[i - 1] if i else cm.resident_optim_ms) + cm.cpu_optim_ms(i)
-                            - cm.cpu_optim_ms(i) * v["o", i])
-                h.addConstr(HE[u] >= O[i] + hd[u])
+                self._eq(O[i], (O[i - 1] if i else cm.resident_optim_ms) + cm.cpu_optim_ms(i)
+                         - cm.cpu_optim_ms(i) * v["o", i])
+                self._ge(HE[u], O[i] + hd[u])
                 if i == 0:
-                    h.addConstr(E[u] >= cm.resident_optim_ms + c)
+                    self._ge(E[u], cm.resident_optim_ms + c)
                 # [Constraint] two on-GPU update workspaces: when o_i = 1 (big-M), layer i's states and weights go
                 # up once layer i-1's update is done (its forward started), and after the D2H of unit F(i-2),
                 # which holds layer i-2's states
                 if i:
                     up_ms = (cm.gpu_optim_h2d_bytes[i] + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
-                    h.addConstr(HE[u] >= E[u - 1] - cm.fwd_ms[i - 1] + up_ms - big_m_ms * (1 - v["o", i]))
+                    self._ge(HE[u], E[u - 1] - cm.fwd_ms[i - 1] + up_ms - big_m_ms * (1 - v["o", i]))
                 if i >= 2:
                     slack = workspace_slack_ms(cm, t)  # a small, tight big-M (see workspace_slack_ms)
-                    h.addConstr(HE[u] >= DE[u - 2] + hd[u] - slack * (1 - v["o", i]))
+                    self._ge(HE[u], DE[u - 2] + hd[u] - slack * (1 - v["o", i]))
         # [Constraint] the step ends when the last compute and the last gradient D2H are done
-        h.addConstr(end >= E[U - 1])
-        h.addConstr(end >= DE[U - 1])
+        self._ge(end, E[U - 1])
+        self._ge(end, DE[U - 1])
         self.end = end
 
     def _big_m_ms(self, units: list[Any]) -> float:
@@ -385,14 +499,20 @@ class _PlanMilp:
         return 2.0 * total + 1.0
 
     # -- objective, warm start, solve ---------------------------------------------------------------------------
-    def objective(self) -> Any:
-        v, L = self.v, self.cm.num_layers
-        ties = self.h.expr(0.0)
+    def objective(self) -> _X:
+        v, L = self._x, self.cm.num_layers
+        ties = _X()
         for i in range(L):
             ties += TIE_MS_PER_DECISION * (v["k", i] + 2 * v["n", i] + v["r", i] + v["o", i] + 0.1 * v["c", i])
         if self.memory_only:
             return self.peak + 1e-4 * ties  # smallest peak GiB; ties only between equal peaks
         return self.end + TIE_MS_PER_GIB_PEAK * self.peak + ties
+
+    def set_incumbent(self, schedule: Schedule) -> None:
+        """A first incumbent for `solve_search` (no column vector: the search values it with its evaluator)."""
+        if schedule.prefetch_depth != self.d:
+            raise ValueError(f"incumbent has prefetch_depth {schedule.prefetch_depth}, the model {self.d}")
+        self._incumbent = schedule
 
     def warm_start(self, schedule: Schedule) -> None:
         """Give every column its value for `schedule` (a full solution, so HiGHS starts with an incumbent)."""
@@ -418,7 +538,7 @@ class _PlanMilp:
             vals[("dd", u)] = t.d2h_ms(vals)
         vals[("peak", 0)] = est.peak_gpu_bytes / GIB
         vals[("END", 0)] = est.step_ms
-        x = [float(vals.get(key, 0.0)) for _, key in self.cols]
+        x = [float(vals.get(key, 0.0)) for key in self.cols]
         bad = self._violations(x)
         if bad:  # a bug in the mirror; HiGHS can misreport objectives when handed an infeasible start
             warnings.warn(f"MILP warm start violates {len(bad)} rows (first: {bad[0]}); solving without it",
@@ -451,7 +571,7 @@ class _PlanMilp:
         out = [f"row {r}: {lo[r]:.6g} <= {act[r]:.6g} <= {up[r]:.6g}" for r in rows[:3]]
         cl, cu = np.asarray(lp.col_lower_), np.asarray(lp.col_upper_)
         for j in np.nonzero((xs < cl - tol) | (xs > cu + tol))[0][:3]:
-            out.append(f"column {self.cols[j][1]}={xs[j]:.6g} outside [{cl[j]:.6g}, {cu[j]:.6g}]")
+            out.append(f"column {self.cols[j]}={xs[j]:.6g} outside [{cl[j]:.6g}, {cu[j]:.6g}]")
         return out
 
     def solve(self, time_limit_s: float, mip_rel_gap: float) -> _Result:
@@ -493,7 +613,8 @@ class _PlanMilp:
             bound = max(bound, obj * (1 - max(gap, 0.0)) if math.isfinite(gap) else obj)
         return _Result(self.d, status, has_solution, obj, gap, solve_ms, sched, bound)
 
-    def solve_search(self, time_limit_s: float, mip_rel_gap: float) -> _Result:
+    def solve_search(self, time_limit_s: float, mip_rel_gap: float, evaluator: StepEvaluator | None = None,
+                     local_search: bool = True, dive: bool = True) -> _Result:
         """Branch and bound over the structural decisions, HiGHS for the rest (the default path of `solve_milp`).
 
         The LP relaxation of the full MILP is weak (2.5-4% under the optimum on 64 layers) almost only through the
@@ -503,9 +624,12 @@ class _PlanMilp:
         on-GPU updates of a class of identical layers are a prefix of the class, so the placement is one count per
         class. This search branches on those counts (boxes of count ranges, LP bound per box, best first, LP
         re-solved from the previous basis after each bound change) and then on fractional flags; a box whose counts
-        are fixed and whose LP has integral flags is a leaf, solved by HiGHS as a MILP with the incumbent as
-        cutoff. Boxes whose bound is within `mip_rel_gap` of the incumbent are pruned, so the returned gap is
-        proven over the whole MILP (with its orderings), as for `solve`.
+        are fixed and whose LP has integral flags is a leaf. At a leaf the LP solution is rounded and improved by a
+        local search under the linear model (`fast_eval.improve_plan`, `local_search`; its plans keep the orderings,
+        so they are points of this MILP); a plan within the gap of the leaf's LP bound settles the leaf. Otherwise a
+        diving start (`_dive`, `dive`) and HiGHS on the leaf MILP with the incumbent as cutoff. Boxes whose bound is
+        within `mip_rel_gap` of the incumbent are pruned, so the returned gap is proven over the whole MILP (with its
+        orderings), as for `solve`. `evaluator`: a `StepEvaluator` of this cost model and depth (built when None).
         """
         import heapq
 
@@ -524,9 +648,9 @@ class _PlanMilp:
         lp.changeColsIntegrality(n, np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.uint8))
         col_lo, col_hi = np.asarray(base.col_lower_, dtype=float), np.asarray(base.col_upper_, dtype=float)
         cost, offset = np.asarray(base.col_cost_, dtype=float), float(base.offset_)
-        o_cols = [np.array([self.v["o", i].index for i in members], dtype=np.int32) for members in self.classes]
+        o_cols = [np.array([self.v["o", i] for i in members], dtype=np.int32) for members in self.classes]
         widths = tuple(int(sum(col_hi[c] >= 0.5 for c in cols)) for cols in o_cols)  # GPU-updatable members
-        flag_cols = [self.v["yoff", 0].index, self.v["ynv", 0].index]
+        flag_cols = [self.v["yoff", 0], self.v["ynv", 0]]
         box_cols = np.concatenate(o_cols + [np.array(flag_cols, dtype=np.int32)]).astype(np.int32)
 
         def bounds_of(box: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]) -> tuple[Any, Any]:
@@ -566,13 +690,37 @@ class _PlanMilp:
 
         stats: dict[str, Any] = {"lp": 0, "lp_ms": 0.0, "leaves": [], "dives": [], "dive_plans": [], "dive_lp": 0,
                                  "dive_ms": 0.0}
-        dive_cols = np.array([self.v[s, i].index for s in ("c", "g", "k", "n", "r") for i in range(self.cm.num_layers)]
-                             + [self.v["ygo", 0].index], dtype=np.int32)
+        dive_cols = np.array([self.v[s, i] for s in ("c", "g", "k", "n", "r") for i in range(self.cm.num_layers)]
+                             + [self.v["ygo", 0]], dtype=np.int32)
         inc_obj, inc_sched = math.inf, None
+        ev = evaluator if evaluator is not None else StepEvaluator(self.cm, self.d)
+        stats.update({"ls": [], "ls_plans": [], "ls_evals": 0, "ls_ms": 0.0, "boxes": [], "branched": [],
+                      "leaf_boxes": []})
+
+        def improve(xv: Any) -> tuple[float, Schedule] | None:
+            """LP rounding + local search (`fast_eval.improve_plan`): a plan that fits, with its objective."""
+            t_ls = time.perf_counter()
+            plan, val, evals = improve_plan(ev, self._round(xv), deadline, classes=self.classes,
+                                            nvme=self.cm.nvme_bytes > 0, gpu_optimizer=self.gpu_optimizer)
+            stats["ls_evals"] += evals
+            stats["ls_ms"] += (time.perf_counter() - t_ls) * 1e3
+            stats["ls"].append(round(val.objective, 2) if val.fits(self.cm) else None)
+            if not val.fits(self.cm):
+                return None
+            sched = plan.schedule(self.d)
+            stats["ls_plans"].append((val.objective, sched))
+            return val.objective, sched
+
         if self._start is not None:
             inc_obj = float(cost @ np.asarray(self._start[0]) + offset)
             inc_sched = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in self._start[1].layers],
                                  prefetch_depth=self.d)
+        elif self._incumbent is not None:
+            val = ev.evaluate(PlanArrays.of(self._incumbent))
+            if val.fits(self.cm):
+                inc_obj = val.objective
+                inc_sched = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in self._incumbent.layers],
+                                     prefetch_depth=self.d)
         gap = float(mip_rel_gap)
         prune = lambda b: b >= inc_obj - gap * abs(inc_obj)  # noqa: E731
         root = (tuple(0 for _ in o_cols), widths, (-1, -1))
@@ -583,9 +731,11 @@ class _PlanMilp:
             heap.append((bound, 0, tick, root, x))
         settled = math.inf  # smallest bound of the pruned boxes and solved leaves
         timed_out = False
+        leaves_done = 0  # leaves settled (by a heuristic plan, a dive or HiGHS)
         while heap:
-            if not math.isfinite(inc_obj) or not stats["leaves"]:
-                # dive first (deepest box, then smallest bound) to a leaf: its MILP gives the incumbent that prunes
+            diving = not math.isfinite(inc_obj) or not leaves_done
+            if diving:
+                # dive first (deepest box, then smallest bound) to a leaf: its plan gives the incumbent that prunes
                 # most boxes as soon as their LP is solved
                 heap.sort(key=lambda e: (e[1], e[0], e[2]))
                 entry = heap.pop(0)
@@ -595,7 +745,9 @@ class _PlanMilp:
             bound, neg_depth, _, box, x = entry
             if prune(bound):
                 settled = min(settled, bound)
-                heap.clear()
+                if diving:  # not the smallest bound: the others may still need work
+                    continue
+                heap.clear()  # best first: every box left has a bound at least this one's
                 break
             if time.perf_counter() >= deadline:
                 heapq.heappush(heap, (bound, neg_depth, 0, box, x))
@@ -615,9 +767,11 @@ class _PlanMilp:
                 children = [(los, his[:c] + (k,) + his[c + 1:], flags),
                             (los[:c] + (k + 1,) + los[c + 1:], his, flags)]
             if children:
+                stats["branched"].append(box)
                 for child in children:
                     b, cx = relax(child)
                     b = max(b, bound)
+                    stats["boxes"].append((child, b))
                     if b == math.inf:
                         continue
                     if prune(b):
@@ -626,10 +780,20 @@ class _PlanMilp:
                     tick += 1
                     heapq.heappush(heap, (b, neg_depth - 1, tick, child, cx))
                 continue
-            # a leaf: first a diving start from its LP (HiGHS alone spends most of a leaf finding a solution
-            # within the gap of its tight bound), then the MILP with this box's counts and flags
+            # a leaf: first an LP rounding improved by local search, then a diving start from its LP (HiGHS alone
+            # spends most of a leaf finding a solution within the gap of its tight bound), then the MILP with this
+            # box's counts and flags
+            leaves_done += 1
+            stats["leaf_boxes"].append(box)
+            if local_search and x is not None:
+                found = improve(x)
+                if found is not None and found[0] < inc_obj - 1e-9:
+                    inc_obj, inc_sched = found
+                if prune(bound):  # the incumbent is within the gap of the leaf's LP bound: no MILP
+                    settled = min(settled, bound)
+                    continue
             cutoff = inc_obj
-            xd = self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats) if x is not None else None
+            xd = self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats) if x is not None and dive else None
             if xd is not None:
                 d_obj = float(cost @ xd + offset)
                 stats["dives"].append(round(d_obj, 2))
@@ -679,7 +843,7 @@ class _PlanMilp:
         mgap = max(0.0, (inc_obj - final_bound) / max(abs(inc_obj), 1e-9)) if math.isfinite(final_bound) else math.inf
         status = "optimal" if mgap <= gap + 1e-9 else "time_limit"
         self.search_stats = stats
-        logger.debug("search: %s", {k: v for k, v in stats.items() if k != "dive_plans"})
+        logger.debug("search: %s", {k: v for k, v in stats.items() if k not in ("dive_plans", "ls_plans")})
         return _Result(self.d, status, True, inc_obj, mgap if math.isfinite(mgap) else math.nan, solve_ms,
                        inc_sched, final_bound)
 
@@ -737,42 +901,61 @@ class _PlanMilp:
             stats["dive_ms"] += (time.perf_counter() - t0) * 1e3
         return out
 
+    def _round(self, x: Any) -> PlanArrays:
+        """The plan nearest to LP column values `x`: c, r, o rounded (rounding keeps the orderings), each
+        materialized boundary in its largest tier."""
+        import numpy as np
+
+        L = self.cm.num_layers
+        col = {s: np.array([self.v[s, i] for i in range(L)]) for s in ("c", "g", "k", "n", "r", "o")}
+        c = np.round(x[col["c"]])
+        c[0] = 1.0
+        tier = np.argmax(np.stack([x[col["g"]], x[col["k"]], x[col["n"]]]), axis=0).astype(float) * c
+        tier[0] = 0.0
+        return PlanArrays(c, tier, np.round(x[col["r"]]), np.round(x[col["o"]]))
+
     def _extract(self) -> Schedule:
-        return self._schedule_of([self.h.val(var) for var, _ in self.cols])
+        return self._schedule_of(self.h.getSolution().col_value)
 
     def _schedule_of(self, x: Any) -> Schedule:
         """The schedule of column values `x` (integer columns rounded)."""
         L = self.cm.num_layers
         layers = []
         for i in range(L):
-            c, k, n, r, o = (round(float(x[self.v[s, i].index])) for s in ("c", "k", "n", "r", "o"))
+            c, k, n, r, o = (round(float(x[self.v[s, i]])) for s in ("c", "k", "n", "r", "o"))
             tier = "cpu" if k else "nvme" if n else "gpu"
             layers.append(LayerPlan(checkpoint=bool(c) or i == 0, tier=tier if c else "gpu", retain=bool(r),
                                     optimizer_device="gpu" if o else "cpu"))
         return Schedule(policy="milp", layers=layers, prefetch_depth=self.d)
 
     def peak_value_bytes(self) -> float:
-        return float(self.h.val(self.peak)) * GIB
+        return float(self.h.getSolution().col_value[self.v["peak", 0]]) * GIB
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public API
 
 
-def fixed_candidates(cm: CostModel, prefetch_depth: int = 1) -> list[Schedule]:
+def fixed_candidates(cm: CostModel, prefetch_depth: int = 1, *, evaluator: StepEvaluator | None = None
+                     ) -> list[Schedule]:
     """Variants of the `fixed` heuristic (checkpoint every k in 1, 2, 4, 8, all boundaries in one tier) that fit
-    the budgets under the linear model, fastest first. Used as MILP warm starts and as the no-solution fallback."""
+    the budgets under the linear model, fastest first. Used as MILP warm starts and as the no-solution fallback.
+    `evaluator`: a `StepEvaluator` of `cm` at `prefetch_depth` (built here when not given)."""
+    import numpy as np
+
+    ev = evaluator if evaluator is not None else StepEvaluator(cm, prefetch_depth)
     tiers = ["gpu", "cpu"] + (["nvme"] if cm.nvme_bytes > 0 else [])
-    out: list[tuple[float, Schedule]] = []
+    scheds = []
     for every in (1, 2, 4, 8):
         for tier in tiers:
             s = fixed_schedule(cm.num_layers, checkpoint_every=every, tier=tier, prefetch_depth=prefetch_depth)
             s.layers[0].tier = "gpu"  # boundary 0 stays on the GPU (DESIGN §3)
-            est = evaluate(cm, s)
-            if _fits(cm, est.peak_gpu_bytes, est.pinned_host_bytes, est.nvme_bytes):
-                out.append((est.step_ms, s))
-    out.sort(key=lambda p: p[0])
-    return [s for _, s in out]
+            scheds.append(s)
+    plans = [PlanArrays.of(s) for s in scheds]
+    vals = ev.evaluate_many(*(np.stack([getattr(p, f) for p in plans], axis=1) for f in ("c", "tier", "r", "o")))
+    out = [(val.step_ms, k) for k, val in enumerate(vals) if val.fits(cm)]
+    out.sort()
+    return [scheds[k] for _, k in out]
 
 
 def _fits(cm: CostModel, peak: float, host: float, nvme: float) -> bool:
@@ -851,9 +1034,10 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         fingerprint: stored in the schedule (default: a hash of the cost model).
         search: solve by branch and bound over the per-class optimizer-placement counts and the global flags,
             HiGHS for the rest (`_PlanMilp.solve_search`; used with `symmetry_breaking` and `gpu_optimizer`); False
-            hands HiGHS the whole MILP at once (64 layers with `gpu_optimizer`: 8-14 s instead of 0.1-2 s). Without
+            hands HiGHS the whole MILP at once (64 layers with `gpu_optimizer`: 8-14 s instead of 0.05-0.6 s). Without
             `gpu_optimizer` the search runs too (only the flags are branched on; symmetry breaking not needed);
-            each leaf gets a diving start from its LP first (`_PlanMilp._dive`).
+            each leaf first gets an LP rounding + local search plan, then (if that is not within the gap) a diving start
+            from its LP (`_PlanMilp._dive`) and HiGHS.
 
     Returns:
         A `Schedule` with `solver` = {status, mip_gap, solve_ms, objective_ms, dual_bound_ms, depths: [...]} (the
@@ -886,22 +1070,27 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     results: list[_Result] = []
     models: list[_PlanMilp] = []
     skipped: list[int] = []
+    evaluators = _Evaluators(cm)
     for idx, d in enumerate(depths):
         best_so_far = min((r for r in results if r.schedule is not None), key=lambda r: r.objective, default=None)
-        if best_so_far is not None and not _deeper_may_help(cm, best_so_far.schedule, d, mip_rel_gap):
+        if best_so_far is not None and not _deeper_may_help(cm, best_so_far.schedule, d, mip_rel_gap, evaluators):
             skipped.append(d)
             continue
         # the first depth gets 80% of the budget (deeper ones are usually screened out, and then the rest continues
         # the first depth), the others share what is left
         left = max(0.0, deadline - time.perf_counter())
         share = left * 0.8 if idx == 0 and len(depths) > 1 else left / (len(depths) - idx)
-        model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking, gpu_optimizer=gpu_optimizer)
+        model = _PlanMilp(cm, d, symmetry_breaking=symmetry_breaking, gpu_optimizer=gpu_optimizer,
+                          units=evaluators.units)
+        use_search = search and (symmetry_breaking or not gpu_optimizer)
         if warm_start:
-            start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None])
-            if start is not None:
+            start = _best_start(cm, d, [r.schedule for r in results if r.schedule is not None], evaluators)
+            if start is not None and use_search:
+                model.set_incumbent(start)  # the search values it itself (no column vector needed)
+            elif start is not None:
                 model.warm_start(start)
-        if search and (symmetry_breaking or not gpu_optimizer):
-            res = model.solve_search(share, mip_rel_gap)
+        if use_search:
+            res = model.solve_search(share, mip_rel_gap, evaluators(d))
         else:
             res = model.solve(share, mip_rel_gap)
         results.append(res)
@@ -931,7 +1120,7 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     if not feasible:
         if all(r.status == "infeasible" for r in results):
             raise infeasible_error(cm)
-        fallback = fixed_candidates(cm, depths[0])
+        fallback = fixed_candidates(cm, depths[0], evaluator=evaluators(depths[0]))
         if not fallback:
             mg = min_gpu_bytes(cm)
             if mg is None or mg > cm.gpu_bytes:
@@ -963,34 +1152,59 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     sched.solver = {"status": status, "mip_gap": _nan_none(gap), "solve_ms": total_ms,
                     "objective_ms": best.objective, "dual_bound_ms": _nan_none(bound if math.isfinite(bound) else
                                                                                math.nan), "depths": per_depth}
-    sched.predicted = evaluate(cm, sched).as_predicted(cm.tokens_per_step)
+    sched.predicted = evaluate(cm, sched, units=evaluators.units).as_predicted(cm.tokens_per_step)
     sched.predicted["recomputed_layers"] = sum(recompute_flags(sched))
     return sched
 
 
-def _deeper_may_help(cm: CostModel, incumbent: Schedule | None, depth: int, mip_rel_gap: float) -> bool:
+def _deeper_may_help(cm: CostModel, incumbent: Schedule | None, depth: int, mip_rel_gap: float,
+                     evaluators: _Evaluators | None = None) -> bool:
     """Screen for solving prefetch depth `depth`: the incumbent moved to that depth must still fit and predict a
     step shorter by more than the gap; otherwise a deeper prefetch buys less than the gap (or costs memory the
     incumbent uses). A heuristic: the optimum at `depth` may differ from the moved incumbent."""
     if incumbent is None:
         return True
-    moved = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in incumbent.layers], prefetch_depth=depth)
-    now, then = evaluate(cm, incumbent), evaluate(cm, moved)
-    if not _fits(cm, then.peak_gpu_bytes, then.pinned_host_bytes, then.nvme_bytes):
+    evs = evaluators if evaluators is not None else _Evaluators(cm)
+    plan = PlanArrays.of(incumbent)
+    now, then = evs(incumbent.prefetch_depth).evaluate(plan), evs(depth).evaluate(plan)
+    if not then.fits(cm):
         return False
     return then.step_ms < now.step_ms * (1.0 - mip_rel_gap)
 
 
-def _best_start(cm: CostModel, depth: int, previous: list[Schedule]) -> Schedule | None:
+def _best_start(cm: CostModel, depth: int, previous: list[Schedule],
+                evaluators: _Evaluators | None = None) -> Schedule | None:
     """The fastest warm start for depth `depth` under the linear model: earlier depths' solutions moved to this
     depth (when they still fit: one more weight slot per kind) or the best fixed variant."""
-    cands = fixed_candidates(cm, depth)[:1]
+    ev = (evaluators if evaluators is not None else _Evaluators(cm))(depth)
+    cands = [(ev.evaluate(PlanArrays.of(s)).step_ms, s) for s in fixed_candidates(cm, depth, evaluator=ev)[:1]]
     for s in previous:
         moved = Schedule(policy="milp", layers=[LayerPlan(**vars(lp)) for lp in s.layers], prefetch_depth=depth)
-        est = evaluate(cm, moved)
-        if _fits(cm, est.peak_gpu_bytes, est.pinned_host_bytes, est.nvme_bytes):
-            cands.append(moved)
-    return min(cands, key=lambda s: evaluate(cm, s).step_ms, default=None)
+        val = ev.evaluate(PlanArrays.of(moved))
+        if val.fits(cm):
+            cands.append((val.step_ms, moved))
+    return min(cands, key=lambda c: c[0])[1] if cands else None
+
+
+class _Evaluators:
+    """`StepEvaluator`s of one cost model by prefetch depth, built on first use (unit terms shared)."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self._units: list[Any] | None = None
+        self._by_depth: dict[int, StepEvaluator] = {}
+
+    @property
+    def units(self) -> list[Any]:
+        """unit_terms(cm), computed once."""
+        if self._units is None:
+            self._units = unit_terms(self.cm)
+        return self._units
+
+    def __call__(self, depth: int) -> StepEvaluator:
+        if depth not in self._by_depth:
+            self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self.units)
+        return self._by_depth[depth]
 
 
 def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
@@ -1002,13 +1216,13 @@ def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
     """
     model = _PlanMilp(cm, schedule.prefetch_depth, symmetry_breaking=False)
     vals = decision_values(schedule)
-    for key, var in model.v.items():
+    for key, j in model.v.items():
         if key[0] in ("c", "g", "k", "n", "r", "o"):
-            model.h.changeColBounds(var.index, vals[key], vals[key])
+            model.h.changeColBounds(j, vals[key], vals[key])
     res = model.solve(60.0, 1e-9)
     if not res.has_solution:
         raise ValueError(f"the schedule does not fit the budgets (HiGHS status {res.status})")
-    return float(model.h.val(model.end)), model.peak_value_bytes()
+    return float(model.h.getSolution().col_value[model.v["END", 0]]), model.peak_value_bytes()
 
 
 def _every(s: Schedule) -> int:
