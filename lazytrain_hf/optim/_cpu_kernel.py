@@ -450,7 +450,31 @@ void quantize_block(const float* __restrict__ x, uint8_t* __restrict__ out, int6
 #endif
 }
 
-// Generic pass 1 (no AVX2): dequantize into the buffers, then AdamW in place (auto-vectorized where possible).
+// AdamW on len elements, m and v (fp32) in place; with ABSMAX also their absmax (as abs_max). The generic path
+// (auto-vectorized: every pointer restrict-qualified, h a local copy that no store can alias).
+template <typename PT, typename GT, int MM, bool ABSMAX>
+void update_block(PT* __restrict__ p, const GT* __restrict__ g, float* __restrict__ m_, float* __restrict__ v_,
+                  float* __restrict__ master, uint16_t* __restrict__ kahan, int64_t len, const Hyper h, float* am1,
+                  float* am2) {
+  uint32_t b1 = 0, b2 = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    float m = m_[j], v = v_[j];
+    update_one<PT, GT, MM>(p, g, m, v, master, kahan, j, h);
+    m_[j] = m;
+    v_[j] = v;
+    if (ABSMAX) {
+      const uint32_t u1 = f32_bits(m) & 0x7FFFFFFFu, u2 = f32_bits(v) & 0x7FFFFFFFu;
+      b1 = u1 > b1 ? u1 : b1;
+      b2 = u2 > b2 ? u2 : b2;
+    }
+  }
+  if (ABSMAX) {
+    *am1 = bits_f32(b1);
+    *am2 = bits_f32(b2);
+  }
+}
+
+// Generic pass 1 (no AVX2): dequantize into the buffers, then AdamW in place.
 template <typename PT, typename GT, int MM>
 inline void update_block_generic(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1,
                                  const uint8_t* c2, float s1, float s2, const float* qmap1, const float* qmap2,
@@ -459,15 +483,7 @@ inline void update_block_generic(PT* __restrict__ p, const GT* __restrict__ g, c
                                  float* am2) {
   for (int64_t j = 0; j < len; ++j) mbuf[j] = qmap1[c1[j]] * s1;
   for (int64_t j = 0; j < len; ++j) vbuf[j] = qmap2[c2[j]] * s2;
-  uint32_t r1 = 0, r2 = 0;
-  for (int64_t j = 0; j < len; ++j) {
-    update_one<PT, GT, MM>(p, g, mbuf[j], vbuf[j], master, kahan, j, h);
-    const uint32_t u1 = f32_bits(mbuf[j]) & 0x7FFFFFFFu, u2 = f32_bits(vbuf[j]) & 0x7FFFFFFFu;
-    r1 = u1 > r1 ? u1 : r1;
-    r2 = u2 > r2 ? u2 : r2;
-  }
-  *am1 = bits_f32(r1);
-  *am2 = bits_f32(r2);
+  update_block<PT, GT, MM, true>(p, g, mbuf, vbuf, master, kahan, len, h, am1, am2);
 }
 
 // 8-bit states: threads take contiguous ranges of whole blocks; per block: pass 1, new scales, pass 2 (requantize;
@@ -510,17 +526,23 @@ void adamw_q8(const Args& a, const Hyper& h) {
   }
 }
 
-// fp32 states: plain elementwise AdamW (auto-vectorized), threads take contiguous ranges.
+// fp32 states: threads take contiguous ranges of chunks of `block` elements.
 template <typename PT, typename GT, int MM>
 void adamw_f32(const Args& a, const Hyper& h) {
   PT* const p = static_cast<PT*>(a.param);
   const GT* const g = static_cast<const GT*>(a.grad);
   float* const m = static_cast<float*>(a.state1);
   float* const v = static_cast<float*>(a.state2);
-  const int64_t n = a.n;
+  const int64_t n = a.n, B = a.block;
+  const int64_t nblocks = (n + B - 1) / B;
   const int nthreads = std::max(1, a.threads);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 32768)
-  for (int64_t j = 0; j < n; ++j) update_one<PT, GT, MM>(p, g, m[j], v[j], a.master, a.kahan, j, h);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t s = b * B;
+    update_block<PT, GT, MM, false>(p + s, g + s, m + s, v + s, MM == kMasterFp32 ? a.master + s : nullptr,
+                                    MM == kMasterKahan ? a.kahan + s : nullptr, std::min(B, n - s), h, nullptr,
+                                    nullptr);
+  }
 }
 
 template <typename PT, typename GT, int MM>
@@ -620,24 +642,40 @@ int lt_set_lookup(int mode) {
 }
 
 // Times both table-read modes on one thread (the 8-bit update of n synthetic elements: bf16 parameters, fp32
-// master and gradients, blocks of 256; `reps` alternating runs each, best run kept), keeps the faster mode and
-// returns lt_get_lookup(). seconds[0], seconds[1]: best time of gathers / scalar loads (0 without an AVX2 path).
+// master and gradients, quantized normal moments, blocks of 256; `reps` alternating runs each, best run kept),
+// keeps the faster mode and returns lt_get_lookup(). seconds[0], seconds[1]: best time of gathers / scalar loads (0 without an AVX2 path).
 int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* qmap1, const int32_t* lut2,
                         const float* qmap2, int64_t lut_half, int lut_k, int lut_m, double* seconds) {
   seconds[0] = seconds[1] = 0.0;
 #ifdef LT_AVX2
   const int64_t B = 256, nb = (n + B - 1) / B;
   std::vector<uint16_t> p(n), p0(n);
-  std::vector<float> g(n), master(n), master0(n), a1(nb, 1e-3f), a2(nb, 1e-6f), a10(a1), a20(a2);
+  std::vector<float> g(n), master(n), master0(n), m(n), v(n), a1(nb), a2(nb), a10(nb), a20(nb);
   std::vector<uint8_t> s1(n), s2(n), s10(n), s20(n);
   uint32_t r = 12345u;
-  for (int64_t i = 0; i < n; ++i) {  // deterministic pseudo-random states and gradients
-    r = r * 1664525u + 1013904223u;
-    s10[i] = static_cast<uint8_t>(r >> 24);
-    s20[i] = static_cast<uint8_t>(r >> 16);
-    g[i] = (static_cast<float>((r >> 8) & 0xFFFF) - 32768.0f) * 3e-8f;
-    master0[i] = (static_cast<float>(r & 0xFFFF) - 32768.0f) * 6e-7f;
+  auto normal = [&r]() {  // deterministic, roughly normal (sum of 4 uniforms)
+    float x = -2.0f;
+    for (int k = 0; k < 4; ++k) {
+      r = r * 1664525u + 1013904223u;
+      x += static_cast<float>(r >> 8) * (1.0f / 16777216.0f);
+    }
+    return x;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    g[i] = normal() * 1e-3f;
+    master0[i] = normal() * 2e-2f;
     p0[i] = f32_to_bf16(master0[i]);
+    m[i] = normal() * 1e-4f;
+    const float w = normal() * 1e-3f;
+    v[i] = w * w;
+  }
+  const Codebook cb1{lut1, qmap1, lut_half, lut_k, lut_m}, cb2{lut2, qmap2, lut_half, lut_k, lut_m};
+  for (int64_t b = 0; b < nb; ++b) {  // states as a real run has them: quantized moments
+    const int64_t s = b * B, len = std::min(B, n - s);
+    a10[b] = abs_max(m.data() + s, len);
+    a20[b] = abs_max(v.data() + s, len);
+    quantize_block<kScalar>(m.data() + s, s10.data() + s, len, 1.0f / a10[b], cb1, 127, false);
+    quantize_block<kScalar>(v.data() + s, s20.data() + s, len, 1.0f / a20[b], cb2, 0, true);
   }
   const int modes[2] = {kGather, kScalar};
   const int saved = g_lookup.load();
@@ -684,7 +722,7 @@ LOOKUP_ENV = "LAZYTRAIN_CPU_LOOKUP"
 # table-read modes of the kernel's AVX2 path (lt_set_lookup); "auto" measures both once at load
 LOOKUP_MODES = {"gather": 0, "scalar": 1}
 _CALIBRATION_ELEMENTS = 1 << 14
-_CALIBRATION_REPS = 5
+_CALIBRATION_REPS = 15
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
