@@ -7,13 +7,16 @@ Rows (``system`` in the JSON):
   torch_adamw_fused_fp32    torch.optim.AdamW(fused=True), fp32 params and states (the speed to match)
   bnb_adamw8bit_cpu         bitsandbytes.optim.AdamW8bit on CPU, when bitsandbytes is installed
 
-Hybrid8 rows use ``--param-dtype`` params (bf16 by default, with fp32 master weights as in training), fp32
-gradients through `set_grad_source` (as the streaming executor supplies them) and an active clip coefficient.
+Hybrid8 rows use ``--param-dtype`` params (bf16 by default) with ``--master-weights`` (fp32 master by default for
+bf16 params; ``kahan``: bf16 compensation, as the streaming executor runs it), ``--grad-dtype`` gradients (fp32 by
+default; the executor supplies bf16) through `set_grad_source`, and an active clip coefficient. Their ``extra``
+records the fused CPU kernel's build and table-read mode (`cpu_kernel_status`).
 Each row: ``--warmup`` untimed steps, then ``--steps`` timed steps; the median is reported. Timings are wall
 clock on CPU tensors (no device synchronization needed).
 
     python benchmarks/bench_optim.py                          # 8 M params, all rows, JSON to benchmarks/results/
     python benchmarks/bench_optim.py --params 67108864 --threads 16 --out /tmp/bench.json
+    python benchmarks/bench_optim.py --master-weights kahan --grad-dtype bf16 --threads 16   # as the executor
 
 The JSON follows shared/RESULTS_FORMAT.md (suite "hybrid8"; params_per_s and state_bytes_per_param in extra).
 """
@@ -72,8 +75,9 @@ def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[C
 
     os.environ["LAZYTRAIN_CPU_KERNEL"] = kernel
     params = [torch.nn.Parameter(t) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
-    grads = {id(p): torch.randn(p.numel()) * 1e-3 for p in params}   # fp32 host gradients
-    opt = Hybrid8bitOptimizer(params, lr=1e-5, weight_decay=0.01, state_dtype=state_dtype)
+    grads = {id(p): (torch.randn(p.numel()) * 1e-3).to(_DTYPES[args.grad_dtype]) for p in params}   # host gradients
+    opt = Hybrid8bitOptimizer(params, lr=1e-5, weight_decay=0.01, state_dtype=state_dtype,
+                              master_weights=args.master_weights)
     opt.set_grad_source(lambda p: grads[id(p)])
     norm = torch.tensor(2.0)
 
@@ -114,6 +118,12 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
     pdtype = "fp32" if system == "torch_adamw_fused_fp32" else args.param_dtype
     row.update(system=system, model=f"synthetic-{args.tensors}x", params=args.params,
                extra={"param_dtype": pdtype, "threads": torch.get_num_threads(), "tensors": args.tensors})
+    if system.startswith("hybrid8"):
+        from lazytrain_hf.optim import cpu_kernel_status
+
+        row["extra"].update(master_weights=args.master_weights, grad_dtype=args.grad_dtype)
+        if system != "hybrid8_torch":
+            row["extra"]["cpu_kernel"] = cpu_kernel_status()[1]
     try:
         if system == "hybrid8_torch":
             step, nbytes = _hybrid8(args, "torch", "8bit")
@@ -183,6 +193,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--params", type=int, default=8 * 2**20, help="parameters per row (default 8 Mi)")
     ap.add_argument("--tensors", type=int, default=1, help="split the parameters into this many tensors")
     ap.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="hybrid8 / bnb param dtype")
+    ap.add_argument("--master-weights", choices=["auto", "fp32", "kahan", "none"], default="auto",
+                    help="hybrid8 master weights (auto: fp32 for bf16 params)")
+    ap.add_argument("--grad-dtype", choices=sorted(_DTYPES), default="fp32", help="hybrid8 host gradient dtype")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per row (at least 5 reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")

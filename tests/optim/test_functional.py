@@ -10,7 +10,7 @@ import torch
 from lazytrain_hf.optim import functional as F
 from lazytrain_hf.optim.hybrid8 import Hybrid8bitOptimizer
 
-from .test_quant import requires_cpu_kernel
+from .test_quant import lookup_mode, requires_cpu_kernel
 
 # (name, param dtype, grad dtype, master_weights, state_dtype, numel, block_size)
 CASES = [
@@ -86,6 +86,47 @@ def test_cpp_kernel_equals_torch_reference(case):
     else:
         torch.testing.assert_close(s_c["state1"], s_t["state1"], rtol=1e-6, atol=1e-12)
         torch.testing.assert_close(s_c["state2"], s_t["state2"], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "8bit"], ids=[c[0] for c in CASES if c[4] == "8bit"])
+def test_cpp_lookup_modes_are_bitwise_equal(case):
+    """The kernel's two table-read modes (gathers, scalar loads) give the same bits, parameters and states, with
+    non-finite and huge gradient elements in the mix."""
+    lib = requires_cpu_kernel()
+    _, pdtype, gdtype, master, state_dtype, n, block_size = case
+    p, grad, opt = _prepared_state(pdtype, gdtype, master, state_dtype, n, block_size)
+    grad = grad.clone()
+    grad[1::997], grad[2::1999], grad[3::2999] = float("nan"), float("inf"), 1e30
+    results = {}
+    for mode in ("gather", "scalar"):
+        q = p.detach().clone()
+        st = copy.deepcopy(opt.state[p])
+        st["step"] += 1
+        hyper = F.AdamWHyper(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=st["step"],
+                             clip_coef=0.37)
+        with lookup_mode(lib, mode):
+            F.adamw_step(q, grad, st, hyper, opt._books_for(p.device), block_size=block_size, kernel="cpp",
+                         threads=2)
+        results[mode] = [q] + [v for v in st.values() if isinstance(v, torch.Tensor)]
+    for a, b in zip(results["gather"], results["scalar"], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_lookup_env_picks_table_reads(monkeypatch, caplog):
+    from lazytrain_hf.optim import _cpu_kernel
+
+    lib = requires_cpu_kernel()
+    before = lib.lt_get_lookup()
+    try:
+        for mode, code in _cpu_kernel.LOOKUP_MODES.items():
+            monkeypatch.setenv(_cpu_kernel.LOOKUP_ENV, mode)
+            said = _cpu_kernel._configure_lookup(lib)
+            assert before < 0 or (lib.lt_get_lookup() == code and mode in said)
+        monkeypatch.setenv(_cpu_kernel.LOOKUP_ENV, "fastest")   # bad value: logged, then measured as unset
+        said = _cpu_kernel._configure_lookup(lib)
+        assert before < 0 or ("measured" in said and "fastest" in caplog.text)
+    finally:
+        lib.lt_set_lookup(before)
 
 
 def test_env_forces_cpu_kernel(monkeypatch):

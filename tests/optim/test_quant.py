@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -28,6 +30,20 @@ def requires_cpu_kernel():
     if not ok:
         pytest.skip(f"fused CPU kernel not built (needs a C++ compiler with OpenMP): {reason[:300]}")
     return _cpu_kernel.load_cpu_kernel()
+
+
+@contextlib.contextmanager
+def lookup_mode(lib, mode: str):
+    """Run the kernel's AVX2 path with ``mode`` table reads (`_cpu_kernel.LOOKUP_MODES`), restored afterwards;
+    skips when the library has no AVX2 path (a portable build)."""
+    before = lib.lt_get_lookup()
+    if before < 0:
+        pytest.skip("the kernel library has no AVX2 path (one table-read mode only)")
+    lib.lt_set_lookup(_cpu_kernel.LOOKUP_MODES[mode])
+    try:
+        yield
+    finally:
+        lib.lt_set_lookup(before)
 
 
 def heavy_tailed(n: int, seed: int = 0) -> torch.Tensor:
@@ -82,6 +98,36 @@ def test_lookup_table_equals_bucketize(signed):
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.0000001, -1.0000001, 3.0, -3.0, 2.0**-24, -(2.0**-24), 1e-30])
     x = torch.cat([near, special, heavy_tailed(50_000).clamp(-1.5, 1.5), torch.rand(50_000) * 2 - 1])
     assert torch.equal(_lut_codes(x, lut), torch.bucketize(x, mids))
+
+
+def _kernel_lut_codes(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """torch emulation of the kernel's lookup (``nearest_code`` in _cpu_kernel's source) for fp32 x."""
+    u = x.view(torch.int32).long() & 0xFFFFFFFF
+    sign = u >> 31
+    half = lut.numel() // 2
+    key = (((u >> (23 - LUT_MANT_BITS)) & ((1 << (8 + LUT_MANT_BITS)) - 1))
+           - (((127 - LUT_EXP_RANGE) << LUT_MANT_BITS) - 1)).clamp(0, half - 1)
+    entry = lut.long()[sign * half + key]
+    low_mask = (1 << (23 - LUT_MANT_BITS)) - 1
+    low = (u ^ (sign * low_mask)) & low_mask    # mirrored for x < 0
+    return (entry & 0xFF) + (low > (entry >> 16)).long()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_kernel_lookup_table_equals_bucketize(signed):
+    """The kernel's table (mirrored thresholds for x < 0, one clamped bucket for |x| >= 2) gives the nearest code,
+    ties to the lower one, for every kind of fp32 input (NaN excluded: it has no nearest code)."""
+    q = dynamic_map(signed)
+    mids = code_midpoints(q)
+    lut = _cpu_kernel.kernel_lookup_table(q)
+    assert lut.dtype == torch.int32 and torch.equal(lut[:lut.numel() // 2], code_lookup_table(q)[:lut.numel() // 2])
+    near = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 2.0)),
+                      torch.nextafter(mids, torch.full_like(mids, -2.0)), q])
+    near = torch.cat([near, -near])
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.0000001, -1.0000001, 2.0, -2.0, 3.0, -3.0, 1e30, -1e30,
+                            float("inf"), -float("inf"), 2.0**-24, -(2.0**-24), 1e-30, -1e-30, 1e-45, -1e-45])
+    x = torch.cat([near, special, heavy_tailed(50_000).clamp(-1.5, 1.5), torch.rand(50_000) * 2 - 1])
+    assert torch.equal(_kernel_lut_codes(x, lut), torch.bucketize(x, mids))
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -160,11 +206,17 @@ def test_signed_floor_keeps_the_sign():
     assert codes[:4].tolist() == [255, 128, 126, 127]
 
 
+@pytest.mark.parametrize("lookup", sorted(_cpu_kernel.LOOKUP_MODES))
 @pytest.mark.parametrize("nonzero_floor", [False, True])
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("block_size", [64, 100, 256])
-def test_cpp_quantizer_equals_torch(signed, block_size, nonzero_floor):
+def test_cpp_quantizer_equals_torch(signed, block_size, nonzero_floor, lookup):
     lib = requires_cpu_kernel()
+    with lookup_mode(lib, lookup):
+        _check_cpp_quantizer(lib, signed, block_size, nonzero_floor)
+
+
+def _check_cpp_quantizer(lib, signed, block_size, nonzero_floor):
     tables = _cpu_kernel.CpuTables.build(dynamic_map(True), dynamic_map(False))
     q = dynamic_map(signed)
     x = heavy_tailed(70_001, seed=block_size)
