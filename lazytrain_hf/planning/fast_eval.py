@@ -408,3 +408,32 @@ def _moves(p: PlanArrays, L: int, tiers: tuple[float, ...], classes: list[list[i
         if members[0] == 0:
             moves.append([(2, 0, 1.0 - r[0])])
     return moves
+
+
+def perturb_plan(ev: StepEvaluator, plan: PlanArrays, deadline: float, *, classes: list[list[int]], target: float,
+                 nvme: bool = True, gpu_optimizer: bool = True, kicks: int = 8, layers_per_kick: int = 4,
+                 seed: int = 0) -> tuple[PlanArrays, PlanValue, int]:
+    """Iterated local search from a local optimum `plan` (which fits the budgets): up to `kicks` times, give
+    `layers_per_kick` random layers a random tier (materializing absent boundaries), run `improve_plan` from there and
+    keep the result when it is better. Stops early once the best objective is at most `target`. Deterministic for
+    a given `seed`. Returns (best plan, its value, evaluations)."""
+    import random
+    import time
+
+    rng = random.Random(seed)
+    L = ev.L
+    tiers = (0.0, 1.0, 2.0) if nvme else (0.0, 1.0)
+    best, best_val = plan, ev.evaluate(plan)
+    evals = 1
+    for _ in range(kicks):
+        if best_val.objective <= target or time.perf_counter() >= deadline or L < 2:
+            break
+        q = best.copy()
+        for i in rng.sample(range(1, L), min(layers_per_kick, L - 1)):
+            q.c[i] = 1.0
+            q.tier[i] = rng.choice(tiers)
+        p, val, n = improve_plan(ev, q, deadline, classes=classes, nvme=nvme, gpu_optimizer=gpu_optimizer)
+        evals += n
+        if val.fits(ev.cm) and val.objective < best_val.objective - 1e-9:
+            best, best_val = p, val
+    return best, best_val, evals
