@@ -1236,7 +1236,10 @@ class _Evaluators:
 
     def __call__(self, depth: int) -> StepEvaluator:
         if depth not in self._by_depth:
-            self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self.units)
+            if self._by_depth:  # the unit forms do not depend on the depth
+                self._by_depth[depth] = next(iter(self._by_depth.values())).at_depth(depth)
+            else:
+                self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self.units)
         return self._by_depth[depth]
 
 

@@ -28,7 +28,8 @@ def _cms():
 def test_step_evaluator_equals_evaluate():
     rng = random.Random(3)
     for cm in _cms():
-        evs = {d: StepEvaluator(cm, d) for d in (1, 2, 3)}
+        one = StepEvaluator(cm, 1)
+        evs = {1: one, 2: StepEvaluator(cm, 2), 3: one.at_depth(3)}  # built, or derived from another depth
         for _ in range(20):
             s = _random_schedule(rng, cm)
             got, ref = evs[s.prefetch_depth].evaluate(PlanArrays.of(s)), evaluate(cm, s)
