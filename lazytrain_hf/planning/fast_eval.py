@@ -14,6 +14,7 @@ over single-layer moves with a budget penalty (see there).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,8 +151,24 @@ class StepEvaluator:
             row += [f.add(t.d2h[j] if j < len(t.d2h) else None) for j in range(3)]
             row += [f.add(t.disk_write), f.add(t.disk_read), f.add(t.stash)]
             self._rows[u] = row
-        mem = memory_terms(cm, depth)
+        f.freeze()
+        self.forms = f
+        self._index = index
+        self._depth_parts(depth)
+        self.early = [t.d2h_early_ms for t in units]
+        self.up_ms = [(cm.gpu_optim_h2d_bytes[i] + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6) for i in range(L)]
+        self.slack = [workspace_slack_ms(cm, units[i]) if i >= 2 else 0.0 for i in range(L)]
+        self.cpu_ms = np.array([cm.cpu_optim_ms(i) for i in range(L)])
+        self.resident_ms = cm.resident_optim_ms
+        self.fwd_ms = list(cm.fwd_ms)
+
+    def _depth_parts(self, depth: int) -> None:
+        """What depends on the prefetch depth: the memory forms (weight slots, prefetched boundaries) and the
+        weight-slot predecessors of the recursion."""
+        self.d = depth
+        mem = memory_terms(self.cm, depth)
         self.mem_base = mem.base
+        f = _Forms(self._index)
         self._stored = np.array([f.add(x) for x in mem.stored])
         self._fetched = np.array([f.add(x) for x in mem.fetched])
         self._recomp = np.array([f.add(x) for x in mem.recomputed_input])
@@ -161,18 +178,18 @@ class StepEvaluator:
         self._host = f.add(mem.host)
         self._nvme = f.add(mem.nvme)
         f.freeze()
-        self.forms = f
-        lus = layer_units(L)
-        self.slot_pred = [-1] * U
+        self.mforms = f
+        lus = layer_units(self.L)
+        self.slot_pred = [-1] * self.U
         for k, u in enumerate(lus):
             if k - depth - 1 >= 0:
                 self.slot_pred[u] = lus[k - depth - 1]
-        self.early = [t.d2h_early_ms for t in units]
-        self.up_ms = [(cm.gpu_optim_h2d_bytes[i] + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6) for i in range(L)]
-        self.slack = [workspace_slack_ms(cm, units[i]) if i >= 2 else 0.0 for i in range(L)]
-        self.cpu_ms = np.array([cm.cpu_optim_ms(i) for i in range(L)])
-        self.resident_ms = cm.resident_optim_ms
-        self.fwd_ms = list(cm.fwd_ms)
+
+    def at_depth(self, depth: int) -> StepEvaluator:
+        """This evaluator at another prefetch depth (the unit forms shared)."""
+        other = copy.copy(self)
+        other._depth_parts(depth)
+        return other
 
     # -- decisions ---------------------------------------------------------------------------------------------
     def vectors(self, c: np.ndarray, tier: np.ndarray, r: np.ndarray, o: np.ndarray) -> np.ndarray:
@@ -212,7 +229,8 @@ class StepEvaluator:
         """(objective, step ms, peak GPU bytes, host bytes, NVMe bytes), each of length N, for N plans (L x N)."""
         L = self.L
         V = self.vectors(c, tier, r, o)
-        vals = self.forms.values(V)  # forms x N
+        vals = self.forms.values(V)  # unit forms x N
+        mvals = self.mforms.values(V)  # memory forms x N
         rows = self._rows
         comp = vals[rows[:, 0]]
         h2d = np.maximum(vals[rows[:, 1]], vals[rows[:, 2]])
@@ -223,19 +241,19 @@ class StepEvaluator:
         opt = self.resident_ms + np.cumsum(self.cpu_ms[:, None] * (1.0 - o), axis=0)
         step = self._recursion(comp, h2d, d2h, dw, dr, stash, o > 0.5, opt, n_next)
         # memory (bytes): Q_i stored up to i, m_i the segment's working set
-        Q = np.cumsum(vals[self._stored], axis=0)
-        fetched, rec = vals[self._fetched], vals[self._recomp]
+        Q = np.cumsum(mvals[self._stored], axis=0)
+        fetched, rec = mvals[self._fetched], mvals[self._recomp]
         cT = V[:L]
         last = np.maximum.accumulate(np.where(cT > 0.5, np.arange(L)[:, None], 0), axis=0)
         crec = np.cumsum(rec, axis=0)
         m = np.take_along_axis(fetched, last, axis=0) + crec - np.take_along_axis(crec, last, axis=0)
         base = self.mem_base
-        peak = np.maximum(np.maximum((Q + vals[self._fwd]).max(axis=0), (Q + m + vals[self._bwd]).max(axis=0)),
-                          Q[-1] + vals[self._head]) + base
+        peak = np.maximum(np.maximum((Q + mvals[self._fwd]).max(axis=0), (Q + m + mvals[self._bwd]).max(axis=0)),
+                          Q[-1] + mvals[self._head]) + base
         ties = TIE_MS_PER_DECISION * (V[2 * L:3 * L] + 2 * V[3 * L:4 * L] + V[4 * L:5 * L]
                                       + V[5 * L:6 * L] + 0.1 * V[:L]).sum(axis=0)
         obj = step + TIE_MS_PER_GIB_PEAK * peak / _GIB + ties
-        return obj, step, peak, vals[self._host], vals[self._nvme]
+        return obj, step, peak, mvals[self._host], mvals[self._nvme]
 
     def _recursion(self, comp: np.ndarray, h2d: np.ndarray, d2h: np.ndarray, dw: np.ndarray, dr: np.ndarray,
                    stash: np.ndarray, on_gpu: np.ndarray, opt: np.ndarray, n_next: np.ndarray) -> np.ndarray:
@@ -408,3 +426,32 @@ def _moves(p: PlanArrays, L: int, tiers: tuple[float, ...], classes: list[list[i
         if members[0] == 0:
             moves.append([(2, 0, 1.0 - r[0])])
     return moves
+
+
+def perturb_plan(ev: StepEvaluator, plan: PlanArrays, deadline: float, *, classes: list[list[int]], target: float,
+                 nvme: bool = True, gpu_optimizer: bool = True, kicks: int = 8, layers_per_kick: int = 4,
+                 seed: int = 0) -> tuple[PlanArrays, PlanValue, int]:
+    """Iterated local search from a local optimum `plan` (which fits the budgets): up to `kicks` times, give
+    `layers_per_kick` random layers a random tier (materializing absent boundaries), run `improve_plan` from there and
+    keep the result when it is better. Stops early once the best objective is at most `target`. Deterministic for
+    a given `seed`. Returns (best plan, its value, evaluations)."""
+    import random
+    import time
+
+    rng = random.Random(seed)
+    L = ev.L
+    tiers = (0.0, 1.0, 2.0) if nvme else (0.0, 1.0)
+    best, best_val = plan, ev.evaluate(plan)
+    evals = 1
+    for _ in range(kicks):
+        if best_val.objective <= target or time.perf_counter() >= deadline or L < 2:
+            break
+        q = best.copy()
+        for i in rng.sample(range(1, L), min(layers_per_kick, L - 1)):
+            q.c[i] = 1.0
+            q.tier[i] = rng.choice(tiers)
+        p, val, n = improve_plan(ev, q, deadline, classes=classes, nvme=nvme, gpu_optimizer=gpu_optimizer)
+        evals += n
+        if val.fits(ev.cm) and val.objective < best_val.objective - 1e-9:
+            best, best_val = p, val
+    return best, best_val, evals

@@ -44,7 +44,14 @@ from .estimate import (
     unit_terms,
     workspace_slack_ms,
 )
-from .fast_eval import TIE_MS_PER_DECISION, TIE_MS_PER_GIB_PEAK, PlanArrays, StepEvaluator, improve_plan
+from .fast_eval import (
+    TIE_MS_PER_DECISION,
+    TIE_MS_PER_GIB_PEAK,
+    PlanArrays,
+    StepEvaluator,
+    improve_plan,
+    perturb_plan,
+)
 from .fixed import fixed_schedule
 from .schedule import LayerPlan, Schedule
 from .schedule import fingerprint as _fingerprint
@@ -516,13 +523,27 @@ class _PlanMilp:
 
     def warm_start(self, schedule: Schedule) -> None:
         """Give every column its value for `schedule` (a full solution, so HiGHS starts with an incumbent)."""
-        cm = self.cm
-        vals = decision_values(schedule)
         if schedule.prefetch_depth != self.d:
             raise ValueError(f"warm start has prefetch_depth {schedule.prefetch_depth}, the model {self.d}")
-        est = evaluate(cm, schedule)
+        x = self._column_values(schedule)
+        bad = self._violations(x)
+        if bad:  # a bug in the mirror; HiGHS can misreport objectives when handed an infeasible start
+            warnings.warn(f"MILP warm start violates {len(bad)} rows (first: {bad[0]}); solving without it",
+                          stacklevel=2)
+            return
+        sol = self.h.getSolution()
+        sol.col_value = x
+        sol.value_valid = True
+        self.h.setSolution(sol)
+        self._start = (x, schedule)
+
+    def _column_values(self, schedule: Schedule) -> list[float]:
+        """Every column's value for `schedule` (decisions, event times from `estimate.evaluate`, memory sums)."""
+        cm = self.cm
+        vals = decision_values(schedule)
+        units = self._units if self._units is not None else unit_terms(cm)
+        est = evaluate(cm, schedule, units=units)
         mem = memory_terms(cm, self.d)
-        units = unit_terms(cm)
         q = m = 0.0
         opt = cm.resident_optim_ms
         for i in range(cm.num_layers):
@@ -538,17 +559,7 @@ class _PlanMilp:
             vals[("dd", u)] = t.d2h_ms(vals)
         vals[("peak", 0)] = est.peak_gpu_bytes / GIB
         vals[("END", 0)] = est.step_ms
-        x = [float(vals.get(key, 0.0)) for key in self.cols]
-        bad = self._violations(x)
-        if bad:  # a bug in the mirror; HiGHS can misreport objectives when handed an infeasible start
-            warnings.warn(f"MILP warm start violates {len(bad)} rows (first: {bad[0]}); solving without it",
-                          stacklevel=3)
-            return
-        sol = self.h.getSolution()
-        sol.col_value = x
-        sol.value_valid = True
-        self.h.setSolution(sol)
-        self._start = (x, schedule)
+        return [float(vals.get(key, 0.0)) for key in self.cols]
 
     def _violations(self, x: list[float], tol: float = 1e-6) -> list[str]:
         """Rows and bounds of the model that the column values `x` violate (relative tolerance `tol`)."""
@@ -614,7 +625,8 @@ class _PlanMilp:
         return _Result(self.d, status, has_solution, obj, gap, solve_ms, sched, bound)
 
     def solve_search(self, time_limit_s: float, mip_rel_gap: float, evaluator: StepEvaluator | None = None,
-                     local_search: bool = True, dive: bool = True) -> _Result:
+                     local_search: bool = True, dive: bool = True, kick_s: float = 0.25,
+                     kick_margin: float = 0.005) -> _Result:
         """Branch and bound over the structural decisions, HiGHS for the rest (the default path of `solve_milp`).
 
         The LP relaxation of the full MILP is weak (2.5-4% under the optimum on 64 layers) almost only through the
@@ -626,10 +638,13 @@ class _PlanMilp:
         re-solved from the previous basis after each bound change) and then on fractional flags; a box whose counts
         are fixed and whose LP has integral flags is a leaf. At a leaf the LP solution is rounded and improved by a
         local search under the linear model (`fast_eval.improve_plan`, `local_search`; its plans keep the orderings,
-        so they are points of this MILP); a plan within the gap of the leaf's LP bound settles the leaf. Otherwise a
-        diving start (`_dive`, `dive`) and HiGHS on the leaf MILP with the incumbent as cutoff. Boxes whose bound is
-        within `mip_rel_gap` of the incumbent are pruned, so the returned gap is proven over the whole MILP (with its
-        orderings), as for `solve`. `evaluator`: a `StepEvaluator` of this cost model and depth (built when None).
+        so they are points of this MILP), with a few random kicks (`fast_eval.perturb_plan`, at most `kick_s`) when
+        it ends less than `kick_margin` above the objective that would settle the leaf; a plan within the gap of the
+        leaf's LP bound settles it. Otherwise HiGHS solves the leaf MILP, started from the incumbent when it lies in
+        the leaf's box (else with the incumbent as cutoff). The diving start (`_dive`, `dive`) of v4 runs only
+        without the local search or without an incumbent. Boxes whose bound is within `mip_rel_gap` of the incumbent
+        are pruned, so the returned gap is proven over the whole MILP (with its orderings), as for `solve` (up to
+        HiGHS's own leaf bounds). `evaluator`: a `StepEvaluator` of this cost model and depth (built when None).
         """
         import heapq
 
@@ -694,14 +709,21 @@ class _PlanMilp:
                              + [self.v["ygo", 0]], dtype=np.int32)
         inc_obj, inc_sched = math.inf, None
         ev = evaluator if evaluator is not None else StepEvaluator(self.cm, self.d)
-        stats.update({"ls": [], "ls_plans": [], "ls_evals": 0, "ls_ms": 0.0, "boxes": [], "branched": [],
+        stats.update({"ls": [], "ls_plans": [], "ls_evals": 0, "ls_ms": 0.0, "kicked": 0, "boxes": [], "branched": [],
                       "leaf_boxes": []})
 
-        def improve(xv: Any) -> tuple[float, Schedule] | None:
-            """LP rounding + local search (`fast_eval.improve_plan`): a plan that fits, with its objective."""
+        def improve(xv: Any, target: float) -> tuple[float, Schedule] | None:
+            """LP rounding + local search (`fast_eval.improve_plan`), then, if the plan is above `target` by less
+            than `kick_margin`, a few random kicks and local searches again (`fast_eval.perturb_plan`, at most
+            `kick_s` seconds): a plan that fits, with its objective."""
             t_ls = time.perf_counter()
-            plan, val, evals = improve_plan(ev, self._round(xv), deadline, classes=self.classes,
-                                            nvme=self.cm.nvme_bytes > 0, gpu_optimizer=self.gpu_optimizer)
+            kw = dict(classes=self.classes, nvme=self.cm.nvme_bytes > 0, gpu_optimizer=self.gpu_optimizer)
+            plan, val, evals = improve_plan(ev, self._round(xv), deadline, **kw)
+            if val.fits(self.cm) and target < val.objective <= target * (1.0 + kick_margin):
+                stats["kicked"] += 1
+                plan, val, more = perturb_plan(ev, plan, min(deadline, time.perf_counter() + kick_s), target=target,
+                                               seed=len(stats["ls"]), **kw)
+                evals += more
             stats["ls_evals"] += evals
             stats["ls_ms"] += (time.perf_counter() - t_ls) * 1e3
             stats["ls"].append(round(val.objective, 2) if val.fits(self.cm) else None)
@@ -786,14 +808,17 @@ class _PlanMilp:
             leaves_done += 1
             stats["leaf_boxes"].append(box)
             if local_search and x is not None:
-                found = improve(x)
+                found = improve(x, bound / (1.0 - gap) if gap < 1 else math.inf)  # the objective that settles it
                 if found is not None and found[0] < inc_obj - 1e-9:
                     inc_obj, inc_sched = found
                 if prune(bound):  # the incumbent is within the gap of the leaf's LP bound: no MILP
                     settled = min(settled, bound)
                     continue
             cutoff = inc_obj
-            xd = self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats) if x is not None and dive else None
+            # a diving start without the local search (v4) or without an incumbent (with one, HiGHS gets it as its
+            # start or cutoff: on random 64-layer instances the dives were all worse than the local search's plans)
+            xd = (self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats)
+                  if x is not None and dive and (not local_search or not math.isfinite(inc_obj)) else None)
             if xd is not None:
                 d_obj = float(cost @ xd + offset)
                 stats["dives"].append(round(d_obj, 2))
@@ -804,15 +829,23 @@ class _PlanMilp:
                         settled = min(settled, bound)
                         continue
             apply(h, box)  # (a bound change drops a given solution: set the start afterwards)
-            if xd is not None and cutoff > inc_obj:
+            # the start: the incumbent when it lies in this box (HiGHS then only has to prove or improve it), else
+            # the diving start when it improved on the incumbent
+            start = None
+            if inc_sched is not None:
+                xi = self._column_values(inc_sched)
+                start = xi if not self._violations(xi) else None
+            if start is None and xd is not None and cutoff > inc_obj:
+                start = list(xd)
+            if start is not None:
                 sol = h.getSolution()
-                sol.col_value = list(xd)
+                sol.col_value = start
                 sol.value_valid = True
                 h.setSolution(sol)
             h.setOptionValue("mip_rel_gap", gap)
             h.setOptionValue("time_limit", max(0.0, deadline - time.perf_counter()))
-            # the cutoff is the incumbent before the dive (a start equal to the cutoff might be discarded)
-            h.setOptionValue("objective_bound", cutoff if math.isfinite(cutoff) else math.inf)
+            # without a start, the incumbent is the cutoff (a start equal to the cutoff might be discarded)
+            h.setOptionValue("objective_bound", math.inf if start is not None or not math.isfinite(cutoff) else cutoff)
             t1 = time.perf_counter()
             h.solve()
             res = self._read_result((time.perf_counter() - t1) * 1e3)
@@ -1203,7 +1236,10 @@ class _Evaluators:
 
     def __call__(self, depth: int) -> StepEvaluator:
         if depth not in self._by_depth:
-            self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self.units)
+            if self._by_depth:  # the unit forms do not depend on the depth
+                self._by_depth[depth] = next(iter(self._by_depth.values())).at_depth(depth)
+            else:
+                self._by_depth[depth] = StepEvaluator(self.cm, depth, units=self.units)
         return self._by_depth[depth]
 
 
