@@ -193,7 +193,8 @@ def _read_jsonl(path: Path, source: str) -> datasets.Dataset:
 def _missing_path_error(path: Path, split: str) -> FileNotFoundError:
     """The error for a local ``source`` that does not exist, naming the Hub alternative."""
     return FileNotFoundError(
-        f"math data set not found: '{path}' does not exist. Fix: point `source` at a JSONL file, or at a directory "
+        f"math data set not found: '{path}' does not exist. Fix: point `source` (CLI: --set data.source=PATH) at a "
+        f"JSONL file, or at a directory "
         f"containing '{split}.jsonl' ({_SCHEMA_HELP}); or pass a Hugging Face Hub id instead, such as "
         "'meta-math/MetaMathQA', or 'openai/gsm8k' with name='main' (loading from the Hub needs network access)."
     )

@@ -1042,8 +1042,9 @@ def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
     msg = (f"No schedule fits the GPU budget {gib(cm.gpu_bytes)} (host budget {gib(cm.pinned_host_bytes)}, "
            f"NVMe budget {gib(cm.nvme_bytes)}). The smallest feasible GPU budget is {gib(at_host_r or 0)}"
            f"{more_host}, at prefetch depth 1 with boundaries offloaded or recomputed; the smallest host budget is "
-           f"{gib(host_min)}. Raise --gpu-memory / lazytrain_config.gpu_memory_budget, or lower the batch size "
-           f"or sequence length.")
+           f"{gib(host_min)}. Raise --gpu-memory / lazytrain_config.gpu_memory_budget, lower the batch size "
+           f"or sequence length, or run each layer over fewer rows at a time (--rows-per-pass / "
+           f"lazytrain_config.max_rows_per_pass: activation memory scales with it, not with the batch).")
     return InfeasiblePlanError(msg, min_gpu_bytes=at_host_r, min_host_bytes=host_min,
                                min_gpu_bytes_any_host=any_host_r)
 

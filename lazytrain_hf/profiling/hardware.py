@@ -1,6 +1,6 @@
 """Machine rates the planner needs: PCIe, NVMe, GEMM throughput, optimizer update rates, memory sizes.
 
-`H200_DEFAULTS` holds the figures measured on the lent H200 machine (DESIGN.md §7, 2026-11-29). `probe()` measures
+`H200_DEFAULTS` holds the figures measured on the lent H200 machine (benchmarks/NOTES.md, 2026-11-29). `probe()` measures
 the same quantities on the CUDA device in use (pinned copies timed with CUDA events, a bf16 GEMM, a disk write and
 read of a temporary file) and caches the result per machine fingerprint in
 ``~/.cache/lazytrain_hf/hardware-<fingerprint>.json`` (directory overridable with ``LAZYTRAIN_CACHE_DIR``). On a
@@ -80,7 +80,7 @@ class HardwareProfile:
                 "gpu_optim_params_per_s": self.gpu_optim_params_per_s}
 
 
-#: One H200 and its host, measured 2026-11-29 (DESIGN.md §7): pinned H2D 50.8 GB/s, D2H 54.1 GB/s, about 33 GB/s
+#: One H200 and its host, measured 2026-11-29 (benchmarks/NOTES.md): pinned H2D 50.8 GB/s, D2H 54.1 GB/s, about 33 GB/s
 #: each way when both run; bf16 GEMM 8192^3 787 TFLOPS; virtual disk with O_DIRECT write 1.0 GB/s, read 1.5 GB/s;
 #: bitsandbytes 8-bit AdamW on the GPU 34 G params/s. CPU optimizer: 2.2 G params/s, the project's fused C++ 8-bit
 #: kernel on the 16 cores with Kahan master weights inside a training step (benchmarks/NOTES.md; its micro-benchmark
@@ -90,7 +90,7 @@ class HardwareProfile:
 H200_DEFAULTS = HardwareProfile(
     h2d_gbps=50.8, d2h_gbps=54.1, bidir_gbps=33.0, nvme_read_gbps=1.5, nvme_write_gbps=1.0, gpu_tflops=787.0,
     cpu_optim_params_per_s=2.2e9, gpu_optim_params_per_s=34.0e9, gpu_memory_bytes=143_771 * MIB,
-    host_memory_bytes=128 * GIB, measured=False, source="DESIGN.md §7 + benchmarks/NOTES.md: H200 machine, 2026-11-29",
+    host_memory_bytes=128 * GIB, measured=False, source="H200 machine figures, 2026-11-29 (benchmarks/NOTES.md)",
     device_name="NVIDIA H200 (defaults)")
 
 
