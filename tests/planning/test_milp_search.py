@@ -94,11 +94,7 @@ def test_diving_start_fits_the_budgets_under_the_memory_terms(gpu_optimizer):
     plans = model.search_stats["dive_plans"]
     assert plans, "no leaf was dived"
     for obj, plan in plans:
-        est = evaluate(cm, plan)
-        assert est.peak_gpu_bytes <= cm.gpu_bytes
-        assert est.pinned_host_bytes <= cm.pinned_host_bytes
-        assert est.nvme_bytes <= cm.nvme_bytes
-        assert est.step_ms <= obj + 1e-6 and obj <= est.step_ms * 1.001 + 1.0
+        _fits_and_matches(cm, obj, plan)
         if not gpu_optimizer:
             assert all(lp.optimizer_device == "cpu" for lp in plan.layers)
     # the search's answer is no worse than any diving start
@@ -137,11 +133,7 @@ def test_local_search_plans_fit_the_budgets_and_equal_the_linear_model(gpu_optim
     plans = model.search_stats["ls_plans"]
     assert plans, "no leaf ran the local search"
     for obj, plan in plans:
-        est = evaluate(cm, plan)
-        assert est.peak_gpu_bytes <= cm.gpu_bytes
-        assert est.pinned_host_bytes <= cm.pinned_host_bytes
-        assert est.nvme_bytes <= cm.nvme_bytes
-        assert est.step_ms <= obj + 1e-6 and obj <= est.step_ms * 1.001 + 1.0
+        _fits_and_matches(cm, obj, plan)
         flags = [lp.optimizer_device == "gpu" for lp in plan.layers]
         assert flags == sorted(flags, reverse=True)
         assert gpu_optimizer or not any(flags)
@@ -191,3 +183,13 @@ def test_search_stays_within_the_gap_of_the_whole_milp_on_random_instances(seed)
         assert est.pinned_host_bytes <= cm.pinned_host_bytes
         assert est.nvme_bytes <= cm.nvme_bytes
         assert got.predicted["step_ms"] == pytest.approx(est.step_ms, rel=1e-9)
+
+
+def _fits_and_matches(cm, obj: float, plan) -> None:
+    """`plan` fits the GPU, host and NVMe budgets under estimate.py's memory terms, and `obj` is the linear model's
+    step time (plus the tie-breakers, which only add)."""
+    est = evaluate(cm, plan)
+    assert est.peak_gpu_bytes <= cm.gpu_bytes
+    assert est.pinned_host_bytes <= cm.pinned_host_bytes
+    assert est.nvme_bytes <= cm.nvme_bytes
+    assert est.step_ms <= obj + 1e-6 and obj <= est.step_ms * 1.001 + 1.0
