@@ -4,7 +4,8 @@ Per quantization block (kept in L1), two passes: (1) dequantize m and v -> AdamW
 gradient) -> write the parameter (fp32, or bf16 from an fp32 master / Kahan-compensated) -> new m and v into a
 per-thread buffer and their absmax; (2) requantize m and v. OpenMP threads take contiguous ranges of whole blocks.
 With AVX2 and FMA (the native build on x86) both passes are hand-vectorized; otherwise (the portable build, other
-architectures) a generic path does the same fp32 operations in the same order: both give the same bits.
+architectures) a generic path does the same fp32 operations in the same order: both give the same bits (except
+which NaN survives where two NaNs meet: the compiler's operand order).
 
 Cost per element is dominated by four table reads (two dequantizations through the 256-entry maps, two searches
 for the nearest code through `kernel_lookup_table`). The AVX2 path does them with gathers or with scalar loads;
@@ -56,7 +57,8 @@ _SOURCE = r"""
 // Per block of B elements (kept in L1), two passes: (1) dequantize m and v, AdamW, write the parameter, keep the
 // new m and v in a per-thread buffer and take their absmax; (2) requantize m and v. With AVX2 and FMA both passes
 // are hand-vectorized, 8 lanes at a time; otherwise a generic path that the compiler vectorizes where it can. Both
-// paths do the same fp32 operations in the same order on every element: results are bit-identical.
+// paths do the same fp32 operations in the same order on every element: results are bit-identical (except which
+// NaN survives where two NaNs meet, the compiler's operand order for a commutative operation).
 // Table reads (4 per element: 2 dequantizations, 2 code searches) dominate: on AVX2 they are done either with
 // gathers or with scalar loads (`Lookup`); which one is faster depends on the CPU (scalar loads on the AMD Zen 3
 // cores measured; gathers should win where they are cheap), so the library measures both once
@@ -126,8 +128,8 @@ inline float fmadd(float a, float b, float c) {
 }
 
 // Nearest code of x (already divided by the block absmax), ties to the lower code: one read of the kernel's
-// lookup table (`_cpu_kernel.kernel_lookup_table`): key = clamp((|x| bits >> (23 - M)) - key_off, 0, half - 1) (below
-// 2**-K: bucket 0; at or above 2: the last bucket, whose row holds no midpoint), entry = base | t << 16 with t
+// lookup table (`_cpu_kernel.kernel_lookup_table`): key = clamp((|x| bits >> (23 - M)) - key_off, 0, half - 1)
+// (below 2**-K: bucket 0; at or above 2: the last bucket, whose row holds no midpoint), entry = base | t << 16 with t
 // the low 23 - M mantissa bits of the bucket's midpoint, stored as is for x >= 0 and mirrored (2**(23-M) - 1 - t)
 // for x < 0, so that one comparison serves both signs: code = base + (low' > t), low' = the low bits of x,
 // mirrored for x < 0.
@@ -678,7 +680,8 @@ int lt_set_lookup(int mode) {
 
 // Times both table-read modes on one thread (the 8-bit update of n synthetic elements: bf16 parameters, fp32
 // master and gradients, quantized normal moments, blocks of 256; `reps` alternating runs each, best run kept),
-// keeps the faster mode and returns lt_get_lookup(). seconds[0], seconds[1]: best time of gathers / scalar loads (0 without an AVX2 path).
+// keeps the faster mode and returns lt_get_lookup(). seconds[0], seconds[1]: best time of gathers / scalar loads
+// (0 without an AVX2 path).
 int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* qmap1, const int32_t* lut2,
                         const float* qmap2, int64_t lut_half, int lut_k, int lut_m, double* seconds) {
   seconds[0] = seconds[1] = 0.0;
