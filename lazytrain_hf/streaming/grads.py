@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import DataParallel
-from .host_store import HostParamStore, pin_tensor, sq_norm, unregister
+from .host_store import HostParamStore, Registrations, sq_norm
 from .weights import Slot, wait_on
 
 __all__ = ["GradSink"]
@@ -59,14 +59,13 @@ class GradSink:
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         # id(slot) -> (weak reference to the slot, dtype -> staging buffer)
         self._staging: dict[int, tuple[weakref.ref, dict[torch.dtype, torch.Tensor]]] = {}
-        self._registered: dict[int, torch.Tensor] = {}  # id(buffer) -> staging buffer registered in place
+        self._registered = Registrations()  # staging buffers page-locked in place
         self._pending: deque[_Pending] = deque()  # staged copies whose CPU add is still to do, FIFO
         self.sq = torch.zeros((), dtype=torch.float64, device=device)  # sum of squares seen this window
         self.microbatches = 0  # micro-batches since the last zero_grad
         self._fresh: set[int] = set(range(len(store.buffers)))  # layers whose host grads hold nothing yet
         self.d2h_bytes = 0
         self.staging_bytes = 0
-        self.registered_bytes = 0
         self.instrument = False  # record compute-stream stalls on gradient copies (exposed D2H), as WeightStreamer
         self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -154,23 +153,15 @@ class GradSink:
         staging = {}
         for dt, g in slot.grads.items():
             t = torch.empty(g.numel(), dtype=g.dtype)
-            if self.pin:
-                t, in_place = pin_tensor(t)
-                if in_place:
-                    self._registered[id(t)] = t
-                    self.registered_bytes += t.numel() * t.element_size()
-            staging[dt] = t
+            staging[dt] = self._registered.pin(t) if self.pin else t
         self._staging[id(slot)] = (weakref.ref(slot), staging)
         self.staging_bytes += sum(t.numel() * t.element_size() for t in staging.values())
         return staging
 
     def _free(self, staging: dict[torch.dtype, torch.Tensor]) -> None:
         for t in staging.values():
-            nbytes = t.numel() * t.element_size()
-            if self._registered.pop(id(t), None) is not None:
-                unregister([t])
-                self.registered_bytes -= nbytes
-            self.staging_bytes -= nbytes
+            self._registered.drop(t)
+            self.staging_bytes -= t.numel() * t.element_size()
 
     def _finish(self, p: _Pending) -> None:
         p.event.synchronize()
@@ -199,7 +190,10 @@ class GradSink:
 
     def release(self) -> None:
         """Unregister the page-locked staging buffers (after `flush`; they stay valid as ordinary memory)."""
-        regs = getattr(self, "_registered", {})
-        unregister(list(regs.values()))
-        regs.clear()
-        self.registered_bytes = 0
+        if hasattr(self, "_registered"):
+            self._registered.release()
+
+    @property
+    def registered_bytes(self) -> int:
+        """The part of `staging_bytes` page-locked in place."""
+        return self._registered.bytes

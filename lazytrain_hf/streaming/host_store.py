@@ -18,7 +18,7 @@ from torch import nn
 from .nvme import aligned_empty
 
 __all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "HostBufferPool", "PinnedArena", "structure_key",
-           "pin_tensor", "unregister", "host_allocator_bytes", "sq_norm"]
+           "pin_tensor", "unregister", "Registrations", "host_allocator_bytes", "sq_norm"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,33 @@ def host_allocator_bytes() -> int:
     return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
 
+class Registrations:
+    """Host buffers page-locked in place with cudaHostRegister (`pin_tensor`) and their total `bytes`: `pin` one,
+    `drop` one before freeing it, `release` all (they stay valid as ordinary memory)."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer
+        self.bytes = 0
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` page-locked: in place (counted here) or, where registration fails, a caching-allocator copy."""
+        t, in_place = pin_tensor(t)
+        if in_place:
+            self._held[id(t)] = t
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def drop(self, t: torch.Tensor) -> None:
+        if self._held.pop(id(t), None) is not None:
+            unregister([t])
+            self.bytes -= t.numel() * t.element_size()
+
+    def release(self) -> None:
+        unregister(list(self._held.values()))
+        self._held.clear()
+        self.bytes = 0
+
+
 def unregister(tensors: list[torch.Tensor]) -> None:
     """Undo `pin_tensor`'s in-place registrations (the tensors stay valid as ordinary memory) and empty the list."""
     for t in tensors:
@@ -125,11 +152,10 @@ class PinnedArena:
         self.pin = pin
         self.chunk_bytes = chunk_bytes
         self._chunks: dict[torch.dtype, list[list]] = {}  # dtype -> [[1-D tensor, next free element], ...]
-        self._registered: list[torch.Tensor] = []
+        self._registered = Registrations()
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.reserved_bytes = 0
-        self.registered_bytes = 0
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` (64-byte aligned) in the arena."""
@@ -145,10 +171,7 @@ class PinnedArena:
             if chunk is None:
                 t = torch.empty(max(self.chunk_bytes // size, need), dtype=dtype)
                 if self.pin:
-                    t, in_place = pin_tensor(t)
-                    if in_place:
-                        self._registered.append(t)
-                        self.registered_bytes += t.numel() * size
+                    t = self._registered.pin(t)
                 chunk = [t, 0]
                 pool.append(chunk)
                 self.reserved_bytes += t.numel() * size
@@ -165,8 +188,12 @@ class PinnedArena:
 
     def release(self) -> None:
         """Unregister the page-locked chunks (tensors stay valid as ordinary memory)."""
-        unregister(getattr(self, "_registered", []))
-        self.registered_bytes = 0
+        if hasattr(self, "_registered"):
+            self._registered.release()
+
+    @property
+    def registered_bytes(self) -> int:
+        return self._registered.bytes
 
 
 class HostBufferPool:
@@ -194,9 +221,9 @@ class HostBufferPool:
         self.pin = pin
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._in_use: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer
-        self._registered: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer registered in place
+        self._registered = Registrations()
         self._lock = threading.Lock()
-        self.held_bytes = self.in_use_bytes = self.high_water_bytes = self.registered_bytes = 0
+        self.held_bytes = self.in_use_bytes = self.high_water_bytes = 0
         self.allocations = 0
 
     def acquire(self, nbytes: int, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -231,10 +258,7 @@ class HostBufferPool:
     def _allocate(self, nbytes: int) -> torch.Tensor:
         buf = aligned_empty(nbytes)[:nbytes]  # ALIGN-aligned start, exactly nbytes
         if self.pin and nbytes:
-            buf, in_place = pin_tensor(buf)
-            if in_place:
-                self._registered[id(buf)] = buf
-                self.registered_bytes += nbytes
+            buf = self._registered.pin(buf)
         self.held_bytes += buf.numel()
         self.allocations += 1
         return buf
@@ -242,9 +266,7 @@ class HostBufferPool:
     def _drop(self, buf: torch.Tensor, event: torch.cuda.Event | None) -> None:
         if event is not None:
             event.synchronize()  # no copy may still touch memory that is unregistered and freed
-        if self._registered.pop(id(buf), None) is not None:
-            unregister([buf])
-            self.registered_bytes -= buf.numel()
+        self._registered.drop(buf)
         self.held_bytes -= buf.numel()
 
     def trim(self) -> None:
@@ -259,16 +281,18 @@ class HostBufferPool:
 
     def release_all(self) -> None:
         """Unregister every page-locked buffer (in use or not; they stay valid as ordinary memory)."""
-        regs = getattr(self, "_registered", {})
         for _, ev in getattr(self, "_free", []):
             if ev is not None:
                 try:
                     ev.synchronize()
                 except Exception:  # pragma: no cover - interpreter shutdown
                     pass
-        unregister(list(regs.values()))
-        regs.clear()
-        self.registered_bytes = 0
+        if hasattr(self, "_registered"):
+            self._registered.release()
+
+    @property
+    def registered_bytes(self) -> int:
+        return self._registered.bytes
 
 
 class HostParamStore:
@@ -292,8 +316,7 @@ class HostParamStore:
         self.grad_dtype = grad_dtype
         self.buffers: list[LayerBuffers] = []
         self.pinned_bytes = 0
-        self.registered_bytes = 0
-        self._registered: list[torch.Tensor] = []
+        self._registered = Registrations()
         for layer in layers:
             self.buffers.append(self._adopt(layer, pin))
 
@@ -311,10 +334,7 @@ class HostParamStore:
         if pin:
             for store in (weights, grads):
                 for dt in list(store):
-                    store[dt], in_place = pin_tensor(store[dt])
-                    if in_place:
-                        self._registered.append(store[dt])
-                        self.registered_bytes += store[dt].numel() * store[dt].element_size()
+                    store[dt] = self._registered.pin(store[dt])
                     self.pinned_bytes += store[dt].numel() * store[dt].element_size()
         for (_, p), s in zip(named, specs):
             view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
@@ -355,5 +375,9 @@ class HostParamStore:
 
     def release(self) -> None:
         """Unregister page-locked memory (the tensors stay valid as ordinary memory)."""
-        unregister(getattr(self, "_registered", []))
-        self.registered_bytes = 0
+        if hasattr(self, "_registered"):
+            self._registered.release()
+
+    @property
+    def registered_bytes(self) -> int:
+        return self._registered.bytes
