@@ -25,6 +25,9 @@ export PYTHONPATH=$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export LAZYTRAIN_GSM8K_DIR=${LAZYTRAIN_GSM8K_DIR:-$PWD/.data/gsm8k} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RES="$OUT/executor-$(date +%Y%m%d).json"
+# CPUSET=0-15 pins the single-GPU benchmark processes (milp24, cap80, cap80big) to 16 cores (the single-GPU kind's
+# count) on a larger host.
+PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN_CPU_THREADS=$(( $(taskset -c "$CPUSET" nproc) )); fi
 COMMON="--model qwen2.5-7b --seq-len 1024 --steps 5 --loss-chunk-tokens 2048 --out $RES"
 for stage in "$@"; do
   case $stage in
@@ -82,8 +85,6 @@ for stage in "$@"; do
              --batch-sizes 64 --rows-per-pass 16 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     milp24|cap80) # 1 GPU (~9 min each): fixed vs MILP vs MILP with GPU-side layer updates, same run, batch 8 and 64
            # (milp24: 24 GiB cap, 8 rows per pass; cap80: 80 GiB, 16 rows per pass)
-           # CPUSET=0-15 pins the processes to 16 cores (the single-GPU kind's count) on a larger host.
-           PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN_CPU_THREADS=$(( $(taskset -c "$CPUSET" nproc) )); fi
            if [ "$stage" = milp24 ]; then CAP="--gpu-cap-gib 24 --rows-per-pass 8"; else CAP="--gpu-cap-gib 80 --rows-per-pass 16"; fi
            S="--batch-sizes 8,64 --steps 4 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
            timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
@@ -92,7 +93,6 @@ for stage in "$@"; do
            timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer $CAP $S 2>&1 \
              | grep -v Warning ;;
     cap80big) # 1 GPU (~4 min): MILP with GPU-side updates at 80 GiB, batch 96 and 128 (the 450 TFLOPS target)
-           PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN_CPU_THREADS=$(( $(taskset -c "$CPUSET" nproc) )); fi
            timeout 240 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer --gpu-cap-gib 80 \
              --rows-per-pass 16 --batch-sizes 96,128 --steps 3 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 \
              --out $RES 2>&1 | grep -v Warning ;;
