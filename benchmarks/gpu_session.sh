@@ -31,8 +31,8 @@ PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN
 COMMON="--model qwen2.5-7b --seq-len 1024 --steps 5 --loss-chunk-tokens 2048 --out $RES"
 for stage in "$@"; do
   case $stage in
-    tests) timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/profiling \
-             -p no:cacheprovider 2>&1 | tail -15 ;;
+    tests) timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/profiling -rfE \
+             -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15 ;;
     milp24gpu) # 1 GPU (~4 min): 24 GiB, fixed B=8 (the same-run reference) and MILP + GPU-side updates B=8 and 64
            S="--gpu-cap-gib 24 --rows-per-pass 8 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
            timeout 110 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
@@ -54,7 +54,7 @@ for stage in "$@"; do
     gputests) # nvidia-h200-x2 (~2.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
            timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \
-             -p no:cacheprovider 2>&1 | tail -15 ;;
+             -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15 ;;
     fixed) timeout 300 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
              --batch-sizes 8,16,32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     overlap) timeout 250 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
