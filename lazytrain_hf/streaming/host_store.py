@@ -7,16 +7,16 @@ weights in fp32 host buffers (accumulated across gradient-accumulation micro-bat
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
+import mmap
 import threading
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .nvme import ALIGN, aligned_empty
+from .nvme import ALIGN, aligned_empty, padded
 
 __all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "HostBufferPool", "PinnedArena", "structure_key",
            "page_exclusive_empty", "pin_tensor", "unregister", "Registrations", "host_allocator_bytes", "sq_norm"]
@@ -73,51 +73,54 @@ def structure_key(layer: nn.Module, layer_type: str | None = None) -> tuple:
 
 
 def page_exclusive_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """`numel` uninitialized host elements of `dtype` in pages no other allocation shares: the start is
-    ALIGN-aligned (4096 bytes) and the allocation runs to the end of the last page.
+    """`numel` zero-filled host elements of `dtype` in pages of their own: an anonymous private mapping (mmap),
+    so the tensor's storage starts on a page and no other allocation shares its pages.
 
     Why: cudaHostRegister locks whole pages. Two ordinary (64-byte aligned, heap) allocations can share a page, and
     registering the second fails with cudaErrorHostMemoryAlreadyRegistered, an error the CUDA runtime keeps as the
     thread's last error, so the next kernel launch check raises it at an unrelated call (seen on the H200: every
-    GPU test after the first collision failed).
+    GPU test after the first collision failed). The storage starting on the page also keeps `is_pinned()` (which
+    reads the storage's first byte) true once registered.
     """
     size = torch.empty((), dtype=dtype).element_size()
-    return aligned_empty(numel * size).view(dtype)[:numel]
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    buf = mmap.mmap(-1, padded(numel * size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=numel)
 
 
 def _clear_cuda_error() -> None:
-    """Reset the calling thread's CUDA runtime error (cudaGetLastError through the process's libcudart), so a
-    failed registration does not resurface at the next kernel launch check. Best effort: nothing when the runtime
-    is linked statically."""
+    """Reset the calling thread's CUDA runtime error after a cudart call that failed: launch a tiny kernel, whose
+    launch check reads (and so clears) the last error (c10's `C10_CUDA_KERNEL_LAUNCH_CHECK`). Without this the
+    failed call's error resurfaces at the next unrelated kernel."""
     try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
-        if path is not None:
-            ctypes.CDLL(path).cudaGetLastError()
-    except (OSError, AttributeError):  # pragma: no cover - CUDA only
+        torch.empty(1, device=torch.device("cuda", torch.cuda.current_device())).zero_()
+    except RuntimeError:  # pragma: no cover - CUDA only: the stale error, now cleared
         pass
 
 
 def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Page-lock `t`'s memory in place with cudaHostRegister (exact size: no power-of-two rounding of the caching
-    host allocator). `t` must come from `page_exclusive_empty`; any other tensor is copied into pinned memory
-    (`t.pin_memory()`), since registering it could lock pages it shares with its neighbours. Where registration
-    fails, the copy too. Returns (tensor, registered_in_place)."""
+    host allocator). `t` must come from `page_exclusive_empty`: any other tensor (its start not page-aligned) is
+    copied into pinned memory instead, since registering it could lock pages it shares with its neighbours. Where
+    registration fails, the copy too (page-aligned, so O_DIRECT buffers stay usable). Success is cudaHostRegister's
+    return code. Returns (tensor, registered_in_place)."""
     if t.numel() == 0:
         return t, False
-    if t.is_pinned():  # a leaked registration of this address range: registering again would fail
-        return t, False
-    if t.data_ptr() % ALIGN:
-        return t.pin_memory(), False
-    try:
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(rc) == 0 and t.is_pinned():
+    if t.data_ptr() % ALIGN == 0:
+        try:
+            rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        except Exception as e:  # pragma: no cover - CUDA only
+            rc = -1
+            logger.debug("cudaHostRegister raised %s", e)
+        if rc == 0:
             return t, True
-        _clear_cuda_error()
-        logger.debug("cudaHostRegister returned %s; using pin_memory()", rc)
-    except Exception as e:  # pragma: no cover - CUDA only
-        logger.debug("cudaHostRegister failed (%s); using pin_memory()", e)
-    return t.pin_memory(), False
+        if rc > 0:
+            _clear_cuda_error()
+        logger.debug("cudaHostRegister returned %s; using a pinned copy", rc)
+    nbytes = t.numel() * t.element_size()
+    copy = aligned_empty(nbytes, pin=True)[:nbytes].view(t.dtype).view(t.shape)
+    return copy.copy_(t), False
 
 
 def host_allocator_bytes() -> int:
@@ -162,14 +165,26 @@ class Registrations:
         self._held.clear()
         self.bytes = 0
 
+    def __del__(self) -> None:
+        # memory freed while still registered would come back from a later allocation that the driver believes
+        # is page-locked; an owner that was never closed unregisters here, before its buffers are freed
+        if self._held:
+            try:
+                self.release()
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
 
 def unregister(tensors: list[torch.Tensor]) -> None:
     """Undo `pin_tensor`'s in-place registrations (the tensors stay valid as ordinary memory) and empty the list."""
+    failed = False
     for t in tensors:
         try:  # pragma: no cover - CUDA only
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            failed |= int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0
         except Exception:
             pass
+    if failed:  # pragma: no cover - CUDA only
+        _clear_cuda_error()
     tensors.clear()
 
 

@@ -96,8 +96,8 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
         assert ex.device_updates == (2 * len(placed))  # steps 1 and 2 met a next load; step 3 flushed on the CPU
         weights[placed] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
         ex.close()
-    for name, w in weights[()].items():
-        assert rel_err(weights[(0, 1, 3)][name], w) < tol, name
+    errs = sorted(((rel_err(weights[(0, 1, 3)][n], w), n) for n, w in weights[()].items()), reverse=True)
+    assert errs[0][0] < tol, f"largest relative differences: {errs[:6]}"
 
 
 def test_cuda_locked_host_bytes_match_the_accounting():
