@@ -140,11 +140,11 @@ class Registrations:
         self.bytes = 0
 
     def empty(self, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
-        """`numel` uninitialized elements of `dtype`: page-exclusive and page-locked in place when `pin` (counted
-        here; a caching-allocator copy where registration fails), else ordinary memory."""
-        if not pin:
-            return torch.empty(numel, dtype=dtype)
-        return self.pin(page_exclusive_empty(numel, dtype))
+        """`numel` zero-filled elements of `dtype` in pages of their own (`page_exclusive_empty`), page-locked in
+        place when `pin` (counted here; a pinned copy where registration fails). The CPU path allocates the same
+        way, so CPU tests run the memory a CUDA run registers (saving, loading, views)."""
+        t = page_exclusive_empty(numel, dtype)
+        return self.pin(t) if pin else t
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (from `page_exclusive_empty`) page-locked: in place (counted here) or, where registration fails, a
@@ -384,7 +384,7 @@ class HostParamStore:
             sizes[p.dtype] = off + p.numel()
         weights = {dt: self._registered.empty(n, dt, pin) for dt, n in sizes.items()}
         gdt = (lambda dt: torch.float32) if self.grad_dtype == "fp32" else (lambda dt: dt)
-        grads = {dt: self._registered.empty(n, gdt(dt), pin).zero_() for dt, n in sizes.items()}
+        grads = {dt: self._registered.empty(n, gdt(dt), pin) for dt, n in sizes.items()}
         if pin:
             self.pinned_bytes += sum(t.numel() * t.element_size() for st in (weights, grads) for t in st.values())
         for (_, p), s in zip(named, specs):
