@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..optim.functional import CHUNK_ELEMENTS
 from ..planning.cost_model import CostModel
 from .hardware import H200_DEFAULTS, HardwareProfile
 
@@ -266,6 +267,11 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     resident_gpu_b = BF16 + (BF16 + opt_b if on_gpu else 0)
     resident_host_b = BF16 + (0 if on_gpu else BF16 + opt_b)
     gpu_opt_b = state_b + master_b + BF16  # per param: states + master + gradient (up) / weight (down)
+    # the update's fp32 temporaries over one slice of CHUNK_ELEMENTS (optim/functional.py: param + Kahan sum, fp32
+    # gradient, bf16 result, its fp32 copy and the residual: 18 bytes per element at the write-back). Missing, the
+    # 24 GiB plan with GPU-side updates peaked ~1 GiB above its prediction (21.7 vs 20.7 GiB at B=64) and ran out of
+    # memory at B=8 on the H200.
+    gpu_opt_tmp = [18 * min(p, CHUNK_ELEMENTS) for p in params]
     meta = {"model": shape.name, "model_type": shape.model_type, "batch_size": batch_size, "seq_len": seq_len,
             "rows_per_pass": rows_per_pass,
             "num_params": shape.num_params, "hardware": hardware.source, "hardware_measured": hardware.measured,
@@ -276,7 +282,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         saved_bytes=saved, fwd_work_bytes=fwd_work, bwd_work_bytes=bwd_work,
         gpu_optim_h2d_bytes=[int(gpu_opt_b * p) for p in params],
         gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in params],
-        gpu_optim_work_bytes=[int(gpu_opt_b * p) for p in params], retained_bytes=retained,
+        gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(params, gpu_opt_tmp)], retained_bytes=retained,
         resident_bytes=int(resident_gpu_b * resident_params), head_ms=head_flops / matmul_efficiency / peak,
         head_work_bytes=int(head_work),
         head_grad_bytes=0 if on_gpu else BF16 * (shape.lm_head_params + shape.norm_params),

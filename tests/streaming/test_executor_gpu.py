@@ -61,7 +61,7 @@ def test_cuda_bf16_close_to_autograd():
         assert rel_err(ex.grad_source(p).cpu(), ref_grads[name].float()) < 5e-2, name
 
 
-@pytest.mark.parametrize("state_dtype, model_dtype, tol", [("fp32", "float32", 1e-5), ("8bit", "bfloat16", 2e-2)])
+@pytest.mark.parametrize("state_dtype, model_dtype, tol", [("fp32", "float32", 1e-4), ("8bit", "bfloat16", 2e-2)])
 def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, tol):
     """Layers whose schedule says optimizer_device "gpu" are updated on the GPU at their next load (staged host
     states and gradient, bitsandbytes' kernel for 8-bit states, copy-back on the D2H stream); the weights after
@@ -69,7 +69,9 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
 
     The fp32 case runs an fp32 model: with bf16 weights a one-ulp difference between the CUDA and CPU kernels'
     rounding grows chaotically through Adam's m / sqrt(v) (one ulp on 1% of one layer's weights after step 1 gives
-    2e-3 relative differences after step 3 on the CPU alone; 1.7e-7 in fp32)."""
+    2e-3 relative differences after step 3 on the CPU alone; 1.7e-7 in fp32). Measured on the H200 in fp32: 3.5e-5
+    on the last layer's q_proj, <= 3.3e-6 elsewhere (bitsandbytes' 32-bit kernel vs the C++ one); a dropped weight
+    decay would differ by lr x wd x 3 = 3e-4, a wrong bias correction by far more."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
     from lazytrain_hf.planning.fixed import fixed_schedule
 
