@@ -11,10 +11,13 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(cmd: list[str], tmp: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the checkout under test first: an editable install elsewhere (another worktree) must not be what runs
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
