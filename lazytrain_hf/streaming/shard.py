@@ -88,7 +88,7 @@ class ShardedUpdates:
             for dt, t in slot.weights.items():
                 host[dt].copy_(t)
             return None
-        d2h_stream.wait_stream(torch.cuda.current_stream(slot.weights[next(iter(slot.weights))].device))
+        d2h_stream.wait_stream(torch.cuda.current_stream(next(iter(slot.weights.values())).device))
         with torch.cuda.stream(d2h_stream):
             for dt, t in slot.weights.items():
                 host[dt].copy_(t, non_blocking=True)

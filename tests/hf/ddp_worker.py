@@ -59,6 +59,7 @@ def _schedule_file(a: argparse.Namespace, model: torch.nn.Module) -> str:
     sched = fixed_schedule(model.config.num_hidden_layers, 2)
     for i in (1, 2):
         sched.layers[i].optimizer_device = "gpu"
+    os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"schedule{os.environ.get('RANK', '0')}.json")
     sched.to_json(path)
     return path
@@ -79,7 +80,7 @@ class _Snap(TrainerCallback):
         self.when, self.trainer, self.states = when, None, None
 
     def on_save(self, args, state, control, **kw):
-        if self.when == "save":
+        if self.when == "save" and state.global_step == 2:  # the Trainer saves at the last step too
             self.states = _states(self.trainer)
 
     def on_train_begin(self, args, state, control, **kw):
