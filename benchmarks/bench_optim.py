@@ -14,9 +14,9 @@ records the fused CPU kernel's build and table-read mode (`cpu_kernel_status`).
 Each row: ``--warmup`` untimed steps, then ``--steps`` timed steps; the median is reported. Timings are wall
 clock on CPU tensors (no device synchronization needed).
 
-    python benchmarks/bench_optim.py                          # 8 M params, all rows, JSON to benchmarks/results/
-    python benchmarks/bench_optim.py --params 67108864 --threads 16 --out /tmp/bench.json
-    python benchmarks/bench_optim.py --master-weights kahan --grad-dtype bf16 --threads 16   # as the executor
+    python -m benchmarks.bench_optim                          # 8 M params, all rows, JSON to benchmarks/results/
+    python -m benchmarks.bench_optim --params 67108864 --threads 16 --out /tmp/bench.json
+    python -m benchmarks.bench_optim --master-weights kahan --grad-dtype bf16 --threads 16   # as the executor
 
 The JSON follows shared/RESULTS_FORMAT.md (suite "hybrid8"; params_per_s and state_bytes_per_param in extra).
 """
@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -40,10 +37,8 @@ from typing import Any
 
 import torch
 
-ROW_KEYS = ["system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len", "status", "reason",
-            "step_s_median", "step_s_p10", "step_s_p90", "steps_timed", "tokens_per_s", "tflops_6nd",
-            "tflops_executed", "peak_gpu_gib", "peak_host_rss_gib", "pinned_planned_gib", "pinned_locked_gib",
-            "exposed_h2d_ms", "exposed_d2h_ms", "optimizer_ms", "predicted_step_s", "solve_ms", "mip_gap", "extra"]
+from .common import ROW_KEYS, git_commit, machine
+
 SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu"]
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -152,42 +147,6 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def machine_info() -> dict[str, Any]:
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    info: dict[str, Any] = {"gpu": None, "gpu_memory_gib": None, "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                            "cpu_model": platform.processor() or None, "host_memory_gib": None,
-                            "torch": torch.__version__, "transformers": version("transformers")}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                                     info["cpu_model"])
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            kib = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
-        info["host_memory_gib"] = round(kib / 2**20, 1)
-    except (OSError, StopIteration, ValueError):
-        pass
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
-    return info
-
-
-def git_commit() -> str | None:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=int, default=8 * 2**20, help="parameters per row (default 8 Mi)")
@@ -223,9 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['system']} {r['extra']['params_per_s'] / fused['extra']['params_per_s']:.2f}"
             for r in rows if r["status"] == "ok"))
     result = {"suite": "hybrid8", "date": dt.date.today().isoformat(),
-              "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
-              else shlex.join(["python", "benchmarks/bench_optim.py", *argv]),
-              "git_commit": git_commit(), "machine": machine_info(), "rows": rows}
+              "command": shlex.join(["python", "-m", "benchmarks.bench_optim", *(sys.argv[1:] if argv is None else argv)]),
+              "git_commit": git_commit(), "machine": machine(), "rows": rows}
     out = Path(args.out)
     if out.suffix != ".json":
         out = out / f"hybrid8-{dt.date.today():%Y%m%d}.json"

@@ -33,6 +33,11 @@ def machine() -> dict[str, Any]:
         m["host_memory_gib"] = round(psutil.virtual_memory().total / GIB, 1)
     except ImportError:
         pass
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            m["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         m.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / GIB, 1))

@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -31,11 +31,30 @@ PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN
 COMMON="--model qwen2.5-7b --seq-len 1024 --steps 5 --loss-chunk-tokens 2048 --out $RES"
 for stage in "$@"; do
   case $stage in
-    tests) timeout 150 python3 -m pytest -q -m gpu tests/streaming tests/optim -p no:cacheprovider 2>&1 | tail -15 ;;
+    tests) timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/profiling -rfE \
+             -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15 ;;
+    milp24gpu) # 1 GPU (~4 min): 24 GiB, fixed B=8 (the same-run reference) and MILP + GPU-side updates B=8 and 64
+           S="--gpu-cap-gib 24 --rows-per-pass 8 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
+           timeout 110 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
+             --batch-sizes 8 --steps 3 $S 2>&1 | grep -v Warning
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer \
+             --batch-sizes 8,64 --steps 4 $S 2>&1 | grep -v Warning ;;
+    optim) # (~1.5 min): the optimizer update's params/s on this host's cores (issue 4's >= 3.0 G params/s on 16), fp32
+           # master (fp32 grads) and Kahan master (bf16 grads, as the executor runs it), both table-read modes
+           T=${LAZYTRAIN_CPU_THREADS:-$(nproc)}
+           for mw in fp32 kahan; do
+             gd=fp32; [ $mw = kahan ] && gd=bf16
+             for lk in gather scalar; do
+               sys=hybrid8_cpp,hybrid8_cpp_fp32_states,torch_adamw_fused_fp32
+               [ $lk = gather ] && [ $mw = fp32 ] && sys=$sys,hybrid8_torch,bnb_adamw8bit_cpu
+               LAZYTRAIN_CPU_LOOKUP=$lk timeout 120 $PIN python3 -m benchmarks.bench_optim --threads "$T" --params 67108864 \
+                 --master-weights $mw --grad-dtype $gd --systems $sys --out "$OUT/hybrid8-$mw-$lk.json" 2>&1 | grep -v Warning
+             done
+           done ;;
     gputests) # nvidia-h200-x2 (~3.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
            timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \
-             -p no:cacheprovider 2>&1 | tail -15 ;;
+             -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15 ;;
     fixed) timeout 300 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
              --batch-sizes 8,16,32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     overlap) timeout 250 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \

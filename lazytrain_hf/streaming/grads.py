@@ -182,8 +182,7 @@ class GradSink:
                 self._free(old)
         staging = {}
         for dt, g in slot.grads.items():
-            t = torch.empty(g.numel(), dtype=g.dtype)
-            staging[dt] = self._registered.pin(t) if self.pin else t
+            staging[dt] = self._registered.empty(g.numel(), g.dtype, self.pin)
         self._staging[id(slot)] = (weakref.ref(slot), staging)
         self.staging_bytes += sum(t.numel() * t.element_size() for t in staging.values())
         return staging

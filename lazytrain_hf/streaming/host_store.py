@@ -7,6 +7,7 @@ weights in fp32 host buffers (accumulated across gradient-accumulation micro-bat
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import threading
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .nvme import aligned_empty
+from .nvme import ALIGN, aligned_empty
 
 __all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "HostBufferPool", "PinnedArena", "structure_key",
-           "pin_tensor", "unregister", "Registrations", "host_allocator_bytes", "sq_norm"]
+           "page_exclusive_empty", "pin_tensor", "unregister", "Registrations", "host_allocator_bytes", "sq_norm"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +72,49 @@ def structure_key(layer: nn.Module, layer_type: str | None = None) -> tuple:
     return (type(layer).__name__, layer_type, mods, params)
 
 
+def page_exclusive_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`numel` uninitialized host elements of `dtype` in pages no other allocation shares: the start is
+    ALIGN-aligned (4096 bytes) and the allocation runs to the end of the last page.
+
+    Why: cudaHostRegister locks whole pages. Two ordinary (64-byte aligned, heap) allocations can share a page, and
+    registering the second fails with cudaErrorHostMemoryAlreadyRegistered, an error the CUDA runtime keeps as the
+    thread's last error, so the next kernel launch check raises it at an unrelated call (seen on the H200: every
+    GPU test after the first collision failed).
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    return aligned_empty(numel * size).view(dtype)[:numel]
+
+
+def _clear_cuda_error() -> None:
+    """Reset the calling thread's CUDA runtime error (cudaGetLastError through the process's libcudart), so a
+    failed registration does not resurface at the next kernel launch check. Best effort: nothing when the runtime
+    is linked statically."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):  # pragma: no cover - CUDA only
+        pass
+
+
 def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Page-lock `t`'s memory in place with cudaHostRegister (exact size: no power-of-two rounding of the caching
-    host allocator). Falls back to `t.pin_memory()` (a pinned copy). Returns (tensor, registered_in_place)."""
+    host allocator). `t` must come from `page_exclusive_empty`; any other tensor is copied into pinned memory
+    (`t.pin_memory()`), since registering it could lock pages it shares with its neighbours. Where registration
+    fails, the copy too. Returns (tensor, registered_in_place)."""
     if t.numel() == 0:
         return t, False
     if t.is_pinned():  # a leaked registration of this address range: registering again would fail
         return t, False
+    if t.data_ptr() % ALIGN:
+        return t.pin_memory(), False
     try:
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(rc) == 0 and t.is_pinned():
             return t, True
+        _clear_cuda_error()
+        logger.debug("cudaHostRegister returned %s; using pin_memory()", rc)
     except Exception as e:  # pragma: no cover - CUDA only
         logger.debug("cudaHostRegister failed (%s); using pin_memory()", e)
     return t.pin_memory(), False
@@ -103,8 +136,16 @@ class Registrations:
         self._held: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer
         self.bytes = 0
 
+    def empty(self, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+        """`numel` uninitialized elements of `dtype`: page-exclusive and page-locked in place when `pin` (counted
+        here; a caching-allocator copy where registration fails), else ordinary memory."""
+        if not pin:
+            return torch.empty(numel, dtype=dtype)
+        return self.pin(page_exclusive_empty(numel, dtype))
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` page-locked: in place (counted here) or, where registration fails, a caching-allocator copy."""
+        """`t` (from `page_exclusive_empty`) page-locked: in place (counted here) or, where registration fails, a
+        caching-allocator copy."""
         t, in_place = pin_tensor(t)
         if in_place:
             self._held[id(t)] = t
@@ -169,9 +210,7 @@ class PinnedArena:
             pool = self._chunks.setdefault(dtype, [])
             chunk = next((c for c in pool if c[0].numel() - c[1] >= need), None)
             if chunk is None:
-                t = torch.empty(max(self.chunk_bytes // size, need), dtype=dtype)
-                if self.pin:
-                    t = self._registered.pin(t)
+                t = self._registered.empty(max(self.chunk_bytes // size, need), dtype, self.pin)
                 chunk = [t, 0]
                 pool.append(chunk)
                 self.reserved_bytes += t.numel() * size
@@ -256,7 +295,7 @@ class HostBufferPool:
             self._free.append((buf, event))
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        buf = aligned_empty(nbytes)[:nbytes]  # ALIGN-aligned start, exactly nbytes
+        buf = page_exclusive_empty(nbytes, torch.uint8)  # ALIGN-aligned start (O_DIRECT), exactly nbytes
         if self.pin and nbytes:
             buf = self._registered.pin(buf)
         self.held_bytes += buf.numel()
@@ -328,14 +367,11 @@ class HostParamStore:
             off = sizes.get(p.dtype, 0)
             specs.append(ParamSpec(name, p.dtype, off, p.numel(), tuple(p.shape)))
             sizes[p.dtype] = off + p.numel()
-        weights = {dt: torch.empty(n, dtype=dt) for dt, n in sizes.items()}
+        weights = {dt: self._registered.empty(n, dt, pin) for dt, n in sizes.items()}
         gdt = (lambda dt: torch.float32) if self.grad_dtype == "fp32" else (lambda dt: dt)
-        grads = {dt: torch.zeros(n, dtype=gdt(dt)) for dt, n in sizes.items()}
+        grads = {dt: self._registered.empty(n, gdt(dt), pin).zero_() for dt, n in sizes.items()}
         if pin:
-            for store in (weights, grads):
-                for dt in list(store):
-                    store[dt] = self._registered.pin(store[dt])
-                    self.pinned_bytes += store[dt].numel() * store[dt].element_size()
+            self.pinned_bytes += sum(t.numel() * t.element_size() for st in (weights, grads) for t in st.values())
         for (_, p), s in zip(named, specs):
             view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
             view.copy_(p.data)

@@ -174,3 +174,55 @@ def test_pinned_bytes_parts_add_up_on_cpu():
     assert pb["activations"] == 4 * padded(boundary)  # every layer's input on the CPU tier, all alive at once
     assert pb["registered"] == pb["host_allocator"] == 0  # nothing is page-locked on a CPU run
     ex.close()
+
+
+def test_every_in_place_registration_owns_its_pages(monkeypatch):
+    """cudaHostRegister locks whole pages: two registrations sharing a page fail (cudaErrorHostMemoryAlreadyRegistered,
+    which then resurfaces at the next kernel launch: every GPU test after it failed on the H200). Every buffer the
+    store, the state arena and the activation pool register must start on a page and own up to its last page's end."""
+    seen: list[torch.Tensor] = []
+
+    def pin(t):
+        seen.append(t)
+        return t, True
+
+    monkeypatch.setattr(host_store, "pin_tensor", pin)
+    model = load_model("qwen3.5-tiny", "float32", seed=4)  # mixed layer structures, several dtypes' buffers
+    store = host_store.HostParamStore(model.model.layers, pin=True)
+    arena = host_store.PinnedArena(pin=True, chunk_bytes=3000)  # chunk smaller than a page: many small chunks
+    for n in (1, 7, 700, 5000):
+        arena.alloc((n,), torch.float32)
+        arena.alloc((n,), torch.uint8)
+    pool = HostBufferPool(pin=True)
+    for n in (1, 511, 4097):
+        pool.acquire(n)
+    assert len(seen) > 10
+    pages: set[int] = set()
+    for t in seen:
+        start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        assert start % ALIGN == 0
+        storage_end = t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()
+        assert storage_end >= start + padded(nbytes), "the allocation ends inside its last page"
+        own = set(range(start // ALIGN, (start + nbytes - 1) // ALIGN + 1))
+        assert not own & pages, "two registrations share a page"
+        pages |= own
+    store.release()
+    arena.release()
+
+
+def test_pin_tensor_copies_a_tensor_that_may_share_pages(monkeypatch):
+    calls, registers = [], []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the CUDA runtime's name
+            registers.append(ptr)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append(t) or t.clone())
+    t = torch.empty(100, dtype=torch.float32)
+    if t.data_ptr() % ALIGN == 0:
+        t = torch.empty(101, dtype=torch.float32)[1:]
+    out, in_place = host_store.pin_tensor(t)
+    assert not in_place and calls and out.data_ptr() != t.data_ptr()
+    assert not registers, "an allocation that may share its pages was registered in place"
