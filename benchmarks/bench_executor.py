@@ -11,7 +11,9 @@ Out-of-memory is caught and reported as status "oom".
 
 Data parallel: launched with `torchrun --nproc_per_node N` (one process per GPU, NCCL), each rank runs its own
 executor on its own B rows per step (global batch N x B); rank 0 writes the rows, with `world_size` N,
-`tokens_per_s` for all ranks together and `tflops_6nd` per GPU.
+`tokens_per_s` for all ranks together and `tflops_6nd` per GPU. `--dp-updates sharded`: each rank updates only its
+share of the layers and broadcasts them (lazytrain_config.dp_updates; the rows' extra says which, and rank 0's
+optimizer-state and gradient-D2H bytes).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     cfg = LazyTrainConfig(device=args.device, checkpoint_every=args.checkpoint_every, activation_tier=args.tier,
                           max_rows_per_pass=args.rows_per_pass, loss_chunk_tokens=args.loss_chunk_tokens,
-                          gpu_memory_budget=f"{args.gpu_cap_gib}GiB" if args.gpu_cap_gib else None)
+                          gpu_memory_budget=f"{args.gpu_cap_gib}GiB" if args.gpu_cap_gib else None,
+                          overlap_optimizer=not args.no_overlap, dp_updates=args.dp_updates)
     t0 = time.perf_counter()
     ex = StreamingExecutor(model, cfg, args.device, host_grad_dtype="param")
     setup_s = time.perf_counter() - t0
@@ -103,7 +106,8 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
     for B in args.batch_sizes:
         r = row(system=f"lazytrain_{policy}", model=args.model, params=n_params, gpu_cap_gib=args.gpu_cap_gib,
                 batch_size=B, seq_len=args.seq_len, status="ok")
-        r["extra"].update(world_size=world, optimizer_cpu_threads=cpu_threads())
+        r["extra"].update(world_size=world, optimizer_cpu_threads=cpu_threads(),
+                          dp_updates=args.dp_updates if ex.dp is not None else None)
         try:
             cm = _cost_model(model, cfg, B, args)
             if policy == "fixed":
@@ -171,6 +175,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                               retained=sum(lp.retain for lp in sched.layers),
                               gpu_updated_layers=sum(lp.optimizer_device == "gpu" for lp in sched.layers),
                               device_updates=ex.device_updates,
+                              shard_broadcasts=ex.shard.broadcasts if ex.shard is not None else None,
                               tiers=sorted({lp.tier for lp in sched.layers if lp.checkpoint}),
                               prefetch_depth=sched.prefetch_depth,
                               host_bytes_per_param=(ex.store.param_bytes + ex.store.grad_bytes +
@@ -308,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-overlap", action="store_true", help="optimizer updates serial after backward")
     p.add_argument("--gpu-optimizer", action="store_true",
                    help="MILP may place layers' updates on the GPU (lazytrain_config.gpu_layer_updates)")
+    p.add_argument("--dp-updates", default="replicated", choices=["replicated", "sharded"],
+                   help="data parallel (torchrun): every rank updates every layer, or each its share (dp_updates)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (CI) on a tiny shape")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | fixed | overlap | milp | stock | ddp | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -51,9 +51,9 @@ for stage in "$@"; do
                  --master-weights $mw --grad-dtype $gd --systems $sys --out "$OUT/hybrid8-$mw-$lk.json" 2>&1 | grep -v Warning
              done
            done ;;
-    gputests) # nvidia-h200-x2 (~2.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
+    gputests) # nvidia-h200-x2 (~3.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-           timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \
+           timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15 ;;
     fixed) timeout 300 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
              --batch-sizes 8,16,32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
@@ -86,9 +86,21 @@ for stage in "$@"; do
            fi
            timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_executor \
              $DDP --batch-sizes 32 2>&1 | grep -v Warning ;;
-    ddptests) # nvidia-h200-x2 (~2 min): the GPU tests, including 2 GPUs over NCCL == 1 GPU
+    ddpshard) # nvidia-h200-x2 (~8.5 min; each run <= 160-190 s): replicated vs sharded optimizer updates (issue 7),
+           # MILP plan with GPU-side layer updates, 24 GiB cap, batch 32 per GPU: 1 GPU, then 2 GPUs replicated, then
+           # 2 GPUs sharded (lazytrain_config.dp_updates). DDPSHARD_ONE=0 skips the 1-GPU baseline (~2.5 min less).
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-           timeout 170 python3 -m pytest -q -m gpu tests/streaming tests/hf/test_ddp.py -p no:cacheprovider 2>&1 | tail -6 ;;
+           DS="--system lazytrain_milp --gpu-optimizer --gpu-cap-gib 24 --rows-per-pass 8 --batch-sizes 32 $COMMON --steps ${DDP_STEPS:-3}"
+           if [ "${DDPSHARD_ONE:-1}" = 1 ]; then
+             timeout 160 python3 -m benchmarks.bench_executor $DS 2>&1 | grep -v Warning
+           fi
+           for mode in replicated sharded; do
+             timeout 190 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_executor \
+               $DS --dp-updates $mode 2>&1 | grep -v Warning
+           done ;;
+    ddptests) # nvidia-h200-x2 (~3 min): the GPU tests, including 2 GPUs over NCCL == 1 GPU (replicated and sharded)
+           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+           timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/streaming tests/hf/test_ddp.py -p no:cacheprovider 2>&1 | tail -6 ;;
     memcal) # 1 GPU (~9.5 min): where the GPU memory goes per step phase (base / forward+backward / optimizer), the
            # MILP plan for 24 GiB run uncapped with no margin (the plan that ran out of memory), then MILP vs fixed
            # with the default 12% margin at 24 GiB and at 80 GiB.

@@ -65,6 +65,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "activation_tier": ("gpu", "cpu", "nvme"),
     "state_dtype": ("8bit", "fp32"),
     "master_weights": ("auto", "fp32", "kahan", "none"),
+    "dp_updates": ("replicated", "sharded"),
 }
 
 
@@ -107,6 +108,13 @@ class LazyTrainConfig:
             GPU (run at the layer's next load, streamed states; needs overlap_optimizer and a CUDA device); the
             plan moves a layer only where the cost model predicts a shorter step. Measured on an H200 (Qwen2.5-7B shape, 24 GiB
             cap, 16 cores): 1.5x the CPU-only MILP plan at batch 8, 1.14x at batch 64 (benchmarks/NOTES.md).
+        dp_updates (str, defaults to "replicated"): data parallel only (>= 2 ranks; ignored in one process).
+            "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
+            states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is
+            reduced to that rank, other ranks skip its D2H copy and never allocate its optimizer states: ~1/world
+            of the states' host memory and of the gradient D2H bytes per rank); the updated weights are broadcast
+            from the owner at the layer's next load. Needs overlap_optimizer. Default "replicated" until the two
+            are measured against each other on GPUs (streaming/shard.py).
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
@@ -139,6 +147,7 @@ class LazyTrainConfig:
     max_rows_per_pass: int | None = None
     overlap_optimizer: bool = True
     gpu_layer_updates: bool = True
+    dp_updates: str = "replicated"
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None
     plan_buckets: int = 4
@@ -193,6 +202,10 @@ class LazyTrainConfig:
         if self.activation_tier == "nvme" and not self.nvme_dir:
             problems.append("lazytrain_config.activation_tier='nvme' needs lazytrain_config.nvme_dir (a directory "
                             "on a fast local disk), but nvme_dir is not set")
+        if self.dp_updates == "sharded" and not self.overlap_optimizer:
+            problems.append("lazytrain_config.dp_updates='sharded' needs overlap_optimizer=True (the sharded update "
+                            "runs through the deferred per-layer updater); set overlap_optimizer=True or "
+                            "dp_updates='replicated'")
         if self.schedule_path and not Path(self.schedule_path).is_file():
             problems.append(f"lazytrain_config.schedule_path: no file at {self.schedule_path!r}")
         if problems:

@@ -31,8 +31,10 @@ def test_bench_executor_cpu_smoke(tmp_path, system):
 
 
 @requires_gsm8k
-def test_bench_executor_data_parallel_cpu_smoke(tmp_path):
-    """Two ranks under torchrun (gloo): one row, written by rank 0, tagged with the world size."""
+@pytest.mark.parametrize("system, dp_updates", [("lazytrain_fixed", "replicated"), ("lazytrain_milp", "sharded")])
+def test_bench_executor_data_parallel_cpu_smoke(tmp_path, system, dp_updates):
+    """Two ranks under torchrun (gloo): one row, written by rank 0, tagged with the world size (sharded: with the
+    MILP's GPU-side layer updates, which the owner runs before it broadcasts the layer)."""
     import os
     import subprocess
     import sys
@@ -41,11 +43,15 @@ def test_bench_executor_data_parallel_cpu_smoke(tmp_path):
     out = tmp_path / "executor.json"
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "benchmarks.bench_executor", "--system", "lazytrain_fixed", "--model", "qwen3-tiny-vocab", "--device", "cpu",
-           "--batch-sizes", "2", "--seq-len", "32", "--steps", "1", "--checkpoint-every", "2", "--out", str(out)]
+           "benchmarks.bench_executor", "--system", system, "--model", "qwen3-tiny-vocab", "--device", "cpu",
+           "--batch-sizes", "2", "--seq-len", "32", "--steps", "1", "--checkpoint-every", "2", "--out", str(out),
+           "--dp-updates", dp_updates, *(["--gpu-optimizer"] if system == "lazytrain_milp" else [])]
     r = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok", row["reason"]
     assert row["extra"]["world_size"] == 2 and row["tokens_per_s"] > 0
+    assert row["extra"]["dp_updates"] == dp_updates
+    if dp_updates == "sharded":
+        assert row["extra"]["shard_broadcasts"] > 0 and row["extra"]["device_updates"] > 0

@@ -129,14 +129,23 @@ class LazyTrainerMixin:
         return opt
 
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
-        if self.executor is not None:
-            self.executor.flush_updates()  # deferred layer updates land before the weights are written
+        ex = self.executor
+        if ex is not None and ex.shard is None:
+            ex.flush_updates()  # deferred layer updates land before the weights are written
+        elif ex is not None:  # rank 0 only: no collective here; the callback flushed on every rank before saving
+            ex._flush_local()
+            if ex.shard.stale:
+                raise RuntimeError("dp_updates='sharded': layers updated by other ranks are not yet broadcast; call "
+                                   "trainer.executor.flush_updates() on every rank before save_model")
         super()._save(output_dir, state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.executor is not None:
-            self.executor.flush_updates()
-        super()._save_optimizer_and_scheduler(output_dir)
+        if self.executor is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.executor.flush_updates()  # every rank runs this (the Trainer's rank-0 checks are inside)
+        # sharded data parallel: rank 0 writes every layer's states, gathered from their owners for the save
+        with self.executor.gathered_optimizer_states(self._inner_optimizer(self.optimizer)):
+            super()._save_optimizer_and_scheduler(output_dir)
 
     @staticmethod
     def _inner_optimizer(opt: Any) -> Any:

@@ -7,7 +7,9 @@ optimizer state; gradients are summed over ranks with all-reduce (NCCL on GPUs, 
                    overlaps the backward of the next layers;
   resident parts:  (embedding, final norm, lm_head) once per accumulation window, after its last micro-batch, like
                    DDP's `no_sync` (their `.grad` accumulates locally in between).
-Every rank then applies the same update to identical weights (replicated optimizer). The Trainer's loss scaling
+Every rank then applies the same update to identical weights (replicated optimizer), or, with
+`dp_updates="sharded"`, each streamed layer's gradient is reduced to its owner only, which alone updates the layer
+and broadcasts the new weights (streaming/shard.py). The Trainer's loss scaling
 convention is kept: the executor's loss denominator is the global token count, so a SUM all-reduce gives the
 exact global-batch gradient (transformers `Trainer.compute_loss`, `average_tokens_across_devices`).
 """
@@ -55,6 +57,41 @@ class DataParallel:
         calling stream wait for the result (NCCL only)."""
         return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for t in tensors]
 
+    def _global(self, r: int) -> int:
+        """The global rank of this group's rank `r` (what torch.distributed's src / dst arguments take)."""
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def reduce_async(self, tensors: list[torch.Tensor], dst: int) -> list[dist.Work]:
+        """SUM reduce of device tensors into group rank `dst`'s copies (NCCL only; other ranks' tensors are left
+        unspecified), enqueued after the current stream's work; `work.wait()` makes the calling stream wait."""
+        return [dist.reduce(t, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                for t in tensors]
+
+    def reduce_(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """SUM reduce into group rank `dst`'s tensors, blocking (other ranks' tensors are left unspecified)."""
+        if not self.async_device and any(t.is_cuda for t in tensors):
+            torch.cuda.current_stream(tensors[0].device).synchronize()
+        for t in tensors:
+            dist.reduce(t, self._global(dst), op=dist.ReduceOp.SUM, group=self.group)
+
+    def broadcast_device_(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Group rank `src`'s values into every rank's `tensors` (on the compute device, or CPU under gloo), in
+        place, ordered on the current stream: NCCL runs it after the stream's earlier work and the stream waits
+        for it (the host does not); a host backend blocks after the stream's work is done."""
+        if self.async_device:
+            for t in tensors:
+                dist.broadcast(t, self._global(src), group=self.group, async_op=True).wait()
+            return
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.current_stream(tensors[0].device).synchronize()
+        for t in tensors:
+            dist.broadcast(t, self._global(src), group=self.group)
+
+    def broadcast_object_(self, objects: list, src: int) -> None:
+        """`dist.broadcast_object_list` from group rank `src` (small metadata; pickled)."""
+        dist.broadcast_object_list(objects, self._global(src), group=self.group,
+                                   device=self.device if self.backend == "nccl" else None)
+
     def all_reduce_(self, tensors: list[torch.Tensor]) -> None:
         """SUM all-reduce in place, blocking. CUDA tensors under a host backend (gloo) are read only after the
         current stream has produced them."""
@@ -63,15 +100,15 @@ class DataParallel:
         for t in tensors:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
-    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values into every rank's `tensors`, in place. Host tensors under NCCL are staged through the
-        compute device one at a time (at most one layer buffer of extra device memory)."""
+    def broadcast_(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Group rank `src`'s values into every rank's `tensors`, in place, blocking. Host tensors under NCCL are
+        staged through the compute device one at a time (at most one layer buffer of extra device memory)."""
         for t in tensors:
             if self.backend == "nccl" and t.device.type != "cuda":
                 tmp = t.to(self.device)
-                dist.broadcast(tmp, src=0, group=self.group)
+                dist.broadcast(tmp, self._global(src), group=self.group)
                 t.copy_(tmp)
                 del tmp
             else:
-                dist.broadcast(t, src=0, group=self.group)
+                dist.broadcast(t, self._global(src), group=self.group)
 

@@ -30,6 +30,7 @@ from .comm import DataParallel
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
+from .shard import ShardedUpdates
 from .tiers import ActivationStash
 from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
@@ -135,7 +136,8 @@ class StreamingExecutor:
         host_grad_dtype: "fp32" (accumulate gradient-accumulation micro-batches in fp32 on the host) or "param"
             (keep the autograd gradient in the parameter dtype; one micro-batch per optimizer step).
         data_parallel: "auto" (all-reduce gradients over the torch.distributed world when it has >= 2 ranks),
-            a DataParallel, or None (this process trains alone). See streaming/comm.py.
+            a DataParallel, or None (this process trains alone). See streaming/comm.py; with
+            `config.dp_updates == "sharded"` each rank updates only its share of the layers (streaming/shard.py).
 
     Raises:
         ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
@@ -158,7 +160,9 @@ class StreamingExecutor:
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
-        self.grads = GradSink(self.store, self.device, self.dp, pin=pin)
+        sharded = self.dp is not None and self.config.dp_updates == "sharded"
+        self.shard = ShardedUpdates(self.dp, self.num_layers) if sharded else None
+        self.grads = GradSink(self.store, self.device, self.dp, pin=pin, shard=self.shard)
         self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
         self._param_specs: dict[int, tuple[int, ParamSpec]] = {}
         for i, layer in enumerate(self.layers):
@@ -178,6 +182,7 @@ class StreamingExecutor:
                                [p.data for p in self._resident])
         self.streamer: WeightStreamer | None = None
         self.updater: LayerUpdater | None = None
+        self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
         # GPU-side updates: two staging sets per structure, used in turn, so one layer's states go H2D while the
         # previous layer's copy back D2H (one set serialized both directions: measured 2.08 s vs 1.57 s predicted)
         self._stage: dict[tuple, dict[tuple, torch.Tensor]] = {}  # (structure, turn) -> device copies
@@ -215,11 +220,14 @@ class StreamingExecutor:
             raise ValueError(f"schedule has {schedule.num_layers} layers but the model has {self.num_layers}; "
                              "re-plan for this model (lazytrain-hf plan) or delete the stale schedule file")
         if self.streamer is None or self.streamer.depth != schedule.prefetch_depth:
-            self.flush_updates()  # in-flight GPU-side updates write through the old streamer's events
+            # in-flight GPU-side updates write through the old streamer's events. Local only: ranks may switch
+            # plans at different steps (sequence-length buckets), so no collective here; stale layers stay stale.
+            self._flush_local()
             self.streamer = None
             self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
             self.streamer.before_load = self._before_load
-            self.streamer.after_load = self._device_update
+            self.streamer.after_load = self._after_load
+            self.streamer.skip_h2d = self.shard.receives if self.shard is not None else None
         self.schedule = schedule
         self._ops = plan_ops(schedule)
         self._segment_end = dict(schedule.segments())  # segment start -> end
@@ -236,7 +244,13 @@ class StreamingExecutor:
         if self.updater is not None:
             self.updater.detach()
         layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
-        self.updater = LayerUpdater(optimizer, layer_params)
+        if self.shard is None:
+            self.updater = LayerUpdater(optimizer, layer_params)
+        else:
+            self.updater = LayerUpdater(optimizer, layer_params, self.shard.owned, self.shard.mark_step)
+            if self._load_filter is not None:
+                self._load_filter.remove()
+            self._load_filter = optimizer.register_load_state_dict_pre_hook(self.shard.load_filter(layer_params))
         self.updater.set_device_layers(self._device_layers())
 
     def _before_load(self, layer: int) -> None:
@@ -244,12 +258,43 @@ class StreamingExecutor:
             self.updater.wait(layer)
 
     def flush_updates(self) -> None:
-        """Apply every deferred optimizer update now (before weights or optimizer states are read or saved)."""
+        """Apply every deferred optimizer update now (before weights or optimizer states are read or saved).
+        Sharded data parallel: also broadcasts every layer updated since its last load from its owner, a
+        collective: every rank must call it at the same point (the Trainer callback does, at save / evaluate / end)."""
+        self._flush_local()
+        if self.shard is not None:
+            self.shard.resolve(self.store)
+
+    def _flush_local(self) -> None:
         if self.streamer is not None and self.device.type == "cuda":
             for ev in self.streamer.host_written.values():  # GPU-side updates copying back to host memory
                 ev.synchronize()
         if self.updater is not None:
             self.updater.wait_all()
+
+    @contextlib.contextmanager
+    def gathered_optimizer_states(self, optimizer: Any):
+        """Inside the block rank 0's `optimizer` holds every layer's states (sharded data parallel; see
+        `ShardedUpdates.gathered_states`); a no-op otherwise. Collective: every rank enters it, after
+        `flush_updates`."""
+        if self.shard is None:
+            yield
+            return
+        layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
+        with self.shard.gathered_states(optimizer, layer_params):
+            yield
+
+    def _after_load(self, slot: Slot, layer: int) -> None:
+        """After a layer's weights were enqueued into `slot`: its GPU-side update, then (sharded) its broadcast."""
+        self._device_update(slot, layer)
+        if self.shard is None:
+            return
+        cuda = self.device.type == "cuda"
+        done = self.shard.after_load(slot, layer, self.store.buffers[layer].weights,
+                                     self.grads.d2h_stream if cuda else None)
+        if done is not None:  # the received weights are still being copied into the host store
+            self.streamer.host_written[layer] = done
+            self.streamer.slot_read[id(slot)] = done
 
     def _device_update(self, slot: Slot, layer: int) -> None:
         """Run `layer`'s deferred optimizer update on the compute device, next to the weights just streamed in
@@ -376,6 +421,8 @@ class StreamingExecutor:
         else:
             done = [i for i in range(self.num_layers) if self.grads.has_grad(i)]
             sq = self.store.grad_sq_sum(done).to(self.device)
+        if self.shard is not None:  # each rank holds its owned layers' reduced gradients: sum the ranks' parts
+            self.dp.all_reduce_([sq])
         for p in self.resident_parameters():
             if p.grad is not None:
                 sq = sq + sq_norm(p.grad)
@@ -476,6 +523,10 @@ class StreamingExecutor:
         Returns:
             The micro-batch loss, an fp32 scalar on the compute device (detached).
         """
+        if self.shard is not None and self.updater is None:
+            raise RuntimeError("dp_updates='sharded' needs the optimizer attached (attach_optimizer; LazyTrainer "
+                               "does it when overlap_optimizer=True): each rank holds only its owned layers' "
+                               "gradients and the owners broadcast the updates")
         t0 = time.perf_counter()
         lay = self.schedule.layers
         targets = shift_labels(labels.to(self.device))

@@ -14,6 +14,9 @@ any all-reduce); it is the global norm's square only when the window holds one m
 otherwise the host buffers are summed.
 Data parallel (`dp`, streaming/comm.py): the slot's gradients are SUM-all-reduced over ranks before they leave the
 device; under NCCL the reduction is enqueued after the layer's backward and only the D2H stream waits for it.
+Sharded updates (`shard`, streaming/shard.py): the gradient is SUM-reduced to the layer's owner only; other ranks
+skip its D2H copy, its norm and its host buffer (the layer reports no gradient there, `has_grad`), and only
+record `grads_free` once the reduction has read the slot.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from .comm import DataParallel
 from .host_store import HostParamStore, Registrations, sq_norm
+from .shard import ShardedUpdates
 from .weights import Slot, wait_on
 
 __all__ = ["GradSink"]
@@ -41,7 +45,7 @@ class _Pending:
 
 class GradSink:
     """Args: store (host buffers), device (compute device), dp (gradient all-reduce over ranks, or None),
-    pin (page-lock the staging buffers; CUDA only).
+    pin (page-lock the staging buffers; CUDA only), shard (sharded updates: reduce each layer to its owner).
 
     Attributes:
         staging_bytes: bytes of the accumulate path's staging buffers (one set per slot, allocated at its first
@@ -50,10 +54,11 @@ class GradSink:
     """
 
     def __init__(self, store: HostParamStore, device: torch.device, dp: DataParallel | None = None,
-                 pin: bool = True) -> None:
+                 pin: bool = True, shard: ShardedUpdates | None = None) -> None:
         self.store = store
         self.device = device
         self.dp = dp
+        self.shard = shard
         self.cuda = device.type == "cuda"
         self.pin = pin and self.cuda
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -89,6 +94,11 @@ class GradSink:
 
     def push(self, slot: Slot, layer: int) -> None:
         """After layer `layer`'s backward on `slot`: send its grads to the host (async on CUDA)."""
+        if self.shard is not None:
+            dst = self.shard.owner(layer)
+            if dst != self.shard.dp.rank:
+                self._reduce_away(slot, dst)
+                return
         host = self.store.buffers[layer].grads
         first = layer in self._fresh
         self._fresh.discard(layer)
@@ -96,7 +106,9 @@ class GradSink:
         self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads)
         direct = first and all(host[dt].dtype == g.dtype for dt, g in slot.grads.items())
         if not self.cuda:
-            if self.dp is not None:
+            if self.shard is not None:
+                self.dp.reduce_(grads, self.dp.rank)
+            elif self.dp is not None:
                 self.dp.all_reduce_(grads)
             for dt, g in slot.grads.items():
                 self.sq += sq_norm(g)
@@ -104,7 +116,11 @@ class GradSink:
             return
         compute = torch.cuda.current_stream(self.device)
         works = []
-        if self.dp is not None and self.dp.async_device:
+        if self.shard is not None and self.dp.async_device:
+            works = self.dp.reduce_async(grads, self.dp.rank)  # this rank owns the layer
+        elif self.shard is not None:
+            self.dp.reduce_(grads, self.dp.rank)
+        elif self.dp is not None and self.dp.async_device:
             works = self.dp.all_reduce_async(grads)  # after this layer's backward, on the NCCL stream
         elif self.dp is not None:
             self.dp.all_reduce_(grads)
@@ -131,6 +147,20 @@ class GradSink:
         self._pending.append(_Pending(layer, staging, ev, first))
         while len(self._pending) > 1:  # add the previous layer's grads while the GPU runs this one
             self._finish(self._pending[0])
+
+    def _reduce_away(self, slot: Slot, dst: int) -> None:
+        """Sharded, a layer rank `dst` owns: contribute this rank's gradient to its reduction, nothing else. The
+        slot's grad buffers are free once the reduction has read them (NCCL: an event on the D2H stream after it)."""
+        grads = list(slot.grads.values())
+        if not (self.cuda and self.dp.async_device):
+            self.dp.reduce_(grads, dst)
+            return
+        works = self.dp.reduce_async(grads, dst)
+        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            for w in works:
+                w.wait()
+            slot.grads_free = self._record()
 
     def _record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()

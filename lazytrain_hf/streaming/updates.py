@@ -13,11 +13,15 @@ Device-placed layers (`device_layers`, the schedule's optimizer_device == "gpu")
 update waits in `device_pending` until the executor streams the layer in for the next forward and runs it on the
 GPU next to the freshly loaded weights (`take_device`). `wait_all` (save, evaluate, end) applies any still pending
 on the CPU instead, which equals the GPU update within the kernels' rounding.
+
+Sharded data parallel (`owned`, streaming/shard.py): only the owned layers are updated here; `on_step` is told
+of each step so the other layers are broadcast from their owners at their next load.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,11 +30,15 @@ __all__ = ["LayerUpdater"]
 
 
 class LayerUpdater:
-    """Args: optimizer (a Hybrid8bitOptimizer), layer_params (the parameters of each streamed layer, in order)."""
+    """Args: optimizer (a Hybrid8bitOptimizer), layer_params (the parameters of each streamed layer, in order),
+    owned (the layers this rank updates; None: all), on_step (called at each step, before any update starts)."""
 
-    def __init__(self, optimizer: Any, layer_params: list[list[torch.Tensor]]) -> None:
+    def __init__(self, optimizer: Any, layer_params: list[list[torch.Tensor]], owned: set[int] | None = None,
+                 on_step: Callable[[], None] | None = None) -> None:
         self.optimizer = optimizer
         self.layer_params = layer_params
+        self.owned = set(range(len(layer_params))) if owned is None else set(owned)
+        self.on_step = on_step
         self.device_layers: set[int] = set()
         self.device_pending: dict[int, dict[str, Any]] = {}  # layer -> snapshot of the step that deferred it
         self._done = [threading.Event() for _ in layer_params]
@@ -50,7 +58,9 @@ class LayerUpdater:
 
     def _start(self, snapshot: dict[str, Any]) -> None:
         self.wait_all()
-        for i in range(len(self._done)):
+        if self.on_step is not None:
+            self.on_step()
+        for i in sorted(self.owned):
             if i in self.device_layers:
                 self.device_pending[i] = snapshot
             else:
@@ -69,7 +79,7 @@ class LayerUpdater:
     def _run(self, snapshot: dict[str, Any]) -> None:
         try:
             for i, params in enumerate(self.layer_params):
-                if i in self.device_layers:
+                if i in self.device_layers or i not in self.owned:
                     continue
                 self.optimizer.step_deferred(params, snapshot)
                 self._done[i].set()

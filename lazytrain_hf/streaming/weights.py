@@ -92,6 +92,9 @@ class WeightStreamer:
         # callable(slot, layer): runs after the weights' H2D is enqueued (on the H2D stream under CUDA) and before
         # the slot is marked ready: the executor's GPU-side optimizer update of a freshly loaded layer
         self.after_load = None
+        # callable(layer) -> True: this load takes the weights from elsewhere (sharded data parallel: a broadcast
+        # from the layer's owner in `after_load`), so the H2D copy from the host store is skipped
+        self.skip_h2d = None
         self.host_written: dict[int, torch.cuda.Event] = {}  # layer -> D2H of its updated host weights
         self.slot_read: dict[int, torch.cuda.Event] = {}  # id(slot) -> that D2H, which reads the slot
         self.instrument = False
@@ -170,6 +173,7 @@ class WeightStreamer:
         if self.before_load is not None:
             self.before_load(layer)  # a deferred optimizer update of this layer must land first
         host = self.store.buffers[layer].weights
+        copy = self.skip_h2d is None or not self.skip_h2d(layer)
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(slot.free)
@@ -177,19 +181,20 @@ class WeightStreamer:
                     self.h2d_stream.wait_event(self.host_written[layer])
                 if id(slot) in self.slot_read:  # ... or still copying this slot's updated weights out
                     self.h2d_stream.wait_event(self.slot_read[id(slot)])
-                for dt, dst in slot.weights.items():
+                for dt, dst in slot.weights.items() if copy else ():
                     dst.copy_(host[dt], non_blocking=True)
                 if self.after_load is not None:
                     self.after_load(slot, layer)
                 slot.ready.record(self.h2d_stream)
         else:
-            for dt, dst in slot.weights.items():
+            for dt, dst in slot.weights.items() if copy else ():
                 dst.copy_(host[dt])
             if self.after_load is not None:
                 self.after_load(slot, layer)
         slot.layer = layer
         self.loads += 1
-        self.h2d_bytes += sum(t.numel() * t.element_size() for t in host.values())
+        if copy:
+            self.h2d_bytes += sum(t.numel() * t.element_size() for t in host.values())
 
     def invalidate(self) -> None:
         """Forget which layers the slots hold (host weights changed, e.g. after an optimizer step)."""

@@ -1,4 +1,5 @@
-"""Data parallel LazyTrainer (2 processes, gloo on CPU) equals single-process training at the same global batch."""
+"""Data parallel LazyTrainer (2 processes, gloo on CPU) equals single-process training at the same global batch,
+with replicated and with sharded optimizer updates (lazytrain_config.dp_updates)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(cmd: list[str], tmp: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the checkout under test first: an editable install elsewhere (another worktree) must not be what runs
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
@@ -72,6 +76,105 @@ def test_per_rank_token_average_equals_stock_ddp(runs: Path) -> None:
     assert any(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(one["logs"], lazy["logs"]))
 
 
+# ---- sharded optimizer updates (dp_updates="sharded", streaming/shard.py) ---------------------------------------
+SHARDED_HYBRID = ["--ga", "2", "--arch", "qwen3.5-tiny", "--gpu-updates", "--save-resume"]
+
+
+@pytest.fixture(scope="module")
+def sharded(runs: Path) -> Path:
+    """Next to `runs`: 2 ranks sharded (qwen3-tiny, accumulation 1 and 2); the hybrid Qwen3.5 text model with
+    accumulation 2, layers 1-2 updated GPU-side (the same code path on the CPU) and a checkpoint at step 2 resumed by
+    a second trainer, in one process and in 2 sharded ranks."""
+    tmp = runs
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
+    _run(torchrun + ["--out", str(tmp / "sh"), "--per-device-batch", "2", "--ga", "1,2", "--dp-updates", "sharded"],
+         tmp)
+    _run([sys.executable, str(WORKER), "--out", str(tmp / "one35"), "--per-device-batch", "4", *SHARDED_HYBRID], tmp)
+    _run(torchrun + ["--out", str(tmp / "sh35"), "--per-device-batch", "2", "--dp-updates", "sharded",
+                     *SHARDED_HYBRID], tmp)
+    return tmp
+
+
+def _check_equal(ref: dict, r0: dict, r1: dict, tol: float) -> None:
+    """Both ranks hold identical weights within `tol` (relative, 10 x tol absolute) of `ref`; the logged loss and
+    (pre-clip) grad_norm equal ref's within 1e-5 relative, with clipping active."""
+    for name, want in ref["params"].items():
+        got = r0["params"][name]
+        assert torch.equal(got, r1["params"][name]), f"{name}: the two ranks' weights differ"
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= tol, f"{name}: relative difference {rel:.2e} > {tol}"
+        assert (got - want).abs().max().item() <= 10 * tol, name
+    assert len(ref["logs"]) == len(r0["logs"]) == 3
+    assert any(h["grad_norm"] > 0.5 for h in ref["logs"])  # max_grad_norm 0.5: clipped
+    for a, b in zip(ref["logs"], r0["logs"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("ga, tol", [(1, 1e-6), (2, 5e-6)])  # ga 2: see test_two_ranks_equal_one_process
+def test_sharded_equals_one_process_and_replicated(sharded: Path, ga: int, tol: float) -> None:
+    r0, r1 = _load(sharded, "sh", 0, ga), _load(sharded, "sh", 1, ga)
+    assert r0["world"] == 2 and r0["broadcasts"] > 0
+    _check_equal(_load(sharded, "one", 0, ga), r0, r1, tol)
+    # the same reductions of the same two numbers as the replicated mode: equal to fp32 rounding
+    _check_equal(_load(sharded, "two", 0, ga), r0, r1, 1e-6)
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_sharded_rank_skips_non_owned_work(sharded: Path, ga: int) -> None:
+    """Each rank keeps optimizer states for, and copies D2H the gradients of, its own half of the layers only (the
+    tiny model's layers are equal in size; its resident parts stay on the device, outside both counts)."""
+    replicated = _load(sharded, "two", 0, ga)
+    for rank in (0, 1):
+        got = _load(sharded, "sh", rank, ga)
+        assert got["state_bytes"] == replicated["state_bytes"] // 2 > 0
+        assert got["d2h_grad_bytes"] == replicated["d2h_grad_bytes"] // 2 > 0
+    if ga == 1:  # the last step's forward received the other rank's layers instead of loading them
+        assert _load(sharded, "sh", 0, 1)["h2d_weight_bytes"] < replicated["h2d_weight_bytes"]
+
+
+def test_sharded_hybrid_gpu_updates_accumulation_save_resume(sharded: Path) -> None:
+    """Qwen3.5 (linear- and full-attention layers), GPU-side layer updates, accumulation 2, save at step 2 + resume:
+    equal to one process; the checkpoint's optimizer.pt holds every layer's states (gathered from the owners) and
+    equals the one-process file; after the resume each rank holds exactly the states it had at the save (its own
+    layers and the resident parts) and ends where the uninterrupted run ended."""
+    one, r0, r1 = _load(sharded, "one35", 0, 2), _load(sharded, "sh35", 0, 2), _load(sharded, "sh35", 1, 2)
+    _check_equal(one, r0, r1, 5e-6)
+    ref = torch.load(sharded / "one35" / "run2" / "checkpoint-2" / "optimizer.pt")
+    got = torch.load(sharded / "sh35" / "run2" / "checkpoint-2" / "optimizer.pt")
+    assert got["param_groups"] == ref["param_groups"] and got["state"].keys() == ref["state"].keys()
+    for idx, st in ref["state"].items():
+        for key, want in st.items():
+            have = got["state"][idx][key]
+            if torch.is_tensor(want):
+                assert (have - want).abs().max().item() <= 1e-6, (idx, key)
+            else:
+                assert have == want, (idx, key)
+    layers = {}
+    for rank, res in ((0, r0), (1, r1)):
+        saved, loaded = res["state_at_save"], res["state_after_load"]
+        assert saved.keys() == loaded.keys()
+        for name, st in saved.items():
+            for key, v in st.items():
+                assert torch.equal(v, loaded[name][key]) if torch.is_tensor(v) else v == loaded[name][key], name
+        layers[rank] = {int(n.split(".")[2]) for n in saved if n.startswith("model.layers.")}
+        assert layers[rank] == {i for i in range(4) if i % 2 == rank}
+        assert res["resumed_state_bytes"] == res["state_bytes"]
+        for name, want in res["params"].items():
+            assert torch.equal(res["resumed"][name], want), name
+
+
+def test_dp_updates_config() -> None:
+    from lazytrain_hf.config import LazyTrainConfig
+
+    assert LazyTrainConfig().dp_updates == "replicated"
+    assert LazyTrainConfig(dp_updates="Sharded").dp_updates == "sharded"
+    with pytest.raises(ValueError, match=r"dp_updates must be one of \['replicated', 'sharded'\]"):
+        LazyTrainConfig(dp_updates="zero")
+    with pytest.raises(ValueError, match="needs overlap_optimizer=True"):
+        LazyTrainConfig(dp_updates="sharded", overlap_optimizer=False)
+
+
 def _initial() -> dict[str, torch.Tensor]:
     from lazytrain_hf.models import load_model
 
@@ -92,6 +195,28 @@ def test_two_gpus_nccl_equal_one_gpu(tmp_path: Path) -> None:
         assert ((two["params"][name] - ref).norm() / ref.norm()).item() <= 1e-5, name
     for a, b in zip(one["logs"], two["logs"]):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_nccl_sharded_equal_one_gpu(tmp_path: Path) -> None:
+    """The sharded NCCL path (async reduce to the owner on the communication stream, load-time broadcasts on the H2D
+    stream with the D2H copy-back, GPU-side updates of layers 1-2, save gathered through the device, resume), fp32.
+    Run with NCCL_NVLS_ENABLE=0 (benchmarks/gpu_session.sh ddptests)."""
+    extra = ["--device", "cuda", "--ga", "1,2", "--gpu-updates", "--save-resume"]
+    _run([sys.executable, str(WORKER), "--out", str(tmp_path / "one"), "--per-device-batch", "4", *extra], tmp_path)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+          "--out", str(tmp_path / "two"), "--per-device-batch", "2", "--dp-updates", "sharded", *extra], tmp_path)
+    for ga in (1, 2):
+        one, r0, r1 = (_load(tmp_path, "one", 0, ga), _load(tmp_path, "two", 0, ga), _load(tmp_path, "two", 1, ga))
+        _check_equal(one, r0, r1, 1e-5)
+        for res in (r0, r1):
+            assert res["state_bytes"] == one["state_bytes"] // 2
+            for name, want in res["params"].items():
+                assert torch.equal(res["resumed"][name], want), name
+        ref = torch.load(tmp_path / "one" / f"run{ga}" / "checkpoint-2" / "optimizer.pt")
+        got = torch.load(tmp_path / "two" / f"run{ga}" / "checkpoint-2" / "optimizer.pt")
+        assert got["state"].keys() == ref["state"].keys()
 
 
 def test_one_process_uses_one_gpu(tmp_path: Path, caplog) -> None:
