@@ -68,7 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `plan`; returns the exit status (0 planned, 1 no schedule fits, 2 invalid arguments)."""
     from .config import parse_bytes
-    from .planning.milp import InfeasiblePlanError
 
     problems = []
     if args.batch_size < 1:
@@ -93,6 +92,15 @@ def run(args: argparse.Namespace) -> int:
             sizes[flag] = parse_bytes(value)
         except ValueError as e:
             problems.append(f"--{flag.replace('_', '-')}: {e}")
+    if not 0 <= args.gpu_memory_margin < 0.9:
+        problems.append(f"--gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}")
+    if not problems:  # registry name / local directory / Hub id, without transformers and without Hub retries
+        from .sources import locate_model
+
+        try:
+            locate_model(args.model)
+        except ValueError as e:
+            problems.append(f"--model: {e}")
     if problems:
         print("lazytrain-hf plan: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2
@@ -101,10 +109,6 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"lazytrain-hf plan: --hardware {args.hardware!r}: {e}", file=sys.stderr)
         return 2
-    if not 0 <= args.gpu_memory_margin < 0.9:
-        print(f"lazytrain-hf plan: --gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}",
-              file=sys.stderr)
-        return 2
     gpu_bytes = int((sizes["gpu_memory"] or hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
     host_bytes = sizes["host_memory"] or int(0.9 * hardware.host_memory_bytes)
     nvme_bytes = 0
@@ -112,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)
 
     from .models import check_supported, resolve_config
+    from .planning.milp import InfeasiblePlanError
     from .planning.planner import largest_feasible_batch, make_schedule
     from .planning.schedule import fingerprint
     from .profiling.analytic import analytic_cost_model, model_shape
