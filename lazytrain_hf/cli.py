@@ -188,11 +188,21 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[a
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lazytrain-hf", description=__doc__.split("\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
+    doc = __doc__.split("\n")
+    parser = argparse.ArgumentParser(prog="lazytrain-hf", description=doc[0],
+                                     epilog="examples:\n" + "\n".join(doc[2:5]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging; errors are raised with their traceback")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add, _fn, help_) in COMMANDS.items():
-        add(sub.add_parser(name, help=help_))
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="as lazytrain-hf -v (accepted after the command too)")
+        add(sp)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
