@@ -26,11 +26,12 @@ def __getattr__(name: str):
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    try:  # a subpackage reached as an attribute (lazytrain_hf.planning...) without importing it first
-        return importlib.import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
+    if not name.startswith("__"):
+        try:  # a subpackage reached as an attribute (lazytrain_hf.planning...) without importing it first
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
