@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +52,31 @@ def _best(rows: list[dict[str, Any]], system: str) -> dict[str, Any] | None:
     return max(ok, key=lambda r: r["tflops_6nd"], default=None)
 
 
+#: characters of a note shown in a table cell; a longer note is cut at a word boundary and given in full below
+NOTE_CELL = 100
+
+
 def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows' table; notes longer than NOTE_CELL end at a word boundary with a reference to the full text, listed
+    (once per distinct note) right below the table."""
     out = ["| system | batch | status | step s (p10-p90) | tokens/s | TFLOPS 6ND | TFLOPS exec | peak GPU GiB | "
            "peak RSS GiB | pinned GiB | exposed H2D / D2H ms | optimizer ms | note |",
            "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    full: dict[str, int] = {}  # long note -> its number below the table
     for r in rows:
         step = "-" if r["step_s_median"] is None else \
             f"{r['step_s_median']:.3f} ({r['step_s_p10']:.3f}-{r['step_s_p90']:.3f}, n={r['steps_timed']})"
         xfer = "-" if r["exposed_h2d_ms"] is None else f"{r['exposed_h2d_ms']:.0f} / {r['exposed_d2h_ms'] or 0:.0f}"
-        note = ((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or "")).replace("|", "/")[:200]
+        note = " ".join(((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or "")).split())
+        if len(note) > NOTE_CELL:
+            n = full.setdefault(note, len(full) + 1)
+            note = textwrap.shorten(note, NOTE_CELL, placeholder=f" ... (note {n})")
         out.append(f"| {r['system']} | {r['batch_size']} | {r['status']} | {step} | {_f(r['tokens_per_s'], 0)} | "
                    f"{_f(r['tflops_6nd'])} | {_f(r['tflops_executed'])} | {_f(r['peak_gpu_gib'])} | "
                    f"{_f(r['peak_host_rss_gib'])} | {_f(r['pinned_planned_gib'])} | {xfer} | "
-                   f"{_f(r['optimizer_ms'], 0)} | {note} |")
+                   f"{_f(r['optimizer_ms'], 0)} | {note.replace('|', '/')} |")
+    if full:
+        out += ["", "Notes in full:", "", *[f"{n}. {text}" for text, n in full.items()]]
     return out
 
 

@@ -37,13 +37,17 @@ def train(args: argparse.Namespace) -> int:
     Every input problem (recipe keys, data files, schema, architecture, conflicting flags) is raised before the
     model loads or training starts.
     """
+    from .recipe import load_recipe
+
+    # every check that needs neither torch nor transformers first: a mistake costs well under a second
+    recipe = load_recipe(args.config, args.set)
+    _preflight(recipe, args.resume)
+
     from . import LazyTrainer, LazyTrainingArguments
     from .data import evaluate_exact_match, load_math_dataset, load_tokenizer, make_collator, tokenize_for_sft
     from .data.evaluate import write_metrics_json
     from .models import check_supported, load_model, resolve_config
-    from .recipe import load_recipe
 
-    recipe = load_recipe(args.config, args.set)
     targs = LazyTrainingArguments(**recipe.training, lazytrain_config=recipe.lazytrain)
     config = resolve_config(recipe.model.name_or_path)
     if targs.lazy_config.policy != "none":
@@ -90,6 +94,45 @@ def train(args: argparse.Namespace) -> int:
     print(json.dumps({"checkpoint": str(final), "metrics": str(path), "train_loss": result.metrics.get("train_loss"),
                       "exact_match": metrics.get("eval", {}).get("exact_match")}))
     return 0
+
+
+def _preflight(recipe: Any, resume: str | None) -> None:
+    """The recipe's inputs that can be checked without torch / transformers / datasets, all problems at once:
+    the model name (registry name, local directory, or a Hub id the Hub or the cache has: one short request),
+    local data files, a local tokenizer path and the --resume target.
+
+    Raises:
+        ValueError: the problems, one per line, each naming its fix.
+    """
+    from .sources import check_tokenizer_path, local_data_file, locate_model
+
+    problems = []
+    d = recipe.data
+    splits = [d.train_split] + ([d.test_split] if recipe.eval.enabled and d.test_split else [])
+    for split in splits:
+        try:
+            local_data_file(d.source, split)
+        except FileNotFoundError as e:
+            problems.append(f"data.source: {e}")
+            break
+    try:
+        check_tokenizer_path(recipe.tokenizer.name_or_path)
+    except FileNotFoundError as e:
+        problems.append(f"tokenizer.name_or_path: {e}")
+    out = Path(recipe.training["output_dir"])
+    if resume == "last" and not list(out.glob("checkpoint-*")):
+        problems.append(f"--resume last: no checkpoint-N/ in {str(out)!r} (training.output_dir) to resume from; "
+                        "drop --resume to start a new run, or pass --resume DIR")
+    elif resume not in (None, "last") and not Path(resume).is_dir():
+        problems.append(f"--resume {resume}: no such checkpoint directory; pass a checkpoint-N/ directory written "
+                        "by an earlier run, or 'last' for the newest in training.output_dir")
+    if not problems:  # the Hub request only when everything local is right
+        try:
+            locate_model(recipe.model.name_or_path)
+        except ValueError as e:
+            problems.append(f"model.name_or_path: {e}")
+    if problems:
+        raise ValueError(f"recipe {recipe.path}:\n  - " + "\n  - ".join(problems))
 
 
 def _model_for_generation(trainer: Any, model: Any) -> tuple[Any, Any]:
@@ -145,11 +188,21 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[a
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lazytrain-hf", description=__doc__.split("\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
+    doc = __doc__.split("\n")
+    parser = argparse.ArgumentParser(prog="lazytrain-hf", description=doc[0],
+                                     epilog="examples:\n" + "\n".join(doc[2:5]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging; errors are raised with their traceback")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add, _fn, help_) in COMMANDS.items():
-        add(sub.add_parser(name, help=help_))
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="as lazytrain-hf -v (accepted after the command too)")
+        add(sp)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

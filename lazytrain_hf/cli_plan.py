@@ -25,7 +25,7 @@ from typing import Any
 
 from .config import LazyTrainConfig
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "output_stem"]
 
 _GIB = 1024**3
 
@@ -62,13 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "H200 figures; default: this machine's cached probe if any, else the H200 figures")
     parser.add_argument("--max-batch", type=int, default=1024,
                         help="upper end of the largest-feasible-batch search (0 skips it)")
-    parser.add_argument("--out-dir", default=None, help="write schedule JSON, cost model JSON and timeline PNG here")
+    parser.add_argument("--out-dir", default=None,
+                        help="write schedule JSON, cost model JSON and timeline PNG here, named after the model, "
+                             "batch, sequence length, policy and every non-default option (the paths are printed)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `plan`; returns the exit status (0 planned, 1 no schedule fits, 2 invalid arguments)."""
     from .config import parse_bytes
-    from .planning.milp import InfeasiblePlanError
 
     problems = []
     if args.batch_size < 1:
@@ -93,6 +94,15 @@ def run(args: argparse.Namespace) -> int:
             sizes[flag] = parse_bytes(value)
         except ValueError as e:
             problems.append(f"--{flag.replace('_', '-')}: {e}")
+    if not 0 <= args.gpu_memory_margin < 0.9:
+        problems.append(f"--gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}")
+    if not problems:  # registry name / local directory / Hub id, without transformers and without Hub retries
+        from .sources import locate_model
+
+        try:
+            locate_model(args.model)
+        except ValueError as e:
+            problems.append(f"--model: {e}")
     if problems:
         print("lazytrain-hf plan: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2
@@ -101,10 +111,6 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"lazytrain-hf plan: --hardware {args.hardware!r}: {e}", file=sys.stderr)
         return 2
-    if not 0 <= args.gpu_memory_margin < 0.9:
-        print(f"lazytrain-hf plan: --gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}",
-              file=sys.stderr)
-        return 2
     gpu_bytes = int((sizes["gpu_memory"] or hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
     host_bytes = sizes["host_memory"] or int(0.9 * hardware.host_memory_bytes)
     nvme_bytes = 0
@@ -112,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)
 
     from .models import check_supported, resolve_config
+    from .planning.milp import InfeasiblePlanError
     from .planning.planner import largest_feasible_batch, make_schedule
     from .planning.schedule import fingerprint
     from .profiling.analytic import analytic_cost_model, model_shape
@@ -156,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"largest feasible batch ({args.policy}, seq {args.seq_len}): {best}{cap}")
     if args.out_dir:
         _write(args, sched, cm)
+    else:
+        print("(no files written: --out-dir DIR writes the schedule JSON, cost model JSON and timeline PNG)")
     return 0
 
 
@@ -233,20 +242,51 @@ def _print_prediction(sched: Any, cm: Any) -> None:
         print(f"solver: {s['status']}, gap {gap}, {s['solve_ms']:.0f} ms (per prefetch depth: {depths})")
 
 
-def _write(args: argparse.Namespace, sched: Any, cm: Any) -> None:
+def output_stem(args: argparse.Namespace, policy: str) -> str:
+    """The file name stem of a plan's outputs: the model, batch, sequence length and policy, then every option
+    that changes the plan and differs from its default, so two variants (e.g. with and without --no-gpu-optimizer,
+    or two GPU budgets) never write over each other's files."""
+    parts = [args.model, f"b{args.batch_size}", f"s{args.seq_len}", policy]
+    if args.gpu_memory is not None:
+        parts.append(f"gpu{args.gpu_memory}")
+    if args.host_memory is not None:
+        parts.append(f"host{args.host_memory}")
+    if args.gpu_memory_margin != LazyTrainConfig.gpu_memory_margin:
+        parts.append(f"margin{args.gpu_memory_margin:g}")
+    if policy == "fixed":
+        parts.append(f"every{args.checkpoint_every}-{args.tier}-prefetch{args.prefetch_depth}")
+    else:
+        if args.time_limit != 10.0:
+            parts.append(f"limit{args.time_limit:g}s")
+        if args.mip_gap != 0.01:
+            parts.append(f"gap{args.mip_gap:g}")
+    if not args.gpu_optimizer:
+        parts.append("cpu-optimizer")
+    if args.rows_per_pass is not None:
+        parts.append(f"rows{args.rows_per_pass}")
+    if args.nvme_dir:
+        parts.append("nvme" + (args.nvme_budget or ""))
+    if args.hardware:
+        parts.append(f"hw-{Path(args.hardware).stem}")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(str(p).replace(" ", "") for p in parts))
+
+
+def _write(args: argparse.Namespace, sched: Any, cm: Any) -> list[Path]:
     from .planning.simulator import simulate
     from .planning.timeline import plot_timeline
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{re.sub(r'[^A-Za-z0-9._-]+', '_', args.model)}-b{args.batch_size}-s{args.seq_len}-{sched.policy}"
-    sched.to_json(out / f"{stem}.schedule.json")
-    (out / f"{stem}.cost_model.json").write_text(json.dumps(cm.to_dict(), indent=1))
+    stem = output_stem(args, sched.policy)
+    paths = [out / f"{stem}.schedule.json", out / f"{stem}.cost_model.json", out / f"{stem}.timeline.png"]
+    sched.to_json(paths[0])
+    paths[1].write_text(json.dumps(cm.to_dict(), indent=1))
     p = sched.predicted
     title = (f"{args.model} B={args.batch_size} T={args.seq_len} {sched.policy}: predicted {p['step_ms']:.0f} ms, "
              f"{p['tokens_per_s']:.0f} tok/s, peak {p['peak_gpu_bytes'] / _GIB:.1f} GiB")
-    plot_timeline(simulate(cm, sched), out / f"{stem}.timeline.png", title=title, gpu_budget_bytes=cm.gpu_bytes)
-    print(f"wrote {out / (stem + '.schedule.json')}, {stem}.cost_model.json, {stem}.timeline.png")
+    plot_timeline(simulate(cm, sched), paths[2], title=title, gpu_budget_bytes=cm.gpu_bytes)
+    print("wrote:\n" + "\n".join(f"  {path}" for path in paths))
+    return paths
 
 
 if __name__ == "__main__":  # python -m lazytrain_hf.cli_plan --model qwen2.5-7b ...

@@ -55,21 +55,28 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 def resolve_config(name_or_path: str, **overrides: Any):
     """A transformers `PretrainedConfig` for a registry name, a Hub id or a local path.
 
+    Offline first (`lazytrain_hf.sources.locate_model`): registry names and local directories never touch the
+    network; a Hub id is checked with one short request (or the cache alone under HF_HUB_OFFLINE=1), so an unknown
+    name fails in seconds instead of after huggingface_hub's retries.
+
     Raises:
-        ValueError: the name is neither a registry name, a local directory nor a reachable Hub id.
+        ValueError: the name is neither a registry name, a local directory nor a Hub id that can be reached or is
+            cached; the message lists the registry names and how to pass a local path.
     """
+    from .sources import locate_model
+
+    kind, where = locate_model(name_or_path)
     from transformers import AutoConfig
 
-    if name_or_path in ARCHITECTURES:
+    if kind == "registry":
         model_type, kwargs = ARCHITECTURES[name_or_path]
         config = AutoConfig.for_model(model_type, **{**kwargs, **overrides})
     else:
         try:
-            config = AutoConfig.from_pretrained(name_or_path, **overrides)
+            config = AutoConfig.from_pretrained(where, local_files_only=kind == "cache", **overrides)
         except (OSError, ValueError) as e:
-            raise ValueError(
-                f"model {name_or_path!r} is not a registry name ({', '.join(ARCHITECTURES)}), a local model "
-                f"directory, or a reachable Hub id: {str(e).splitlines()[0]}") from e
+            raise ValueError(f"model {name_or_path!r}: could not read its config ({kind} {where!r}): "
+                             f"{str(e).splitlines()[0]}") from e
         if config.model_type == "qwen3_5":  # the multimodal wrapper: train its text model
             config = config.text_config
     return config
@@ -105,5 +112,9 @@ def load_model(name_or_path: str, dtype: str = "bfloat16", seed: int = 0, **over
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **overrides)
+        from .sources import locate_model
+
+        kind, where = locate_model(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, local_files_only=kind == "cache",
+                                                     **overrides)
     return model

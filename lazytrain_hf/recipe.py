@@ -14,8 +14,11 @@ Sections (unknown keys anywhere are an error, listed all at once before any mode
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import yaml
 
 from .config import LazyTrainConfig
 
-__all__ = ["Recipe", "load_recipe"]
+__all__ = ["Recipe", "load_recipe", "training_argument_fields"]
 
 
 @dataclass
@@ -101,6 +104,28 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), yaml.safe_load(value)
 
 
+def training_argument_fields() -> set[str]:
+    """The field names of transformers' `TrainingArguments`, read from its source when transformers is not
+    imported yet (importing `transformers.training_args` costs ~13 s with torch; parsing the file ~0.1 s), so a
+    misspelt training key fails before the heavy imports."""
+    module = sys.modules.get("transformers.training_args")
+    if module is None:
+        try:
+            spec = importlib.util.find_spec("transformers")  # locates the package without importing it
+            source = Path(next(iter(spec.submodule_search_locations)), "training_args.py").read_text()
+            cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments")
+            if not cls.bases:  # a plain dataclass: its fields are the annotated names of its body
+                names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                         and "ClassVar" not in ast.unparse(n.annotation)}
+                if names:
+                    return names
+        except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, TypeError, ValueError):
+            pass
+    from transformers import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe; every problem is reported in one error.
 
@@ -149,9 +174,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         problems.append(f"model.dtype must be one of ['bfloat16', 'float32', 'float16'], but got {parts['model'].dtype!r}")
 
     training = dict(raw.get("training") or {})
-    from transformers import TrainingArguments
-
-    ta_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    ta_fields = training_argument_fields()
     bad = sorted(set(training) - ta_fields)
     if bad:
         problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields")

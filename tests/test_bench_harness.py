@@ -134,3 +134,27 @@ def test_report_merges_results_files_of_one_suite():
     assert "| zero_offload | 100.0 (8) | 3.90x | - |" in text  # 390 / 100, ratios across the files
     with pytest.raises(ValueError, match="different suites"):
         merge([("a.json", a), ("c.json", dict(b, suite="smoke"))])
+
+
+def test_report_never_cuts_a_note_mid_word():
+    """A long failure reason shows in its table cell up to a word boundary and in full below the table (before:
+    cut at 200 characters, mid-word, the rest lost); one full text per distinct note."""
+    from benchmarks.common import row
+    from benchmarks.report import NOTE_CELL, markdown
+
+    reason = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 1.16 GiB. GPU 0 has a total capacity of 139.80 "
+              "GiB of which 114.97 GiB is free. Including non-PyTorch memory, this process has 24.80 GiB memory in "
+              "use. Of the allocated memory 23.9 GiB is allocated by PyTorch | see the allocator documentation")
+    rows = [row(system="stock_trainer", model="qwen2.5-7b", gpu_cap_gib=24, batch_size=B, status="oom",
+                reason=reason) for B in (8, 16)]
+    rows.append(row(system="zero_offload", model="qwen2.5-7b", gpu_cap_gib=24, batch_size=8, status="error",
+                    reason="short reason"))
+    text = markdown({"suite": "t", "date": "2026-01-01", "rows": rows, "commands": ["c"]}, None)
+    cells = [line.rstrip(" |").rsplit("| ", 1)[1] for line in text.splitlines() if line.startswith("| stock_trainer")]
+    assert len(cells) == 2
+    for cell in cells:
+        shown = cell.split(" ... (note 1)")[0]
+        assert cell.endswith("(note 1)") and len(cell) <= NOTE_CELL
+        assert reason.startswith(shown) and reason[len(shown)] == " ", f"cut mid-word: {cell!r}"
+    assert f"1. {reason}" in text and text.count(reason) == 1
+    assert "| short reason |" in text

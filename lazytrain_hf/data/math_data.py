@@ -23,6 +23,8 @@ from typing import Any
 import datasets
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
+from ..sources import SCHEMA_HELP, local_data_file
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -52,10 +54,7 @@ SCHEMAS: dict[str, tuple[str, str]] = {
 }
 """Accepted source schemas: name -> (question column, solution column)."""
 
-_SCHEMA_HELP = (
-    "GSM8K {'question', 'answer' (ending in '#### <number>')} or "
-    "MetaMathQA {'query', 'response' (ending in 'The answer is: <answer>')}"
-)
+_SCHEMA_HELP = SCHEMA_HELP
 _NORMALIZED_COLUMNS = ("prompt", "response", "reference")
 
 # "####" (GSM8K) or "The answer is:" (MetaMathQA; colon optional, any case); the last match wins.
@@ -156,16 +155,6 @@ def is_exact_match(prediction_text: str, reference: str) -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _looks_like_local_path(source: str) -> bool:
-    """Whether ``source`` is meant as a file or directory rather than a Hub id (``owner/name``)."""
-    return (
-        source.endswith((".jsonl", ".json"))
-        or source.startswith(("/", "./", "../", "~", ".\\"))
-        or "\\" in source
-        or source.count("/") > 1
-    )
-
-
 def _read_jsonl(path: Path, source: str) -> datasets.Dataset:
     """Load one local JSON Lines file with the ``datasets`` json builder.
 
@@ -190,33 +179,11 @@ def _read_jsonl(path: Path, source: str) -> datasets.Dataset:
         ) from err
 
 
-def _missing_path_error(path: Path, split: str) -> FileNotFoundError:
-    """The error for a local ``source`` that does not exist, naming the Hub alternative."""
-    return FileNotFoundError(
-        f"math data set not found: '{path}' does not exist. Fix: point `source` (CLI: --set data.source=PATH) at a "
-        f"JSONL file, or at a directory "
-        f"containing '{split}.jsonl' ({_SCHEMA_HELP}); or pass a Hugging Face Hub id instead, such as "
-        "'meta-math/MetaMathQA', or 'openai/gsm8k' with name='main' (loading from the Hub needs network access)."
-    )
-
-
 def _load_raw(source: str, split: str, name: str | None) -> datasets.Dataset:
     """Resolve ``source`` (JSONL file, directory with ``{split}.jsonl``, or Hub id) to a raw Dataset."""
-    path = Path(source).expanduser()
-    if path.is_file():
-        return _read_jsonl(path, source)
-    if path.is_dir():
-        split_file = path / f"{split}.jsonl"
-        if not split_file.is_file():
-            found = sorted(p.name for p in path.glob("*.jsonl")) or "no .jsonl files"
-            raise FileNotFoundError(
-                f"math data set directory '{path}' has no '{split}.jsonl' for split {split!r} (found: {found}). "
-                f"Fix: pass split= one of the files found, point `source` at the JSONL file itself, or pass a "
-                "Hugging Face Hub id instead."
-            )
-        return _read_jsonl(split_file, source)
-    if _looks_like_local_path(source):
-        raise _missing_path_error(path, split)
+    local = local_data_file(source, split)  # raises for a local path that does not exist
+    if local is not None:
+        return _read_jsonl(local, source)
     try:
         loaded = datasets.load_dataset(source, name, split=split)
     except Exception as err:  # datasets raises many types here (missing repo, no network, bad split)

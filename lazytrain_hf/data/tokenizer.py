@@ -15,6 +15,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from ..sources import check_tokenizer_path
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["QWEN_OFFLINE", "QWEN_PAD_TOKEN", "load_tokenizer", "qwen_offline_tokenizer_dir"]
@@ -57,11 +59,6 @@ def qwen_offline_tokenizer_dir() -> Path:
             "a Hub id or local tokenizer directory instead."
         )
     return tokenizer_dir
-
-
-def _looks_like_local_path(name: str) -> bool:
-    """Whether ``name`` is meant as a filesystem path rather than a Hub id (``owner/name``)."""
-    return name.startswith(("/", "./", "../", "~", ".\\")) or "\\" in name or name.count("/") > 1
 
 
 def _ensure_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
@@ -113,13 +110,8 @@ def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
         local = Path(name).expanduser()
         if local.exists():
             source = str(local)
-        elif _looks_like_local_path(name):
-            raise FileNotFoundError(
-                f"tokenizer path '{local}' does not exist. Fix: point it at a directory with tokenizer files "
-                f"(tokenizer.json / tokenizer_config.json), pass a Hub id such as 'Qwen/Qwen3-8B', or use "
-                f"{QWEN_OFFLINE!r} for the bundled Qwen tokenizer (no network needed)."
-            )
         else:
+            check_tokenizer_path(name)  # a local path that does not exist
             source = name
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -12,10 +12,14 @@ plugin.
 from __future__ import annotations
 
 import enum
+import importlib.abc
 import logging
-from typing import Any
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-__all__ = ["OPTIM_NAME", "register", "is_registered"]
+__all__ = ["OPTIM_NAME", "register", "register_on_import", "is_registered"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +77,33 @@ def register() -> None:
             the message names the versions this plugin supports.
     """
     try:
-        from transformers import trainer_optimizer
-        from transformers.training_args import OptimizerNames
-        handlers = trainer_optimizer._OPTIMIZER_HANDLERS
-    except (ImportError, AttributeError) as e:
-        import transformers
+        from transformers import trainer_optimizer, training_args
+    except ImportError as e:
+        _version_error(e)
+    _patch_optimizer_names(training_args)
+    _patch_handlers(trainer_optimizer)
+    from transformers import trainer
 
-        raise ImportError(
-            f"lazytrain_hf cannot register optim={OPTIM_NAME!r} with transformers {transformers.__version__}: "
-            f"{e}. Supported: {_SUPPORTED}; install a supported version (pip install 'transformers>=5,<6')."
-        ) from e
-    if not issubclass(OptimizerNames, enum.Enum) or not isinstance(handlers, dict):
-        raise ImportError(f"transformers' OptimizerNames / _OPTIMIZER_HANDLERS changed shape; supported: {_SUPPORTED}")
+    _patch_trainer(trainer)
+
+
+def _version_error(e: Exception) -> NoReturn:
+    import transformers
+
+    raise ImportError(
+        f"lazytrain_hf cannot register optim={OPTIM_NAME!r} with transformers {transformers.__version__}: "
+        f"{e}. Supported: {_SUPPORTED}; install a supported version (pip install 'transformers>=5,<6')."
+    ) from e
+
+
+def _patch_optimizer_names(training_args: Any) -> None:
+    """The enum member, in `transformers.training_args` (what `TrainingArguments(optim=...)` validates against)."""
+    try:
+        OptimizerNames = training_args.OptimizerNames  # noqa: N806
+    except AttributeError as e:
+        _version_error(e)
+    if not issubclass(OptimizerNames, enum.Enum):
+        raise ImportError(f"transformers' OptimizerNames changed shape; supported: {_SUPPORTED}")
     if OPTIM_NAME not in OptimizerNames._value2member_map_:
         member = str.__new__(OptimizerNames, OPTIM_NAME)
         member._name_ = _MEMBER_NAME
@@ -97,11 +116,91 @@ def register() -> None:
         type.__setattr__(OptimizerNames, _MEMBER_NAME, member)
         if not isinstance(OptimizerNames.__dict__.get("__reduce_ex__"), _PlainStrReduce):
             type.__setattr__(OptimizerNames, "__reduce_ex__", _PlainStrReduce(enum.Enum.__reduce_ex__))
-    handlers[OptimizerNames(OPTIM_NAME)] = _handler
-    from transformers import Trainer
 
+
+def _patch_handlers(trainer_optimizer: Any) -> None:
+    """The handler, in `transformers.trainer_optimizer` (what `Trainer.get_optimizer_cls_and_kwargs` consults)."""
+    try:
+        handlers = trainer_optimizer._OPTIMIZER_HANDLERS
+    except AttributeError as e:
+        _version_error(e)
+    if not isinstance(handlers, dict):
+        raise ImportError(f"transformers' _OPTIMIZER_HANDLERS changed shape; supported: {_SUPPORTED}")
+    # trainer_optimizer imports training_args, so that module is complete here
+    _patch_optimizer_names(sys.modules["transformers.training_args"])
+    OptimizerNames = sys.modules["transformers.training_args"].OptimizerNames  # noqa: N806
+    handlers[OptimizerNames(OPTIM_NAME)] = _handler
+
+
+def _patch_trainer(trainer: Any) -> None:
+    """Fused clipping, in `transformers.trainer.Trainer`."""
+    Trainer = trainer.Trainer  # noqa: N806
     if not getattr(Trainer._clip_grad_norm, "_lazytrain_fused", False):
         Trainer._clip_grad_norm = _fused_clip_grad_norm(Trainer._clip_grad_norm)
+
+
+#: transformers module -> what registering does to it once it is imported
+_PATCHES: dict[str, Callable[[Any], None]] = {
+    "transformers.training_args": _patch_optimizer_names,
+    "transformers.trainer_optimizer": _patch_handlers,
+    "transformers.trainer": _patch_trainer,
+}
+
+
+def register_on_import() -> None:
+    """Register without importing transformers: patch the modules of `_PATCHES` already imported now, and each of
+    the others right after it is imported (a `sys.meta_path` hook). `import lazytrain_hf` calls this, so a script
+    that imports the plugin and then transformers gets the optimizer, while `lazytrain-hf` can parse and check its
+    arguments before paying for torch / transformers (~13 s)."""
+    pending = {}
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+            pending[name] = patch
+        else:
+            _apply(patch, module)
+    if pending and not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook(pending))
+
+
+def _apply(patch: Callable[[Any], None], module: Any) -> None:
+    try:
+        patch(module)
+    except ImportError as e:  # never break the user's `import transformers...` itself; say why the optim is missing
+        warnings.warn(str(e), stacklevel=2)
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a module of `pending` it asks the other finders for the spec and wraps that
+    loader's `exec_module` so the patch runs as soon as the module body has run; removes itself when done."""
+
+    def __init__(self, pending: dict[str, Callable[[Any], None]]) -> None:
+        self.pending = pending
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in self.pending:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, exec_module = spec.loader, spec.loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            patch = self.pending.pop(module.__name__, None)
+            if patch is not None:
+                _apply(patch, module)
+            if not self.pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+        loader.exec_module = exec_and_patch  # this spec's own loader instance
+        return spec
 
 
 def _fused_clip_grad_norm(original: Any) -> Any:

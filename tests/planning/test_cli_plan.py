@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from lazytrain_hf import cli_plan
 from lazytrain_hf.planning import Schedule
@@ -57,3 +58,21 @@ def test_bad_arguments_exit_2_listing_every_problem(capsys, tmp_path):
     # an existing directory without a config.json: a clear error, no download attempt
     assert cli_plan.run(_args("--model", str(tmp_path), "--hardware", "defaults")) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_plan_variants_write_distinct_files_and_print_them(tmp_path, capsys):
+    """--no-gpu-optimizer (or another budget) next to the default plan in one --out-dir: separate files, each
+    path printed (before, both wrote <model>-b2-s64-milp.* and the second silently replaced the first)."""
+    base = ("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--batch-size", "2",
+            "--seq-len", "64", "--max-batch", "0", "--hardware", "defaults", "--out-dir", str(tmp_path))
+    written = []
+    for extra in ((), ("--no-gpu-optimizer",), ("--gpu-memory", "2GiB")):
+        assert cli_plan.run(_args(*base, *extra)) == 0
+        out = capsys.readouterr().out
+        paths = [line.strip() for line in out.split("wrote:")[1].splitlines() if line.strip()]
+        assert len(paths) == 3 and all(Path(p).is_file() for p in paths), out
+        written.append(paths)
+    schedules = [Path(p[0]) for p in written]
+    assert len(set(schedules)) == 3 and len(list(tmp_path.glob("*.schedule.json"))) == 3
+    assert "cpu-optimizer" in schedules[1].name and "gpu2GiB" in schedules[2].name
+    assert all(lp.optimizer_device == "cpu" for lp in Schedule.from_json(schedules[1]).layers)

@@ -1,0 +1,209 @@
+"""Where a model, tokenizer or data set named in a recipe or on the command line comes from, decided without
+importing torch, transformers or datasets, and without waiting on the network.
+
+* `local_data_file`: a data `source` that is a local JSONL file or a directory of `{split}.jsonl` -> that file;
+  a Hub id -> None; a local path that does not exist -> `FileNotFoundError` naming the fix.
+* `locate_model`: a registry name, a local model directory or a Hub id, resolved offline first. For a Hub id the
+  local cache answers under ``HF_HUB_OFFLINE=1``; otherwise one HEAD request with a short timeout (no retries:
+  ``huggingface_hub`` would retry a failing download 5 times with back-off, ~40-55 s on a machine without network)
+  decides between "on the Hub", "no such model" and "Hub unreachable" (then the cache, else a fast error).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["SCHEMA_HELP", "looks_like_local_path", "local_data_file", "missing_data_error", "check_tokenizer_path",
+           "locate_model",
+           "hub_timeout_s"]
+
+SCHEMA_HELP = (
+    "GSM8K {'question', 'answer' (ending in '#### <number>')} or "
+    "MetaMathQA {'query', 'response' (ending in 'The answer is: <answer>')}"
+)
+
+#: seconds for the single Hub request of `locate_model` (HF_HUB_ETAG_TIMEOUT when set, as huggingface_hub)
+_DEFAULT_HUB_TIMEOUT_S = 5.0
+
+#: name -> (kind, detail) of `locate_model`, so a run asks the Hub about a name once
+_LOCATED: dict[str, tuple[str, str]] = {}
+
+
+def looks_like_local_path(name: str, *, data: bool = False) -> bool:
+    """Whether `name` is meant as a file or directory rather than a Hub id (``owner/name``); with `data`, a name
+    ending in .jsonl / .json is a file too."""
+    return ((data and name.endswith((".jsonl", ".json"))) or name.startswith(("/", "./", "../", "~", ".\\"))
+            or "\\" in name or name.count("/") > 1)
+
+
+def missing_data_error(path: Path, split: str) -> FileNotFoundError:
+    """The error for a local data `source` that does not exist, naming the Hub alternative."""
+    return FileNotFoundError(
+        f"math data set not found: '{path}' does not exist. Fix: point `source` (CLI: --set data.source=PATH) at a "
+        f"JSONL file, or at a directory "
+        f"containing '{split}.jsonl' ({SCHEMA_HELP}); or pass a Hugging Face Hub id instead, such as "
+        "'meta-math/MetaMathQA', or 'openai/gsm8k' with name='main' (loading from the Hub needs network access)."
+    )
+
+
+def local_data_file(source: str, split: str) -> Path | None:
+    """The JSONL file a local data `source` means for `split`, or None when `source` is a Hub id.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist, or a directory without ``{split}.jsonl``.
+    """
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        split_file = path / f"{split}.jsonl"
+        if not split_file.is_file():
+            found = sorted(p.name for p in path.glob("*.jsonl")) or "no .jsonl files"
+            raise FileNotFoundError(
+                f"math data set directory '{path}' has no '{split}.jsonl' for split {split!r} (found: {found}). "
+                f"Fix: pass split= one of the files found, point `source` at the JSONL file itself, or pass a "
+                "Hugging Face Hub id instead."
+            )
+        return split_file
+    if looks_like_local_path(source, data=True):
+        raise missing_data_error(path, split)
+    return None
+
+
+def check_tokenizer_path(name: str) -> None:
+    """Raise for a tokenizer `name` meant as a local path that does not exist ("qwen-offline" and Hub ids pass).
+
+    Raises:
+        FileNotFoundError: naming the fixes.
+    """
+    local = Path(name).expanduser()
+    if name != "qwen-offline" and not local.exists() and looks_like_local_path(name):
+        raise FileNotFoundError(
+            f"tokenizer path '{local}' does not exist. Fix: point it at a directory with tokenizer files "
+            f"(tokenizer.json / tokenizer_config.json), pass a Hub id such as 'Qwen/Qwen3-8B', or use "
+            "'qwen-offline' for the bundled Qwen tokenizer (no network needed)."
+        )
+
+
+def hub_timeout_s() -> float:
+    """Seconds `locate_model` waits for the Hub: HF_HUB_ETAG_TIMEOUT if set, else 5."""
+    try:
+        return float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or _DEFAULT_HUB_TIMEOUT_S)
+    except ValueError:
+        return _DEFAULT_HUB_TIMEOUT_S
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    env = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").upper()
+    return bool(constants.HF_HUB_OFFLINE) or env in ("1", "ON", "YES", "TRUE")
+
+
+def _registry() -> dict:
+    from .models import ARCHITECTURES
+
+    return ARCHITECTURES
+
+
+def _model_help(name: str) -> str:
+    names = list(_registry())
+    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
+    hint = f"Did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return (f"{hint}Known config names (the real shape, random weights, nothing downloaded): {', '.join(names)}. "
+            "A model on disk: pass its directory (the one with config.json) as a path, e.g. ./my-model or "
+            "/data/Qwen2.5-7B.")
+
+
+def locate_model(name: str) -> tuple[str, str]:
+    """Where the model `name` comes from, decided fast: ("registry", name), ("local", directory), ("hub", id)
+    when the Hub has it, or ("cache", id) when only the local Hugging Face cache does (then load with
+    ``local_files_only=True``).
+
+    Raises:
+        ValueError: none of these; the message lists the known config names and how to pass a local path.
+    """
+    if name in _LOCATED:
+        return _LOCATED[name]
+    if name in _registry():
+        return "registry", name
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory '{path}' has no config.json. Fix: pass the directory of a saved "
+                             "Hugging Face model (save_pretrained / a Hub snapshot), or a known config name. "
+                             + _model_help(name))
+        return "local", str(path)
+    if path.exists() or looks_like_local_path(name):
+        raise ValueError(f"model {name!r} is not a known config name, and no model directory is at '{path}'. "
+                         + _model_help(name))
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as e:
+        raise ValueError(f"model {name!r} is not a known config name, a local directory or a Hub id ({e}). "
+                         + _model_help(name)) from None
+
+    result = _located_on_hub(name)
+    _LOCATED[name] = result
+    return result
+
+
+def _cached(name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def _located_on_hub(name: str) -> tuple[str, str]:
+    if _offline():
+        if _cached(name):
+            return "cache", name
+        raise ValueError(f"model {name!r} is not a known config name or a local directory, and HF_HUB_OFFLINE is set "
+                         "while the local Hugging Face cache has no copy of it. " + _model_help(name))
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    timeout = hub_timeout_s()
+    outcome: list[BaseException | None] = []
+
+    def head() -> None:
+        try:
+            get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=timeout)  # one attempt, no retries
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    t = threading.Thread(target=head, daemon=True)  # a hanging DNS lookup ignores socket timeouts
+    t.start()
+    t.join(timeout + 1)
+    err = outcome[0] if outcome else TimeoutError(f"no answer within {timeout:g} s")
+    if err is None:
+        return "hub", name
+    if isinstance(err, GatedRepoError):
+        raise ValueError(f"model {name!r} is gated on the Hub: accept its terms on the model page and log in "
+                         "(`hf auth login` or HF_TOKEN), or pass a local directory.") from None
+    if isinstance(err, RemoteEntryNotFoundError):
+        raise ValueError(f"Hub repository {name!r} has no config.json: it is not a transformers model. "
+                         + _model_help(name)) from None
+    if isinstance(err, RepositoryNotFoundError) or (
+            isinstance(err, HfHubHTTPError) and getattr(err.response, "status_code", None) in (401, 404)):
+        raise ValueError(f"model {name!r} is not a known config name, a local directory, or a model on the Hub "
+                         f"(or it is private: log in with `hf auth login`). " + _model_help(name)) from None
+    if _cached(name):
+        return "cache", name
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    raise ValueError(f"model {name!r} is not a known config name or a local directory, and the Hub "
+                     f"({constants.ENDPOINT}) is unreachable ({reason}; one try, timeout {timeout:g} s: HF_HUB_ETAG_TIMEOUT) "
+                     "and the local Hugging Face cache has no copy of it. "
+                     + _model_help(name)) from None

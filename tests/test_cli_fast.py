@@ -1,0 +1,103 @@
+"""`lazytrain-hf` checks its arguments, the recipe and the overrides before importing torch / transformers (~13 s):
+a mistake fails in well under a second. `import lazytrain_hf` still registers the optimizer, as soon as transformers
+is imported. Each check runs in a fresh interpreter (this test process has torch loaded already)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "cpu_default.yaml"
+
+
+def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_bad_arguments_fail_before_torch_or_transformers_import(tmp_path):
+    """Every bad input below exits 2 with one error naming the fix, in a process that never imports torch,
+    transformers or datasets (before: each paid ~13 s of imports first)."""
+    missing_data = tmp_path / "no-such-data"
+    data = tmp_path / "gsm8k.jsonl"  # a valid local source, so the model check is the only problem
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2 #### 2"}) + "\n")
+    cases = {
+        "missing recipe": (["train", "--config", "nope.yaml"], "no recipe at 'nope.yaml'"),
+        "--set without =": (["train", "--config", str(RECIPE), "--set", "training.max_steps"], "section.key=value"),
+        "bad --set value": (["train", "--config", str(RECIPE), "--set", "data.max_length=abc"],
+                            r"data.max_length must be int"),
+        "unknown training key": (["train", "--config", str(RECIPE), "--set", "training.learning_rat=1e-3"],
+                                 "training.learning_rat"),
+        "unknown model key": (["train", "--config", str(RECIPE), "--set", "model.nam=x"], "model.nam"),
+        "bad lazytrain value": (["train", "--config", str(RECIPE), "--set", "lazytrain.policy=fastest"],
+                                "policy must be one of"),
+        "missing data": (["train", "--config", str(RECIPE), "--set", f"data.source={missing_data}"],
+                         "math data set not found"),
+        "missing tokenizer dir": (["train", "--config", str(RECIPE), "--set", "tokenizer.name_or_path=./no-tok"],
+                                  "tokenizer path"),
+        "missing model dir": (["train", "--config", str(RECIPE), "--set", "model.name_or_path=./no-model",
+                               "--set", f"data.source={data}"], "Known config names"),
+        "resume last, nothing to resume": (["train", "--config", str(RECIPE), "--resume", "last", "--set",
+                                            f"training.output_dir={tmp_path / 'fresh'}"], "no checkpoint-N/"),
+        "plan: bad size unit": (["plan", "--model", "qwen2.5-7b", "--gpu-memory", "24XB"], "24GiB"),
+        "plan: missing model dir": (["plan", "--model", "./no-model"], "Known config names"),
+    }
+    code = f"""
+        import contextlib, io, json, sys
+        from lazytrain_hf import cli
+        out = {{}}
+        for name, (argv, _) in {json.dumps(cases)}.items():
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                rc = cli.main(argv)
+            out[name] = [rc, err.getvalue()]
+        heavy = sorted(m for m in ("torch", "transformers", "datasets") if m in sys.modules)
+        print(json.dumps({{"results": out, "heavy": heavy}}))
+    """
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (_, match) in cases.items():
+        rc, err = doc["results"][name]
+        assert rc == 2, (name, err)
+        assert err.count("error") == 1 or err.startswith("lazytrain-hf plan: invalid arguments"), (name, err)
+        assert match in err, (name, err)
+    assert doc["heavy"] == [], f"imported before the arguments were checked: {doc['heavy']}"
+
+
+def test_package_import_is_light_and_still_registers_the_optimizer():
+    """`import lazytrain_hf` loads neither torch nor transformers, and a stock script that imports transformers
+    afterwards still gets optim="lazytrain_hybrid8" (enum, handler table, fused clipping)."""
+    proc = _python("""
+        import sys
+        import lazytrain_hf
+        assert "torch" not in sys.modules and "transformers" not in sys.modules, "heavy import at package import"
+        from transformers import TrainingArguments
+        args = TrainingArguments(output_dir="unused", optim="lazytrain_hybrid8", report_to=[], use_cpu=True)
+        from transformers import Trainer
+        from lazytrain_hf.hf.register import is_registered
+        assert is_registered() and Trainer._clip_grad_norm._lazytrain_fused
+        assert Trainer.get_optimizer_cls_and_kwargs(args)[0] is lazytrain_hf.Hybrid8bitOptimizer
+        from lazytrain_hf.hf.register import _PostImportHook
+        assert not any(isinstance(f, _PostImportHook) for f in sys.meta_path), "the hook stays installed"
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
+
+
+def test_training_argument_fields_without_importing_transformers():
+    """The unknown-training-key check reads TrainingArguments' fields from source: the same set as the class."""
+    proc = _python("""
+        import dataclasses, sys
+        from lazytrain_hf.recipe import training_argument_fields
+        cheap = training_argument_fields()
+        assert "transformers" not in sys.modules
+        from transformers import TrainingArguments
+        assert cheap == {f.name for f in dataclasses.fields(TrainingArguments)}, cheap
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
