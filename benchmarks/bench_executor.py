@@ -129,6 +129,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             ex.instrument(True)
             _reset_peak(args)
             times, fb, optim, h2d, d2h = [], [], [], [], []
+            trace: list[tuple] = []  # (loss, grad norm, step skipped) per step, read after the timed loop
             mem: dict[str, float] = {}
             for step in range(args.steps + warm):
                 first = (step * world + rank) * B  # rank r's share of the global batch
@@ -136,13 +137,15 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                 _sync(args)
                 _phase_memory(args, mem, "base")
                 t0 = time.perf_counter()
-                ex.forward_backward(ids, ids, denominator=_global_targets(ids, ex))
+                loss = ex.forward_backward(ids, ids, denominator=_global_targets(ids, ex))
                 _sync(args)
                 _phase_memory(args, mem, "fwd_bwd")
                 t1 = time.perf_counter()
-                opt.clip_grad_norm(1.0, ex.grad_norm())
+                norm = ex.grad_norm()
+                opt.clip_grad_norm(1.0, norm)
                 opt.step()
                 ex.zero_grad()
+                trace.append((loss, norm, opt.last_step_skipped))
                 _sync(args)
                 _phase_memory(args, mem, "optimizer")
                 t2 = time.perf_counter()
@@ -155,7 +158,13 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             med = statistics.median(times)
             tokens = B * args.seq_len  # per GPU
             pinned = ex.pinned_bytes
-            pinned = ex.pinned_bytes
+            losses = [float(x) for x, _, _ in trace]
+            norms = [float(n) for _, n, _ in trace]
+            skipped = sum(sk for _, _, sk in trace)
+            r["extra"].update(losses=losses, grad_norms=norms, skipped_steps=skipped)
+            if skipped:  # a skipped update costs nothing: the timings would flatter a broken run
+                r.update(status="error", reason=f"non-finite gradient norm: {skipped} of {len(trace)} optimizer "
+                         f"steps skipped (losses {losses}); timings not comparable")
             r.update(percentiles(times), tokens_per_s=world * tokens / med, tflops_6nd=6 * n_params * tokens / med / 1e12,
                      tflops_executed=_executed_flops(model, ex, tokens, args.seq_len) / med / 1e12,
                      peak_gpu_gib=max(mem.values(), default=None), peak_host_rss_gib=_peak_rss_gib(),

@@ -71,6 +71,7 @@ class StepTimer(TrainerCallback):
         self.h2d_ms: list[float] = []
         self.d2h_ms: list[float] = []
         self.rss_peak = 0
+        self.skipped = 0  # optimizer steps skipped for a non-finite gradient norm (Hybrid8's `last_step_skipped`)
         self._t0 = self._o0 = 0.0
 
     def _now(self) -> float:
@@ -91,6 +92,9 @@ class StepTimer(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs: Any):
         self.optim_s.append(self._now() - self._o0)
+        opt = kwargs.get("optimizer")
+        opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps the Trainer's optimizer
+        self.skipped += bool(getattr(opt, "last_step_skipped", False))
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.step_s.append(self._now() - self._t0)

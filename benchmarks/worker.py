@@ -163,6 +163,9 @@ def run(spec: dict[str, Any]) -> None:
                 trainer.args.max_steps = steps
             trainer.train()
             r.update(_measure(spec, system, B, trainer, timer, facts, model.config))
+            if timer.skipped:  # a skipped update costs nothing: its timings would flatter a broken run
+                r.update(status="error", reason=f"non-finite gradient norm: {timer.skipped} optimizer steps "
+                         "skipped; timings not comparable")
             r["extra"].update(build_extra, setup_s=round(setup_s, 2), train_call_s=round(time.perf_counter() - t1, 2))
             if folded:
                 r["extra"]["token_ids_folded_modulo"] = folded

@@ -158,3 +158,22 @@ def test_report_never_cuts_a_note_mid_word():
         assert reason.startswith(shown) and reason[len(shown)] == " ", f"cut mid-word: {cell!r}"
     assert f"1. {reason}" in text and text.count(reason) == 1
     assert "| short reason |" in text
+
+
+def test_step_timer_counts_skipped_updates_through_accelerates_wrapper():
+    """A Hybrid8 step skipped for a non-finite norm costs nothing, so the harness must see it (the row becomes an
+    error instead of a flattering timing); the Trainer hands callbacks accelerate's wrapper, not the optimizer."""
+    from types import SimpleNamespace
+
+    from benchmarks.systems import StepTimer
+
+    timer = StepTimer("cpu")
+    inner = SimpleNamespace(last_step_skipped=False)
+    wrapped = SimpleNamespace(optimizer=inner)
+    for skipped in (False, True, True, False):
+        inner.last_step_skipped = skipped
+        timer.on_pre_optimizer_step(None, None, None, optimizer=wrapped)
+        timer.on_optimizer_step(None, None, None, optimizer=wrapped)
+    assert timer.skipped == 2
+    timer.on_optimizer_step(None, None, None, optimizer=None)  # stock optimizers have no such flag
+    assert timer.skipped == 2

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..config import cpu_threads
 from ._cpu_kernel import DTYPE_CODES, CpuTables, cpu_adamw_step, cpu_kernel_status, load_cpu_kernel
-from .quant import code_midpoints, dequantize_blockwise, dynamic_map, quantize_blockwise
+from .quant import code_midpoints, dequantize_blockwise, dynamic_map, num_blocks, quantize_blockwise, zero_code
 
 __all__ = [
     "KERNELS",
@@ -192,6 +192,55 @@ def bitsandbytes_cuda_status(device_index: int = 0) -> tuple[bool, str]:
     return True, "ok"
 
 
+@functools.cache
+def cpp_kernel_self_check(threads: int) -> tuple[bool, str]:
+    """``(ok, reason)``: does the fused CPU kernel, as built for this CPU (``-march=native``) and run on ``threads``
+    threads, agree with the pure-torch reference? Once per process and thread count, on 262,221 elements (several
+    threads' ranges, a partial last block) in the executor's configuration (bf16 weights, Kahan compensation,
+    8-bit states, bf16 gradients) and with fp32 master weights: finite results, parameters within one bf16 ulp,
+    masters within fp32 rounding (the tolerances of tests/optim/test_functional.py). ~50 ms.
+
+    Why: the native build runs on CPUs CI never sees; a wrong update there would poison training silently (one
+    GPU host gave non-finite gradient norms from the first steps, cause not yet isolated: benchmarks/NOTES.md).
+    """
+    if load_cpu_kernel() is None:
+        return False, cpu_kernel_status()[1]
+    books = Codebooks.for_device("cpu")
+    n, block = (1 << 18) + 77, 256
+    gen = torch.Generator().manual_seed(0)
+    for gdtype, master in ((torch.bfloat16, "kahan"), (torch.float32, "master")):
+        p0 = (torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16)
+        grads = [torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 2) for _ in range(3)]
+        st: dict[str, Any] = {
+            "step": 0, "state1": torch.full((n,), zero_code(books.qmap1), dtype=torch.uint8),
+            "state2": torch.full((n,), zero_code(books.qmap2), dtype=torch.uint8),
+            "absmax1": torch.zeros(num_blocks(n, block)), "absmax2": torch.zeros(num_blocks(n, block))}
+        st[master] = torch.zeros(n, dtype=torch.bfloat16) if master == "kahan" else p0.float()
+        for g in grads[:2]:
+            st["step"] += 1
+            adamw_step(p0, g, st, AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, st["step"]), books, block_size=block,
+                       kernel="torch")
+        out = {}
+        for kernel in ("torch", "cpp"):
+            q = p0.clone()
+            s = {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.items()}
+            s["step"] += 1
+            hyper = AdamWHyper(2e-3, 0.9, 0.999, 1e-8, 0.1, s["step"], clip_coef=0.37)
+            adamw_step(q, grads[2].to(gdtype), s, hyper, books, block_size=block, kernel=kernel, threads=threads)
+            out[kernel] = (q.float(), s[master].float() + (q.float() if master == "kahan" else 0))
+        (q_t, v_t), (q_c, v_c) = out["torch"], out["cpp"]
+        where = f"{master} master, {gdtype} gradients, {threads} threads"
+        if not (bool(torch.isfinite(q_c).all()) and bool(torch.isfinite(v_c).all())):
+            return False, f"non-finite results ({where})"
+        bad = int(((q_c - q_t).abs() > (q_t.abs() * 2.0**-7).clamp(min=1e-30)).sum())
+        if bad:
+            return False, f"{bad} of {n} parameters differ from the torch reference by more than one bf16 ulp ({where})"
+        rtol = 2.0**-15 if master == "kahan" else 1e-6
+        if not torch.allclose(v_c, v_t, rtol=rtol, atol=1e-7):
+            return False, f"the updated master values differ from the torch reference ({where})"
+    return True, "ok"
+
+
 def _cpp_supports(param: Tensor, grad: Tensor, state: dict[str, Any]) -> str | None:
     """None when the fused CPU kernel can run this update, else the reason it cannot."""
     if param.dtype not in DTYPE_CODES:
@@ -223,6 +272,15 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
                 raise RuntimeError(f"{CPU_KERNEL_ENV}=cpp but the fused CPU kernel could not be built: {reason}")
             _log_once("cpp-build", "Hybrid8bitOptimizer: fused CPU kernel unavailable (%s); using the pure-torch "
                       "update, several times slower. Install a C++ compiler with OpenMP (g++) to enable it.",
+                      reason)
+            return "torch"
+        ok, reason = cpp_kernel_self_check(cpu_threads())
+        if not ok:
+            if choice == "cpp":
+                raise RuntimeError(f"{CPU_KERNEL_ENV}=cpp but the fused CPU kernel failed its self-check on this CPU: "
+                                   f"{reason}")
+            _log_once("cpp-check", "Hybrid8bitOptimizer: the fused CPU kernel failed its self-check on this CPU (%s); "
+                      "using the pure-torch update, several times slower. Please report it with your CPU model.",
                       reason)
             return "torch"
         why_not = _cpp_supports(param, grad, state)

@@ -195,3 +195,31 @@ def test_sliced_update_equals_whole(case, device, monkeypatch):
     for k, v in s_w.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(s_s[k], v), k
+
+
+def test_cpp_self_check_passes_here_and_catches_a_wrong_kernel(monkeypatch):
+    """The fused kernel is checked against the torch reference on the CPU it was built for (`-march=native`) before
+    its first use; a kernel that computes wrong or non-finite values is not used (auto) or refused (cpp)."""
+    requires_cpu_kernel()
+    F.cpp_kernel_self_check.cache_clear()
+    assert F.cpp_kernel_self_check(2) == (True, "ok")
+    real = F.cpu_adamw_step
+
+    def broken(lib, books, param, *args, **kw):
+        real(lib, books, param, *args, **kw)
+        param.view(-1)[::1000] = float("nan")
+
+    monkeypatch.setattr(F, "cpu_adamw_step", broken)
+    F.cpp_kernel_self_check.cache_clear()
+    try:
+        ok, reason = F.cpp_kernel_self_check(2)
+        assert not ok and "non-finite" in reason
+        p, g = torch.zeros(300, dtype=torch.bfloat16), torch.ones(300, dtype=torch.bfloat16)
+        st = {"state1": torch.zeros(300, dtype=torch.uint8), "kahan": torch.zeros(300, dtype=torch.bfloat16)}
+        monkeypatch.delenv(F.CPU_KERNEL_ENV, raising=False)
+        assert F.select_kernel(p, g, st, 256) == "torch"
+        monkeypatch.setenv(F.CPU_KERNEL_ENV, "cpp")
+        with pytest.raises(RuntimeError, match="self-check"):
+            F.select_kernel(p, g, st, 256)
+    finally:
+        F.cpp_kernel_self_check.cache_clear()

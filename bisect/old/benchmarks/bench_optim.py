@@ -1,0 +1,197 @@
+"""Micro-benchmark of the optimizer update on CPU: params/s of each kernel, side by side.
+
+Rows (``system`` in the JSON):
+  hybrid8_torch             Hybrid8bitOptimizer, 8-bit states, pure-torch kernel (the fallback)
+  hybrid8_cpp               Hybrid8bitOptimizer, 8-bit states, fused C++ kernel
+  hybrid8_cpp_fp32_states   Hybrid8bitOptimizer, fp32 states, fused C++ kernel
+  torch_adamw_fused_fp32    torch.optim.AdamW(fused=True), fp32 params and states (the speed to match)
+  bnb_adamw8bit_cpu         bitsandbytes.optim.AdamW8bit on CPU, when bitsandbytes is installed
+
+Hybrid8 rows use ``--param-dtype`` params (bf16 by default) with ``--master-weights`` (fp32 master by default for
+bf16 params; ``kahan``: bf16 compensation, as the streaming executor runs it), ``--grad-dtype`` gradients (fp32 by
+default; the executor supplies bf16) through `set_grad_source`, and an active clip coefficient. Their ``extra``
+records the fused CPU kernel's build and table-read mode (`cpu_kernel_status`).
+Each row: ``--warmup`` untimed steps, then ``--steps`` timed steps; the median is reported. Timings are wall
+clock on CPU tensors (no device synchronization needed).
+
+    python -m benchmarks.bench_optim                          # 8 M params, all rows, JSON to benchmarks/results/
+    python -m benchmarks.bench_optim --params 67108864 --threads 16 --out /tmp/bench.json
+    python -m benchmarks.bench_optim --master-weights kahan --grad-dtype bf16 --threads 16   # as the executor
+
+The JSON follows shared/RESULTS_FORMAT.md (suite "hybrid8"; params_per_s and state_bytes_per_param in extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import ROW_KEYS, git_commit, machine
+
+SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu"]
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def _time_steps(step: Callable[[], None], warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _tensors(n: int, count: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
+    return [(torch.randn(s, generator=g) * 0.02).to(dtype) for s in sizes]
+
+
+def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[Callable[[], None], int]:
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    os.environ["LAZYTRAIN_CPU_KERNEL"] = kernel
+    params = [torch.nn.Parameter(t) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
+    grads = {id(p): (torch.randn(p.numel()) * 1e-3).to(_DTYPES[args.grad_dtype]) for p in params}   # host gradients
+    opt = Hybrid8bitOptimizer(params, lr=1e-5, weight_decay=0.01, state_dtype=state_dtype,
+                              master_weights=args.master_weights)
+    opt.set_grad_source(lambda p: grads[id(p)])
+    norm = torch.tensor(2.0)
+
+    def step() -> None:
+        opt.clip_grad_norm(1.0, norm=norm)   # coefficient 0.5, folded into the update
+        opt.step()
+
+    step()   # allocate states
+    return step, sum(opt.state_bytes().values())
+
+
+def _torch_fused(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
+    params = [torch.nn.Parameter(t) for t in _tensors(args.params, args.tensors, torch.float32)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+    opt.step()
+    nbytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return opt.step, nbytes
+
+
+def _bnb_cpu(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
+    import bitsandbytes as bnb
+
+    params = [torch.nn.Parameter(t) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
+    for p in params:
+        p.grad = (torch.randn(p.shape) * 1e-3).to(p.dtype)
+    opt = bnb.optim.AdamW8bit(params, lr=1e-5, weight_decay=0.01)
+    opt.step()
+    nbytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor))
+    return opt.step, nbytes
+
+
+def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
+    pdtype = "fp32" if system == "torch_adamw_fused_fp32" else args.param_dtype
+    row.update(system=system, model=f"synthetic-{args.tensors}x", params=args.params,
+               extra={"param_dtype": pdtype, "threads": torch.get_num_threads(), "tensors": args.tensors})
+    if system.startswith("hybrid8"):
+        from lazytrain_hf.optim import cpu_kernel_status
+
+        row["extra"].update(master_weights=args.master_weights, grad_dtype=args.grad_dtype)
+        if system != "hybrid8_torch":
+            row["extra"]["cpu_kernel"] = cpu_kernel_status()[1]
+    try:
+        if system == "hybrid8_torch":
+            step, nbytes = _hybrid8(args, "torch", "8bit")
+        elif system == "hybrid8_cpp":
+            step, nbytes = _hybrid8(args, "cpp", "8bit")
+        elif system == "hybrid8_cpp_fp32_states":
+            step, nbytes = _hybrid8(args, "cpp", "fp32")
+        elif system == "torch_adamw_fused_fp32":
+            step, nbytes = _torch_fused(args)
+        elif system == "bnb_adamw8bit_cpu":
+            step, nbytes = _bnb_cpu(args)
+        else:
+            raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+        steps = args.steps if system != "hybrid8_torch" else max(5, args.steps // 2)
+        times = _time_steps(step, args.warmup, steps)
+    except ImportError as e:
+        row.update(status="unsupported", reason=f"{type(e).__name__}: {e}")
+        return row
+    except Exception as e:  # noqa: BLE001 - a benchmark row records the failure and the run goes on
+        row.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
+        return row
+    med = statistics.median(times)
+    row.update(status="ok", step_s_median=med, step_s_p10=_pct(times, 0.1), step_s_p90=_pct(times, 0.9),
+               steps_timed=len(times), optimizer_ms=med * 1e3)
+    row["extra"].update(params_per_s=args.params / med, state_bytes_per_param=nbytes / args.params)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=int, default=8 * 2**20, help="parameters per row (default 8 Mi)")
+    ap.add_argument("--tensors", type=int, default=1, help="split the parameters into this many tensors")
+    ap.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="hybrid8 / bnb param dtype")
+    ap.add_argument("--master-weights", choices=["auto", "fp32", "kahan", "none"], default="auto",
+                    help="hybrid8 master weights (auto: fp32 for bf16 params)")
+    ap.add_argument("--grad-dtype", choices=sorted(_DTYPES), default="fp32", help="hybrid8 host gradient dtype")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per row (at least 5 reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="JSON file, or a directory for hybrid8-<YYYYMMDD>.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.steps = max(5, args.steps)
+    rows = []
+    print(f"{'system':26s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} {'vs fused':>8s}")
+    for system in [s.strip() for s in args.systems.split(",") if s.strip()]:
+        row = run_row(system, args)
+        rows.append(row)
+        if row["status"] != "ok":
+            print(f"{system:26s} {row['status']}: {row['reason']}")
+            continue
+        ex = row["extra"]
+        print(f"{system:26s} {ex['param_dtype']:5s} {row['optimizer_ms']:9.1f} {ex['params_per_s'] / 1e6:11.1f} "
+              f"{ex['state_bytes_per_param']:8.2f}", flush=True)
+    fused = next((r for r in rows if r["system"] == "torch_adamw_fused_fp32" and r["status"] == "ok"), None)
+    if fused:
+        print("ratios of params/s to torch_adamw_fused_fp32: " + ", ".join(
+            f"{r['system']} {r['extra']['params_per_s'] / fused['extra']['params_per_s']:.2f}"
+            for r in rows if r["status"] == "ok"))
+    result = {"suite": "hybrid8", "date": dt.date.today().isoformat(),
+              "command": shlex.join(["python", "-m", "benchmarks.bench_optim", *(sys.argv[1:] if argv is None else argv)]),
+              "git_commit": git_commit(), "machine": machine(), "rows": rows}
+    out = Path(args.out)
+    if out.suffix != ".json":
+        out = out / f"hybrid8-{dt.date.today():%Y%m%d}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

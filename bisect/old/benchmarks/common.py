@@ -1,0 +1,154 @@
+"""Shared benchmark helpers: machine facts, results JSON (shared/RESULTS_FORMAT.md), GSM8K token streams,
+fast random-weight models of the real shapes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 1024**3
+ROW_KEYS = ("system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len", "status", "reason",
+            "step_s_median", "step_s_p10", "step_s_p90", "steps_timed", "tokens_per_s", "tflops_6nd",
+            "tflops_executed", "peak_gpu_gib", "peak_host_rss_gib", "pinned_planned_gib", "pinned_locked_gib",
+            "exposed_h2d_ms", "exposed_d2h_ms", "optimizer_ms", "predicted_step_s", "solve_ms", "mip_gap", "extra")
+
+
+def machine() -> dict[str, Any]:
+    import transformers
+
+    m = {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+         "python": platform.python_version()}
+    try:
+        import psutil
+
+        m["host_memory_gib"] = round(psutil.virtual_memory().total / GIB, 1)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            m["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        m.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / GIB, 1))
+    return m
+
+
+def git_commit() -> str | None:
+    """LAZYTRAIN_GIT_COMMIT when set (the GPU machine's copy of the tree carries a stale .git: pass the local
+    `git rev-parse HEAD` in the command), else this checkout's HEAD."""
+    if os.environ.get("LAZYTRAIN_GIT_COMMIT"):
+        return os.environ["LAZYTRAIN_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def row(**kw: Any) -> dict[str, Any]:
+    """A results row with every key of the format present (None where it does not apply)."""
+    r = {k: None for k in ROW_KEYS}
+    r["extra"] = {}
+    r.update(kw)
+    return r
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    q = lambda f: xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]  # noqa: E731
+    return {"step_s_median": statistics.median(xs), "step_s_p10": q(0.1), "step_s_p90": q(0.9),
+            "steps_timed": len(xs)}
+
+
+def append_results(path: str | Path, suite: str, rows: list[dict[str, Any]]) -> None:
+    """Merge rows into `path` (created with the format's header if absent); written atomically."""
+    path = Path(path)
+    doc = json.loads(path.read_text()) if path.is_file() else {
+        "suite": suite, "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m benchmarks." + Path(sys.argv[0]).stem, *sys.argv[1:]]),
+        "git_commit": git_commit(), "machine": machine(), "rows": []}
+    cmd = " ".join(["python -m benchmarks." + Path(sys.argv[0]).stem, *sys.argv[1:]])
+    doc.setdefault("commands", [])
+    if cmd not in doc["commands"]:
+        doc["commands"].append(cmd)
+    doc["rows"].extend(rows)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(path)
+
+
+def gsm8k_dir(data_dir: str | None = None) -> Path:
+    """The GSM8K folder: `data_dir`, else LAZYTRAIN_GSM8K_DIR, else <repo>/../shared/data/gsm8k.
+
+    Raises:
+        FileNotFoundError: it has no train.jsonl (names the two ways to point at it).
+    """
+    d = Path(data_dir or os.environ.get("LAZYTRAIN_GSM8K_DIR") or
+             Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
+    if not (d / "train.jsonl").is_file():
+        raise FileNotFoundError(f"no GSM8K train.jsonl in {d}: pass --data-dir /path/to/gsm8k or set "
+                                "LAZYTRAIN_GSM8K_DIR")
+    return d
+
+
+def gsm8k_token_rows(seq_len: int, num_rows: int, data_dir: str | None = None) -> torch.Tensor:
+    """[num_rows, seq_len] int64: GSM8K train problems (question + answer, eos-separated) tokenized with the real
+    Qwen tokenizer and packed into rows; repeats the stream if needed (folder: `gsm8k_dir`)."""
+    from lazytrain_hf.data import load_tokenizer
+
+    data_dir = gsm8k_dir(data_dir)
+    tok = load_tokenizer("qwen-offline")
+    ids: list[int] = []
+    need = seq_len * num_rows
+    with open(Path(data_dir) / "train.jsonl") as f:
+        for line in f:
+            ex = json.loads(line)
+            ids.extend(tok(ex["question"] + "\n" + ex["answer"])["input_ids"] + [tok.eos_token_id])
+            if len(ids) >= need:
+                break
+    while len(ids) < need:
+        ids.extend(ids[: need - len(ids)])
+    return torch.tensor(ids[:need]).view(num_rows, seq_len)
+
+
+def fast_random_model(name: str, dtype: torch.dtype = torch.bfloat16):
+    """The registry shape `name` on the CPU with N(0, 0.02) weights, unit norms, zero biases; built on the meta
+    device and filled in place (seconds for 7B instead of minutes of per-module init)."""
+    from transformers import AutoModelForCausalLM
+
+    from lazytrain_hf.models import resolve_config
+
+    config = resolve_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device="cpu")
+    # A bank of N(0, 0.02) values tiled over every matrix: memory-bound copies instead of minutes of CPU RNG.
+    bank = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                flat = p.view(-1)
+                for a in range(0, flat.numel(), bank.numel()):
+                    b = min(a + bank.numel(), flat.numel())
+                    flat[a:b].copy_(bank[: b - a])
+            elif "norm" in n:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for parent in list(model.modules()):  # rebuild rotary modules (to_empty left their tables uninitialized)
+            for child_name, child in list(parent.named_children()):
+                if hasattr(child, "inv_freq") and hasattr(child, "config"):
+                    setattr(parent, child_name, type(child)(child.config))
+    model.tie_weights()
+    return model

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# One GPU-machine session: GPU tests, then the executor benchmark. Run from the repo root on the device machine
+# with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
+# Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
+# to the GPU machine carries a stale .git, so results would name the wrong commit.
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | fixed | overlap | milp | stock | ddp | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#
+# harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
+# caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
+# carried with .devsite/ and .data/: carry [".devsite", ".data", ".dssite"]. Each call works for at most
+# HARNESS_BUDGET_S (540 s) and resumes from $HARNESS_OUT (default benchmarks/results/7b-<date>.json): copy the JSON
+# that comes back in $OUT to that path here before the next call; the last line says "suite complete" or REMAINING n.
+# Expected (estimates from the executor benchmark, not yet measured): per 24 GiB cap lazytrain_milp 8,16,32,64 ~4.5 min,
+# lazytrain_fixed ~4 min, stock_trainer and stock_trainer_bnb8 1,8 ~0.5 min each (out of memory at batch 1),
+# fsdp2_cpu_offload 8 ~3-4 min (host AdamW + 3 weight sweeps over PCIe per step), zero_offload 8 ~4-6 min (CPUAdam
+# JIT build ~1.5 min, ZeRO-3 init, ~15 s steps); at 80 GiB lazytrain 64,128 ~4 min each, stock 8,16 ~1 min, bnb8
+# 8,16,32 ~1.5 min, offload systems as at 24. Whole suite ~35-45 min of device time: 4-5 calls of this stage.
+# HARNESS_SYSTEMS / HARNESS_CAPS pick a subset (e.g. HARNESS_SYSTEMS=lazytrain_milp,lazytrain_fixed HARNESS_CAPS=24).
+# harness7b-maxbatch: largest feasible batch of LazyTrain-MILP and stock 8-bit Adam under 24 GiB (doubling from the
+# largest measured batch, then bisection, one process per probe, up to batch 256): ~5-9 min. HARNESS_SYSTEMS /
+# HARNESS_CAPS pick others (an out-of-memory row with no feasible one below bisects down to batch 1).
+# Both write BENCHMARKS.md and the PNG into $OUT (python -m benchmarks.report).
+set -uo pipefail
+export PYTHONPATH=$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export LAZYTRAIN_GSM8K_DIR=${LAZYTRAIN_GSM8K_DIR:-$PWD/.data/gsm8k} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+RES="$OUT/executor-$(date +%Y%m%d).json"
+# CPUSET=0-15 pins the single-GPU benchmark processes (milp24, cap80, cap80big) to 16 cores (the single-GPU kind's
+# count) on a larger host.
+PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN_CPU_THREADS=$(( $(taskset -c "$CPUSET" nproc) )); fi
+COMMON="--model qwen2.5-7b --seq-len 1024 --steps 5 --loss-chunk-tokens 2048 --out $RES"
+for stage in "$@"; do
+  case $stage in
+    tests) timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/profiling -rfE \
+             -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15 ;;
+    milp24gpu) # 1 GPU (~4 min): 24 GiB, fixed B=8 (the same-run reference) and MILP + GPU-side updates B=8 and 64
+           S="--gpu-cap-gib 24 --rows-per-pass 8 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
+           timeout 110 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
+             --batch-sizes 8 --steps 3 $S 2>&1 | grep -v Warning
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer \
+             --batch-sizes 8,64 --steps 4 $S 2>&1 | grep -v Warning ;;
+    optim) # (~1.5 min): the optimizer update's params/s on this host's cores (issue 4's >= 3.0 G params/s on 16), fp32
+           # master (fp32 grads) and Kahan master (bf16 grads, as the executor runs it), both table-read modes
+           T=${LAZYTRAIN_CPU_THREADS:-$(nproc)}
+           for mw in fp32 kahan; do
+             gd=fp32; [ $mw = kahan ] && gd=bf16
+             for lk in gather scalar; do
+               sys=hybrid8_cpp,hybrid8_cpp_fp32_states,torch_adamw_fused_fp32
+               [ $lk = gather ] && [ $mw = fp32 ] && sys=$sys,hybrid8_torch,bnb_adamw8bit_cpu
+               LAZYTRAIN_CPU_LOOKUP=$lk timeout 120 $PIN python3 -m benchmarks.bench_optim --threads "$T" --params 67108864 \
+                 --master-weights $mw --grad-dtype $gd --systems $sys --out "$OUT/hybrid8-$mw-$lk.json" 2>&1 | grep -v Warning
+             done
+           done ;;
+    gputests) # nvidia-h200-x2 (~2.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
+           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+           timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \
+             -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15 ;;
+    fixed) timeout 300 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
+             --batch-sizes 8,16,32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
+    overlap) timeout 250 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 24 \
+             --batch-sizes 32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
+    milp)  timeout 330 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
+             --batch-sizes 16,32,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning ;;
+    harness7b|harness7b-maxbatch)
+           export PYTHONPATH=$PWD/.dssite:$PYTHONPATH
+           HRES=${HARNESS_OUT:-benchmarks/results/7b-$(date +%Y%m%d).json}
+           if [ "$stage" = harness7b ]; then
+             HARGS="--systems ${HARNESS_SYSTEMS:-lazytrain_milp,lazytrain_fixed,stock_trainer,stock_trainer_bnb8,fsdp2_cpu_offload,zero_offload} --caps ${HARNESS_CAPS:-24,80}"
+           else
+             HARGS="--systems ${HARNESS_SYSTEMS:-lazytrain_milp,stock_trainer_bnb8} --caps ${HARNESS_CAPS:-24} --find-max-batch --max-batch-limit 256"
+           fi
+           # shellcheck disable=SC2086
+           timeout 585 python3 -m benchmarks.run --suite 7b $HARGS --budget-s "${HARNESS_BUDGET_S:-540}" \
+             --out "$HRES" 2>&1 | grep -v -i warning
+           cp "$HRES" "$OUT/" && python3 -m benchmarks.report "$HRES" --md "$OUT/BENCHMARKS.md" \
+             --png "$OUT/$(basename "${HRES%.json}").png" ;;
+    ddp)   # nvidia-h200-x2 (~7.5 min): data-parallel scaling, 1 GPU vs 2 GPUs on the same host in the same call. A fresh
+           # machine grows host memory ~3 s per 8 GiB: a 7B process needs >= 150 s (2 replicas: ~115 GB host).
+           # DDP_HALF_THREADS=1 adds 1 GPU with half the cores (what each of 2 ranks gets; +2.5 min).
+           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+           DDP="--system lazytrain_fixed --gpu-cap-gib 24 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON --steps ${DDP_STEPS:-5}"
+           timeout 170 python3 -m benchmarks.bench_executor $DDP --batch-sizes 32 2>&1 | grep -v Warning
+           if [ "${DDP_HALF_THREADS:-0}" = 1 ]; then
+             LAZYTRAIN_CPU_THREADS=$(( $(nproc) / 2 )) timeout 150 python3 -m benchmarks.bench_executor $DDP \
+               --batch-sizes 32 2>&1 | grep -v Warning
+           fi
+           timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_executor \
+             $DDP --batch-sizes 32 2>&1 | grep -v Warning ;;
+    ddptests) # nvidia-h200-x2 (~2 min): the GPU tests, including 2 GPUs over NCCL == 1 GPU
+           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+           timeout 170 python3 -m pytest -q -m gpu tests/streaming tests/hf/test_ddp.py -p no:cacheprovider 2>&1 | tail -6 ;;
+    memcal) # 1 GPU (~9.5 min): where the GPU memory goes per step phase (base / forward+backward / optimizer), the
+           # MILP plan for 24 GiB run uncapped with no margin (the plan that ran out of memory), then MILP vs fixed
+           # with the default 12% margin at 24 GiB and at 80 GiB.
+           timeout 90 python3 -m benchmarks.bench_executor --system lazytrain_milp --plan-gpu-gib 24 \
+             --gpu-memory-margin 0 --batch-sizes 8 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning
+           timeout 80 python3 -m benchmarks.bench_executor --system lazytrain_fixed --batch-sizes 8 --rows-per-pass 8 \
+             --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning
+           timeout 200 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
+             --batch-sizes 8,16,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning
+           timeout 100 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 80 \
+             --batch-sizes 64 --rows-per-pass 16 $COMMON 2>&1 | grep -v Warning
+           timeout 90 python3 -m benchmarks.bench_executor --system lazytrain_fixed --gpu-cap-gib 80 \
+             --batch-sizes 64 --rows-per-pass 16 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
+    milp24|cap80) # 1 GPU (~9 min each): fixed vs MILP vs MILP with GPU-side layer updates, same run, batch 8 and 64
+           # (milp24: 24 GiB cap, 8 rows per pass; cap80: 80 GiB, 16 rows per pass)
+           if [ "$stage" = milp24 ]; then CAP="--gpu-cap-gib 24 --rows-per-pass 8"; else CAP="--gpu-cap-gib 80 --rows-per-pass 16"; fi
+           S="--batch-sizes 8,64 --steps 4 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
+             $CAP $S 2>&1 | grep -v Warning
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp $CAP $S 2>&1 | grep -v Warning
+           timeout 180 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer $CAP $S 2>&1 \
+             | grep -v Warning ;;
+    cap80big) # 1 GPU (~4 min): MILP with GPU-side updates at 80 GiB, batch 96 and 128 (the 450 TFLOPS target)
+           timeout 240 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer --gpu-cap-gib 80 \
+             --rows-per-pass 16 --batch-sizes 96,128 --steps 3 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 \
+             --out $RES 2>&1 | grep -v Warning ;;
+    stock) timeout 110 python3 -m benchmarks.bench_executor --system stock_trainer --batch-sizes 8,16 $COMMON \
+             2>&1 | grep -v Warning ;;
+  esac
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null | tail -1

@@ -1,0 +1,262 @@
+"""BENCHMARKS.md and a TFLOPS-vs-batch plot from a harness results file (benchmarks.run).
+
+    python -m benchmarks.report benchmarks/results/7b-YYYYMMDD.json [more.json ...] [--md BENCHMARKS.md] [--png PATH]
+
+Several results files of one suite (calls at different commits) are reported as one table: each row names the file
+it came from, the header lists every file's commit and commands.
+
+Markdown: the exact commands, one table per (model, GPU cap) with every row (failures with their reason), the ratios
+LazyTrain-MILP / every other system (same batch, and best batch vs best batch), the largest feasible batches, and the
+project's targets (issue 6) marked met / not met / not measured. PNG (default benchmarks/results/<stem>.png): TFLOPS
+6ND vs batch size per system, one panel per cap (a row of panels per model), out-of-memory batches marked x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+REF = "lazytrain_milp"
+ORDER = ("lazytrain_milp", "lazytrain_fixed", "stock_trainer", "stock_trainer_bnb8", "fsdp2_cpu_offload",
+         "zero_offload")
+
+
+def _cap(c: Any) -> str:
+    return "uncapped" if c is None else f"{c:g} GiB"
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.{nd}f}" if abs(x) >= 1 or x == 0 else f"{x:.3g}"
+
+
+def _sort_key(r: dict[str, Any]) -> tuple:
+    s = r["system"]
+    return (ORDER.index(s) if s in ORDER else len(ORDER), s, r["batch_size"])
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["model"], r["gpu_cap_gib"]), []).append(r)
+    caps = lambda k: (k[0], float("inf") if k[1] is None else k[1])  # noqa: E731
+    return {k: sorted(out[k], key=_sort_key) for k in sorted(out, key=caps)}
+
+
+def _best(rows: list[dict[str, Any]], system: str) -> dict[str, Any] | None:
+    ok = [r for r in rows if r["system"] == system and r["status"] == "ok" and r["tflops_6nd"]]
+    return max(ok, key=lambda r: r["tflops_6nd"], default=None)
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| system | batch | status | step s (p10-p90) | tokens/s | TFLOPS 6ND | TFLOPS exec | peak GPU GiB | "
+           "peak RSS GiB | pinned GiB | exposed H2D / D2H ms | optimizer ms | note |",
+           "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    for r in rows:
+        step = "-" if r["step_s_median"] is None else \
+            f"{r['step_s_median']:.3f} ({r['step_s_p10']:.3f}-{r['step_s_p90']:.3f}, n={r['steps_timed']})"
+        xfer = "-" if r["exposed_h2d_ms"] is None else f"{r['exposed_h2d_ms']:.0f} / {r['exposed_d2h_ms'] or 0:.0f}"
+        note = ((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or "")).replace("|", "/")[:200]
+        out.append(f"| {r['system']} | {r['batch_size']} | {r['status']} | {step} | {_f(r['tokens_per_s'], 0)} | "
+                   f"{_f(r['tflops_6nd'])} | {_f(r['tflops_executed'])} | {_f(r['peak_gpu_gib'])} | "
+                   f"{_f(r['peak_host_rss_gib'])} | {_f(r['pinned_planned_gib'])} | {xfer} | "
+                   f"{_f(r['optimizer_ms'], 0)} | {note} |")
+    return out
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """LazyTrain-MILP / each other system: best vs best TFLOPS 6ND, and at each batch size both ran."""
+    ref = _best(rows, REF)
+    if ref is None:
+        return [f"No measured {REF} row here: no ratios."]
+    mine = {r["batch_size"]: r["tflops_6nd"] for r in rows if r["system"] == REF and r["status"] == "ok"}
+    out = [f"Ratios {REF} / system (TFLOPS 6ND). {REF} best: {ref['tflops_6nd']:.1f} at batch {ref['batch_size']}.",
+           "", "| system | its best TFLOPS 6ND (batch) | best / best | same batch |", "| --- | --- | ---: | --- |"]
+    for system in sorted({r["system"] for r in rows} - {REF}, key=lambda s: ORDER.index(s) if s in ORDER else 99):
+        b = _best(rows, system)
+        if b is None:
+            st = sorted({r["status"] for r in rows if r["system"] == system})
+            out.append(f"| {system} | none ({', '.join(st)}) | {REF} only | - |")
+            continue
+        same = [f"B={r['batch_size']}: {mine[r['batch_size']] / r['tflops_6nd']:.2f}x" for r in rows
+                if r["system"] == system and r["status"] == "ok" and r["batch_size"] in mine and r["tflops_6nd"]]
+        out.append(f"| {system} | {b['tflops_6nd']:.1f} ({b['batch_size']}) | {ref['tflops_6nd'] / b['tflops_6nd']:.2f}x "
+                   f"| {'; '.join(same) or '-'} |")
+    return out
+
+
+def max_batch_table(entries: list[dict[str, Any]]) -> list[str]:
+    if not entries:
+        return []
+    out = ["| model | cap | system | largest feasible batch | first infeasible | complete | probes |",
+           "| --- | --- | --- | ---: | ---: | --- | ---: |"]
+    for e in sorted(entries, key=lambda e: (e["model"], str(e["gpu_cap_gib"]), e["system"])):
+        out.append(f"| {e['model']} | {_cap(e['gpu_cap_gib'])} | {e['system']} | {e['max_batch'] or 'none'} | "
+                   f"{e['first_infeasible'] or '-'} | {e['complete']} | {len(e['probes'])} |")
+    return out
+
+
+def _max_batch(doc: dict[str, Any], system: str, model: str, cap: Any) -> int | None:
+    e = next((e for e in doc.get("max_batch", []) if (e["system"], e["model"], e["gpu_cap_gib"]) ==
+              (system, model, cap)), None)
+    if e is not None:
+        return e["max_batch"]
+    ok = [r["batch_size"] for r in doc["rows"] if (r["system"], r["model"], r["gpu_cap_gib"]) == (system, model, cap)
+          and r["status"] == "ok"]
+    return max(ok, default=None)
+
+
+def targets(doc: dict[str, Any], model: str = "qwen2.5-7b") -> list[str]:
+    """The published goals of issue 6, each met / not met / not measured."""
+    rows = doc["rows"]
+    by = {cap: [r for r in rows if r["model"] == model and r["gpu_cap_gib"] == cap] for cap in (24, 80)}
+    best = lambda cap, s: (_best(by[cap], s) or {}).get("tflops_6nd")  # noqa: E731
+    out = [f"| target ({model}) | measured | verdict |", "| --- | --- | --- |"]
+
+    def check(name: str, value: float | None, goal: float, unit: str = "x") -> None:
+        v = "not measured" if value is None else ("met" if value >= goal else "not met")
+        out.append(f"| {name} | {'-' if value is None else f'{value:.2f}{unit}'} | {v} |")
+
+    m24, m80 = best(24, REF), best(80, REF)
+    for other, goal in (("lazytrain_fixed", 1.3), ("fsdp2_cpu_offload", 3.0), ("zero_offload", 3.0)):
+        o = best(24, other)
+        check(f"24 GiB: MILP >= {goal}x {other}", m24 / o if m24 and o else None, goal)
+    check("24 GiB: MILP >= 350 TFLOPS 6ND", m24, 350, " TFLOPS")
+    mb = _max_batch(doc, REF, model, 24)
+    check("24 GiB: MILP largest batch >= 64", mb, 64, "")
+    b8 = _max_batch(doc, "stock_trainer_bnb8", model, 24)
+    bnb_oom = any(r["system"] == "stock_trainer_bnb8" and r["status"] == "oom" for r in by[24])
+    ratio = mb / b8 if mb and b8 else (float("inf") if mb and bnb_oom else None)
+    check("24 GiB: MILP largest batch >= 4x stock 8-bit Adam's", ratio, 4)
+    check("80 GiB: MILP >= 450 TFLOPS 6ND at the best batch", m80, 450, " TFLOPS")
+    return out
+
+
+def merge(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One report document from several results files (name, doc) of one suite: rows and max-batch entries
+    concatenated (a later file's row for the same (system, model, cap, batch) replaces an earlier one), each row's
+    "source" set to its file's name; "sources" lists every file with its commit, date, machine and commands."""
+    if len(docs) == 1:
+        return docs[0][1]
+    suites = {d["suite"] for _, d in docs}
+    if len(suites) > 1:
+        raise ValueError(f"results files of different suites {sorted(suites)}: report them separately")
+    rows: dict[tuple, dict[str, Any]] = {}
+    max_batch: dict[tuple, dict[str, Any]] = {}
+    for name, d in docs:
+        for r in d["rows"]:
+            rows[(r["system"], r["model"], r["gpu_cap_gib"], r["batch_size"])] = dict(r, source=name)
+        for e in d.get("max_batch", []):
+            max_batch[(e["system"], e["model"], e["gpu_cap_gib"])] = dict(e, source=name)
+    return {"suite": suites.pop(), "date": max(d["date"] for _, d in docs), "rows": list(rows.values()),
+            "max_batch": list(max_batch.values()),
+            "sources": [{"file": name, "git_commit": d.get("git_commit"), "date": d.get("date"),
+                         "machine": d.get("machine", {}), "commands": d.get("commands", [d.get("command", "")]),
+                         "notes": d.get("notes")} for name, d in docs]}
+
+
+def _header(doc: dict[str, Any]) -> list[str]:
+    def machine(m: dict[str, Any]) -> str:
+        return (f"{m.get('gpu', 'no GPU')} ({m.get('gpu_memory_gib', '-')} GiB), {m.get('cpu_cores')} CPU cores, "
+                f"{m.get('host_memory_gib', '-')} GiB host memory; torch {m.get('torch')}, "
+                f"transformers {m.get('transformers')}")
+
+    if "sources" not in doc:
+        return [f"Commit `{doc.get('git_commit')}` on {machine(doc.get('machine', {}))}.", "",
+                "Commands (in this order, resuming one results file):", "",
+                "```", *doc.get("commands", [doc.get("command", "")]), "python -m benchmarks.report <results.json>",
+                "```", ""]
+    out = ["Rows from several results files (column `source`), each with its commit, machine and commands:", ""]
+    for s in doc["sources"]:
+        out += [f"- `{s['file']}` ({s['date']}): commit `{s['git_commit']}` on {machine(s['machine'])}.",
+                *([f"  Notes: {s['notes']}"] if s.get("notes") else []), "", "  ```",
+                *[f"  {c}" for c in s["commands"]], "  ```", ""]
+    return out
+
+
+def markdown(doc: dict[str, Any], png: str | None) -> str:
+    lines = [f"# Benchmarks: suite `{doc['suite']}`, {doc['date']}", "", *_header(doc),
+             "All systems run through the HF Trainer on the same GSM8K token rows (real Qwen tokenizer, packed rows, no "
+             "padding), bf16 random weights of the real config, AdamW lr 1e-5, betas (0.9, 0.999), eps 1e-8, weight "
+             "decay 0.01, clip 1.0; warm-up steps are not timed. A step is timed from on_step_begin to on_step_end, "
+             "device-synchronized. `TFLOPS 6ND` = 6 x parameters x tokens per step / step time (padding would count; "
+             "these rows have none); `TFLOPS exec` counts what ran (recompute forwards and causal attention included). "
+             "Caps: torch.cuda.set_per_process_memory_fraction. LazyTrain's optimizer ms is the exposed part only "
+             "(layer updates overlap the next forward); DeepSpeed steps inside backward.", ""]
+    if doc.get("notes"):
+        lines += [f"Notes: {doc['notes']}", ""]
+    if png:
+        lines += [f"![TFLOPS 6ND vs batch]({png})", ""]
+    for (model, cap), rows in _groups(doc["rows"]).items():
+        lines += [f"## {model}, GPU cap {_cap(cap)}", "", *table(rows), "", *ratios(rows), ""]
+    if doc.get("max_batch"):
+        lines += ["## Largest feasible batch (doubling, then bisection; 1 warm-up + 1 timed step per probe)", "",
+                  *max_batch_table(doc["max_batch"]), ""]
+    if any(r["model"] == "qwen2.5-7b" for r in doc["rows"]):
+        lines += ["## Targets (issue 6)", "", *targets(doc), ""]
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(doc["rows"])
+    models = sorted({k[0] for k in groups})
+    caps = sorted({k[1] for k in groups}, key=lambda c: float("inf") if c is None else c)
+    fig, axes = plt.subplots(len(models), len(caps), figsize=(5 * len(caps), 3.8 * len(models)), squeeze=False)
+    for i, model in enumerate(models):
+        for j, cap in enumerate(caps):
+            ax = axes[i][j]
+            rows = groups.get((model, cap), [])
+            for k, system in enumerate(s for s in ORDER if any(r["system"] == s for r in rows)):
+                color = f"C{k}"
+                ok = [r for r in rows if r["system"] == system and r["status"] == "ok"]
+                label = system if ok else f"{system} (no ok row)"
+                ax.plot([r["batch_size"] for r in ok], [r["tflops_6nd"] for r in ok], "o-", color=color, label=label)
+                oom = [r["batch_size"] for r in rows if r["system"] == system and r["status"] == "oom"]
+                ax.plot(oom, [0] * len(oom), "x", color=color, markersize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{model}, cap {_cap(cap)}")
+            ax.set_xlabel("batch size (sequences)")
+            ax.set_ylabel("TFLOPS 6ND")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"suite {doc['suite']}, {doc['date']} (x at 0: out of memory)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> tuple[Path, Path]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("results", nargs="+", help="one or more results files of one suite")
+    p.add_argument("--md", default=None, help="default: BENCHMARKS.md for a results file under benchmarks/results/ "
+                   "(the committed table), else <results stem>.md next to the results file")
+    p.add_argument("--png", default=None, help="default: <results stem>.png next to the results file")
+    args = p.parse_args(argv)
+    srcs = [Path(r) for r in args.results]
+    doc = merge([(src.name, json.loads(src.read_text())) for src in srcs])
+    src = srcs[0] if len(srcs) == 1 else srcs[0].with_name(f"{doc['suite']}-combined-{doc['date'].replace('-', '')}.json")
+    png = Path(args.png) if args.png else src.with_suffix(".png")
+    committed = src.resolve().parent == (Path(__file__).resolve().parent / "results")
+    md = Path(args.md) if args.md else (Path(__file__).resolve().parents[1] / "BENCHMARKS.md" if committed
+                                        else src.with_suffix(".md"))
+    plot(doc, png)
+    try:
+        rel = png.resolve().relative_to(md.resolve().parent)
+    except ValueError:
+        rel = png.resolve()
+    md.write_text(markdown(doc, str(rel)) + "\n")
+    print(f"wrote {md} and {png}")
+    return md, png
+
+
+if __name__ == "__main__":
+    main()

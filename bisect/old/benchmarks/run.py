@@ -1,0 +1,326 @@
+"""Side-by-side harness (issue 6): LazyTrain vs the systems users would pick instead, through the HF Trainer.
+
+    python -m benchmarks.run --suite 7b --out benchmarks/results/7b-YYYYMMDD.json [--budget-s 540]
+    python -m benchmarks.run --suite smoke --out /tmp/smoke.json                 # CPU, tiny shape (CI)
+    python -m benchmarks.run --suite full --systems lazytrain_milp,stock_trainer_bnb8 --caps 24 --find-max-batch ...
+
+Each (system, model, GPU cap) runs in its own process (benchmarks.worker), FSDP2 and DeepSpeed one process per
+batch size: an out-of-memory error, a crash or a hang cannot take the harness down. A process that outlives
+--timeout-s is killed and its unfinished rows are recorded "timeout". Rows are merged into --out as they arrive
+(shared/RESULTS_FORMAT.md); a rerun skips every (system, model, cap, batch) already there with status ok, oom or
+unsupported, so a suite longer than one 10-minute GPU call is covered in stages (--budget-s stops starting work and
+kills what runs at the deadline without recording it, so the next call redoes it).
+--find-max-batch searches each system's largest feasible batch (doubling, then bisection; each probe a short run in
+its own process) and stores the result under "max_batch" in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import git_commit, gsm8k_dir, row
+from .systems import ONE_BATCH_PER_PROCESS, SYSTEMS, unsupported_reason
+from .worker import fmt_row
+
+FINAL = ("ok", "oom", "unsupported")
+LT = ("lazytrain_milp", "lazytrain_fixed")
+STOCK = ("stock_trainer", "stock_trainer_bnb8")
+OFFLOAD = ("fsdp2_cpu_offload", "zero_offload")
+ORDER = (*LT, *STOCK, *OFFLOAD)
+
+#: name -> settings. batch[cap][system]: batch sizes per GPU cap (None = uncapped). timeout[system]: seconds.
+SUITES: dict[str, dict[str, Any]] = {
+    "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
+                  batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
+    "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=2,
+               batch={24: {**{s: [8, 16, 32, 64] for s in LT}, **{s: [1, 8] for s in STOCK},
+                           **{s: [8] for s in OFFLOAD}},
+                      80: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16], "stock_trainer_bnb8": [8, 16, 32],
+                           **{s: [8] for s in OFFLOAD}}},
+               timeout={**{s: 420 for s in LT}, **{s: 240 for s in STOCK}, "fsdp2_cpu_offload": 360,
+                        "zero_offload": 480}),
+}
+SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
+                      batch={**SUITES["7b"]["batch"],
+                             None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
+                                    "stock_trainer_bnb8": [8, 16, 32], **{s: [8] for s in OFFLOAD}}})
+
+
+def _key(r: dict[str, Any]) -> tuple:
+    return (r["system"], r["model"], r["gpu_cap_gib"], r["batch_size"])
+
+
+def _machine() -> dict[str, Any]:
+    """Machine facts without creating a CUDA context in the harness process (nvidia-smi for the GPU)."""
+    import platform
+
+    import torch
+    import transformers
+
+    m: dict[str, Any] = {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version()}
+    try:
+        import psutil
+
+        m["host_memory_gib"] = round(psutil.virtual_memory().total / 1024**3, 1)
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True)
+        if q.returncode == 0 and q.stdout.strip():
+            name, mib = q.stdout.strip().splitlines()[0].split(", ")
+            m.update(gpu=name, gpu_memory_gib=round(float(mib) / 1024, 1))
+    return m
+
+
+class Results:
+    """The --out document: header, rows keyed by (system, model, cap, batch), max-batch searches; saved atomically
+    after every change."""
+
+    def __init__(self, path: Path, suite: str, command: str) -> None:
+        self.path = path
+        if path.is_file():
+            self.doc = json.loads(path.read_text())
+        else:
+            self.doc = {"suite": suite, "date": datetime.date.today().isoformat(), "command": command,
+                        "git_commit": git_commit(), "machine": _machine(), "rows": []}
+        self.doc.setdefault("commands", [])
+        if command not in self.doc["commands"]:
+            self.doc["commands"].append(command)
+        self.doc.setdefault("max_batch", [])
+
+    def get(self, key: tuple) -> dict[str, Any] | None:
+        return next((r for r in self.doc["rows"] if _key(r) == key), None)
+
+    def done(self, key: tuple) -> bool:
+        r = self.get(key)
+        return r is not None and r["status"] in FINAL
+
+    def put(self, rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            self.doc["rows"] = [x for x in self.doc["rows"] if _key(x) != _key(r)] + [r]
+        self.save()
+
+    def put_max_batch(self, entry: dict[str, Any]) -> None:
+        k = (entry["system"], entry["model"], entry["gpu_cap_gib"])
+        self.doc["max_batch"] = [x for x in self.doc["max_batch"]
+                                 if (x["system"], x["model"], x["gpu_cap_gib"]) != k] + [entry]
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir: Path) -> list[dict[str, Any]]:
+    """Run benchmarks.worker on `spec` in a new process (own session); the rows it wrote, plus rows for the batch
+    sizes it did not finish: "timeout" after `timeout_s`, "error"/"oom" when it died; none at the global deadline."""
+    from .systems import distributed_env
+
+    tag = f"{spec['system']}-{spec['model']}-{spec['gpu_cap_gib']}-{'_'.join(map(str, spec['batch_sizes']))}"
+    spec = dict(spec, rows_out=str(workdir / f"{tag}.jsonl"))
+    Path(spec["rows_out"]).unlink(missing_ok=True)
+    spec_path = workdir / f"{tag}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if spec["system"] in OFFLOAD:
+        env.update(distributed_env(_free_port()))
+    log = workdir / f"{tag}.log"
+    limit = min(timeout_s, deadline - time.time())
+    t0 = time.time()
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", str(spec_path)], env=env,
+                                stderr=err, cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, limit))
+            killed = None
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and what it started
+            proc.wait()
+            rc, killed = proc.returncode, ("deadline" if limit < timeout_s else "timeout")
+    rows = [json.loads(line) for line in Path(spec["rows_out"]).read_text().splitlines()] \
+        if Path(spec["rows_out"]).is_file() else []
+    missing = [B for B in spec["batch_sizes"] if B not in {r["batch_size"] for r in rows}]
+    if not missing or killed == "deadline":
+        return rows
+    tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
+    if killed == "timeout":
+        status, why = "timeout", f"killed after {timeout_s:.0f} s (per-process --timeout-s); log: {tail}"
+    elif rc in (-signal.SIGKILL, 137):
+        status, why = "oom", f"process killed by SIGKILL after {time.time() - t0:.0f} s (host out of memory?)"
+    else:
+        status, why = "error", f"process exited with {rc}: {tail}"
+    base = dict(system=spec["system"], model=spec["model"], gpu_cap_gib=spec["gpu_cap_gib"], seq_len=spec["seq_len"])
+    for i, B in enumerate(missing):
+        rows.append(row(**base, batch_size=B, status=status,
+                        reason=why if i == 0 else f"not run: batch {missing[0]} {status}"))
+    return rows
+
+
+def _spec(args: argparse.Namespace, suite: dict[str, Any], system: str, model: str, cap: float | None,
+          batch_sizes: list[int], steps: int | None = None, warmup: int | None = None) -> dict[str, Any]:
+    return dict(system=system, model=model, gpu_cap_gib=cap, batch_sizes=batch_sizes, seq_len=args.seq_len,
+                steps=args.steps if steps is None else steps, warmup=args.warmup if warmup is None else warmup,
+                device=args.device, data_dir=args.data_dir, rows_per_pass=8, checkpoint_every=4,
+                master_weights="kahan", loss_chunk_tokens=2048, embedding_states=args.embedding_states,
+                zero_stage=args.zero_stage)
+
+
+def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, system: str, model: str,
+            cap: float | None, deadline: float, workdir: Path) -> None:
+    sizes = args.batch_sizes or suite["batch"].get(cap, {}).get(system) or [8]
+    todo = [B for B in sorted(sizes) if not res.done((system, model, cap, B))]
+    if not todo:
+        return
+    reason = unsupported_reason(system, args.device, check_imports=False)
+    if reason:
+        res.put([row(system=system, model=model, gpu_cap_gib=cap, batch_size=B, seq_len=args.seq_len,
+                     status="unsupported", reason=reason) for B in todo])
+        return
+    groups = [[B] for B in todo] if system in ONE_BATCH_PER_PROCESS else [todo]
+    for group in groups:
+        if time.time() > deadline - args.min_start_s:
+            print(f"budget: not starting {system} {model} cap={cap} B={group}", flush=True)
+            return
+        rows = run_process(_spec(args, suite, system, model, cap, group), args.timeout_s or suite["timeout"][system],
+                           deadline, workdir)
+        res.put(rows)
+        for r in rows:
+            if r["status"] != "ok" or system in ONE_BATCH_PER_PROCESS:
+                print(fmt_row(r), flush=True)
+
+
+def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results, system: str, model: str,
+                   cap: float | None, deadline: float, workdir: Path) -> None:
+    """Largest batch that trains (1 warm-up + 1 timed step): double from the largest known feasible batch until
+    out of memory, then bisect to --max-batch-resolution (relative). Known rows seed the bounds."""
+    if any((x["system"], x["model"], x["gpu_cap_gib"]) == (system, model, cap) and x.get("complete")
+           for x in res.doc["max_batch"]):
+        return
+    if unsupported_reason(system, args.device, check_imports=False):
+        return
+    known = [r for r in res.doc["rows"] if (r["system"], r["model"], r["gpu_cap_gib"]) == (system, model, cap)]
+    ok = [r["batch_size"] for r in known if r["status"] == "ok"]
+    bad = [r["batch_size"] for r in known if r["status"] == "oom" and not str(r["reason"]).startswith("not run")]
+    lo, hi = max(ok, default=0), min((b for b in bad if b > max(ok, default=0)), default=None)
+    probes: list[dict[str, Any]] = []
+    timeout = args.timeout_s or suite["timeout"][system]
+    while True:
+        if hi is None:
+            B = max(1, lo * 2)
+            if B > args.max_batch_limit:
+                break
+        elif hi - lo <= max(1, int(lo * args.max_batch_resolution)):
+            break
+        else:
+            B = (lo + hi) // 2
+        if time.time() > deadline - args.min_start_s:
+            print(f"budget: max-batch search of {system} cap={cap} stopped at lo={lo} hi={hi}", flush=True)
+            return
+        rows = run_process(_spec(args, suite, system, model, cap, [B], steps=1, warmup=1), timeout, deadline,
+                           workdir)
+        r = rows[0] if rows else row(system=system, batch_size=B, status="deadline")
+        probes.append({"batch_size": B, "status": r["status"], "step_s": r["step_s_median"],
+                       "tflops_6nd": r["tflops_6nd"], "peak_gpu_gib": r["peak_gpu_gib"], "reason": r["reason"]})
+        print(f"max-batch probe {system} cap={cap} B={B}: {r['status']}", flush=True)
+        if r["status"] == "ok":
+            lo = B
+        elif r["status"] in ("oom", "timeout"):
+            hi = B
+        else:
+            break
+    done = not probes or probes[-1]["status"] in ("ok", "oom", "timeout")
+    res.put_max_batch({"system": system, "model": model, "gpu_cap_gib": cap, "max_batch": lo or None,
+                       "first_infeasible": hi, "limit": args.max_batch_limit, "complete": done, "probes": probes})
+
+
+def _parse_caps(s: str) -> list[float | None]:
+    return [None if c.strip().lower() in ("none", "uncapped", "0") else float(c) if "." in c else int(c)
+            for c in s.split(",")]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--suite", choices=sorted(SUITES), required=True)
+    p.add_argument("--systems", type=lambda s: s.split(","), default=None, help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--caps", type=_parse_caps, default=None, help="GPU caps in GiB, e.g. 24,80,none")
+    p.add_argument("--models", type=lambda s: s.split(","), default=None)
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="override the suite's per-system batch sizes")
+    p.add_argument("--find-max-batch", action="store_true")
+    p.add_argument("--max-batch-limit", type=int, default=512)
+    p.add_argument("--max-batch-resolution", type=float, default=0.125, help="bisection stops at hi-lo <= lo x this")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (suite default)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps, not timed (suite default)")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--timeout-s", type=float, default=None, help="per-process limit (suite default per system)")
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting work, and kill at, this many seconds")
+    p.add_argument("--min-start-s", type=float, default=45.0, help="do not start a process with less time left")
+    p.add_argument("--embedding-states", choices=["8bit", "fp32"], default="8bit")
+    p.add_argument("--zero-stage", type=int, choices=[2, 3], default=3)
+    p.add_argument("--data-dir", default=None,
+                   help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR, else <repo>/../shared/data/gsm8k)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    suite = SUITES[args.suite]
+    for k in ("steps", "warmup", "seq_len", "device"):
+        if getattr(args, k) is None:
+            setattr(args, k, suite[k])
+    bad = set(args.systems or []) - set(SYSTEMS)
+    if bad:
+        p.error(f"unknown systems {sorted(bad)}; known: {', '.join(SYSTEMS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Results:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    suite = SUITES[args.suite]
+    try:  # before any worker starts: every system reads the same token rows
+        gsm8k_dir(args.data_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"benchmarks.run: {e}") from None
+    deadline = time.time() + (args.budget_s or 1e9)
+    res = Results(Path(args.out), args.suite, " ".join(["python -m benchmarks.run", *argv]))
+    systems = [s for s in ORDER if s in (args.systems or ORDER)]
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
+        for model in args.models or suite["models"]:
+            for cap in suite["caps"] if args.caps is None else args.caps:
+                for system in systems:
+                    measure(args, suite, res, system, model, cap, deadline, Path(tmp))
+                    if args.find_max_batch:
+                        find_max_batch(args, suite, res, system, model, cap, deadline, Path(tmp))
+    planned = [(s, m, c, B) for m in args.models or suite["models"]
+               for c in (suite["caps"] if args.caps is None else args.caps) for s in systems
+               for B in args.batch_sizes or suite["batch"].get(c, {}).get(s) or [8]]
+    left = [k for k in planned if not res.done(k)]
+    print(f"{len(res.doc['rows'])} rows in {args.out}; " +
+          ("suite complete" if not left else f"REMAINING {len(left)} (error/timeout/not run): run the same command "
+           "again with the same --out to resume"), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()

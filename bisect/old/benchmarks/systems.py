@@ -1,0 +1,264 @@
+"""The systems of the side-by-side harness (issue 6), each built as an HF Trainer over the same model and data.
+
+Every system gets the same optimizer hyper-parameters (`HPARAMS`: AdamW lr / betas / eps / weight decay, clip 1.0,
+constant LR), the same GSM8K token rows, warm-up steps excluded from timing. What differs is only what the system is:
+
+- stock_trainer:      Trainer, everything on the GPU, activation checkpointing, adamw_torch_fused.
+- stock_trainer_bnb8: the same with adamw_bnb_8bit (bitsandbytes 8-bit AdamW states).
+- fsdp2_cpu_offload:  Trainer + accelerate FSDP2 on one process, CPUOffloadPolicy (parameters, gradients and the
+                      AdamW step on the host), FSDP's activation checkpointing, pure bf16 parameters.
+- zero_offload:       Trainer + DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU (DeepSpeedCPUAdam,
+                      bf16 master weights / optimizer states), activation checkpointing.
+- lazytrain_fixed / lazytrain_milp: LazyTrainer with the fixed (MegaTrain-equivalent) or the MILP schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+SYSTEMS = ("stock_trainer", "stock_trainer_bnb8", "fsdp2_cpu_offload", "zero_offload", "lazytrain_fixed",
+           "lazytrain_milp")
+#: systems whose Trainer is rebuilt per batch size in a fresh process (the wrapped model cannot be re-prepared)
+ONE_BATCH_PER_PROCESS = ("fsdp2_cpu_offload", "zero_offload")
+#: identical optimizer hyper-parameters for every system (AdamW; LazyTrain's Hybrid8 takes the same ones)
+HPARAMS: dict[str, Any] = dict(learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                               weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0)
+GIB = 1024**3
+
+
+def unsupported_reason(system: str, device: str, check_imports: bool = True) -> str | None:
+    """Why `system` cannot run on `device` here (None: it can be tried); `check_imports` also tries the packages
+    a system needs (the harness parent skips that and leaves it to the system's own process)."""
+    if system not in SYSTEMS:
+        return f"unknown system {system!r}; known: {', '.join(SYSTEMS)}"
+    if device == "cpu" and system == "fsdp2_cpu_offload":
+        return ("accelerate turns FSDP on only for a CUDA process group (distributed type MULTI_GPU); a CPU-only "
+                "process has nothing to offload to")
+    if system == "zero_offload":
+        if device == "cpu":
+            return ("not run on CPU: ZeRO-Offload offloads from a GPU to the host; DeepSpeed's CPU-accelerator path "
+                    "(this config trained the tiny model through the Trainer there, by hand) is not what is compared, "
+                    "and its JIT builds take minutes on 2 cores")
+        if not check_imports:
+            return None
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:  # ImportError, or a broken dependency (pydantic) inside it
+            return (f"DeepSpeed not importable ({type(e).__name__}: {str(e)[:160]}); build it with "
+                    "bash benchmarks/build_deepspeed_wheel.sh and carry .dssite/")
+    return None
+
+
+class StepTimer(TrainerCallback):
+    """Times every optimizer step between on_step_begin and on_step_end (device-synchronized at both ends), the
+    optimizer call between on_pre_optimizer_step and on_optimizer_step, the peak resident host memory at step ends,
+    and LazyTrain's exposed transfer stalls when the trainer has an executor."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        self.trainer: Any = None  # set after the Trainer exists (LazyTrain executor counters)
+        self.reset()
+
+    def reset(self) -> None:
+        self.step_s: list[float] = []
+        self.optim_s: list[float] = []
+        self.h2d_ms: list[float] = []
+        self.d2h_ms: list[float] = []
+        self.rss_peak = 0
+        self._t0 = self._o0 = 0.0
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.reset()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self._t0 = self._now()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs: Any):
+        self._o0 = self._now()
+
+    def on_optimizer_step(self, args, state, control, **kwargs: Any):
+        self.optim_s.append(self._now() - self._o0)
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        self.step_s.append(self._now() - self._t0)
+        self.rss_peak = max(self.rss_peak, _rss_bytes())
+        ex = getattr(self.trainer, "executor", None)
+        if ex is not None:
+            self.h2d_ms.append(float(ex.stats.extra.get("exposed_h2d_ms", 0.0)))
+            self.d2h_ms.append(float(ex.stats.extra.get("exposed_d2h_ms", 0.0)))
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        return 0
+
+
+def _training_args_cls(system: str):
+    if system.startswith("lazytrain"):
+        from lazytrain_hf.hf import LazyTrainingArguments
+
+        return LazyTrainingArguments
+    from transformers import TrainingArguments
+
+    return TrainingArguments
+
+
+def _checkpointing_kwargs(cls: Any) -> dict[str, bool]:
+    """transformers >= 5.2x calls it `activation_checkpointing` (gradient_checkpointing is a deprecated alias)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {"activation_checkpointing": True} if "activation_checkpointing" in names else \
+        {"gradient_checkpointing": True}
+
+
+def deepspeed_config(stage: int = 3) -> dict[str, Any]:
+    """ZeRO-Offload (stage 2: optimizer on the CPU) or ZeRO-Infinity-style stage 3 (parameters too) for the
+    Trainer's `deepspeed=`; "auto" values are filled from TrainingArguments (same lr / betas / eps / wd / clip).
+    bf16 master weights and optimizer states keep the host at ~8 bytes/parameter like the other systems' pure-bf16
+    AdamW (fp32 masters and states would need ~16-18 bytes/parameter: 122-137 GB for 7.6 B, over a 128 GB host)."""
+    zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                            "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto"}
+    if stage == 3:
+        zero.update(offload_param={"device": "cpu", "pin_memory": True}, stage3_prefetch_bucket_size="auto",
+                    stage3_param_persistence_threshold="auto", stage3_max_live_parameters=1e9,
+                    stage3_max_reuse_distance=1e9, stage3_gather_16bit_weights_on_model_save=False)
+    return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto"}},
+            "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: int, output_dir: str | None = None):
+    """TrainingArguments for one system and batch size; the settings each system differs in and `extra` facts."""
+    device = spec["device"]
+    cls = _training_args_cls(system)
+    kw: dict[str, Any] = dict(HPARAMS, output_dir=output_dir or tempfile.mkdtemp(prefix=f"bench-{system}-"),
+                              per_device_train_batch_size=batch_size, max_steps=max_steps, logging_strategy="no",
+                              save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+                              remove_unused_columns=False, seed=0, use_cpu=device == "cpu")
+    extra: dict[str, Any] = {}
+    if system in ("stock_trainer", "stock_trainer_bnb8"):
+        optim = "adamw_bnb_8bit" if system == "stock_trainer_bnb8" else \
+            ("adamw_torch_fused" if device == "cuda" else "adamw_torch")
+        kw.update(_checkpointing_kwargs(cls), optim=optim, bf16=True)
+        extra.update(optimizer=optim, placement="all on the device", activation_checkpointing="every layer")
+    elif system == "fsdp2_cpu_offload":
+        # fsdp_config keys of transformers 5.x (checked in 5.17 and 5.24 TrainingArguments._process_fsdp_args).
+        # bf16=False: pure bf16 parameters; with mixed precision accelerate upcasts FSDP2 parameters to fp32 masters
+        # (16 bytes/parameter on the host with AdamW: 122 GB for 7.6 B, over the 128 GB host).
+        kw.update(fsdp=True, fsdp_config={"version": 2, "cpu_offload": True, "activation_checkpointing": True,
+                                          "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
+                                          "state_dict_type": "FULL_STATE_DICT"},
+                  optim="adamw_torch", bf16=False)
+        extra.update(optimizer="adamw_torch (foreach) on the host", placement="FSDP2 CPUOffloadPolicy, 1 process",
+                     activation_checkpointing="FSDP, every layer", precision="pure bf16 parameters")
+    elif system == "zero_offload":
+        stage = int(spec.get("zero_stage", 3))
+        kw.update(_checkpointing_kwargs(cls), deepspeed=deepspeed_config(stage), bf16=True)
+        extra.update(optimizer="DeepSpeedCPUAdam (AdamW mode, bf16 states)", zero_stage=stage,
+                     placement="ZeRO-3 params + optimizer on the CPU" if stage == 3 else "ZeRO-2 optimizer on the CPU",
+                     activation_checkpointing="every layer")
+    else:
+        policy = system.split("_", 1)[1]
+        cap = spec.get("gpu_cap_gib")
+        cfg = {"policy": policy, "device": device, "checkpoint_every": spec.get("checkpoint_every", 4),
+               "activation_tier": "gpu", "max_rows_per_pass": spec.get("rows_per_pass", 8),
+               "master_weights": spec.get("master_weights", "kahan"),
+               "loss_chunk_tokens": spec.get("loss_chunk_tokens", 2048),
+               "gpu_memory_budget": f"{cap}GiB" if cap else None, "cap_gpu_memory": bool(cap)}
+        kw.update(lazytrain_config=cfg, bf16=True)
+        extra.update(optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)", lazytrain_config=cfg,
+                     embedding_states=spec.get("embedding_states", "8bit"))
+    return cls(**kw), extra
+
+
+def build_trainer(system: str, spec: dict[str, Any], model: Any, args: Any, dataset: Any, timer: StepTimer):
+    """The Trainer (or LazyTrainer) of `system` over `model` and `dataset`, with `timer` attached."""
+    from transformers import Trainer, default_data_collator
+
+    common = dict(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+                  callbacks=[timer])
+    if system.startswith("lazytrain"):
+        trainer = _lazy_trainer_cls(spec.get("embedding_states", "8bit"))(**common)
+    else:
+        trainer = Trainer(**common)
+    timer.trainer = trainer
+    return trainer
+
+
+def _lazy_trainer_cls(embedding_states: str):
+    """LazyTrainer, or (embedding_states="8bit", bench_executor's default) a subclass giving the embedding and
+    lm_head 8-bit states too: fp32 states for Qwen2.5-7B's 1.09 B embedding + head parameters would hold 8.7 GB of
+    a 24 GiB GPU budget. A quality knob, not a throughput one."""
+    from lazytrain_hf.hf import LazyTrainer
+
+    if embedding_states == "fp32":
+        return LazyTrainer
+
+    class BenchLazyTrainer(LazyTrainer):
+        @staticmethod
+        def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
+            cls, kwargs = LazyTrainer.get_optimizer_cls_and_kwargs(args, model)
+            kwargs["fp32_state_params"] = []
+            return cls, kwargs
+
+    return BenchLazyTrainer
+
+
+def distributed_env(port: int) -> dict[str, str]:
+    """Environment of a one-process process group (FSDP2 and DeepSpeed need one even on a single GPU)."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Row fields and `extra` facts read from a LazyTrainer's executor after training (empty for other trainers)."""
+    ex = getattr(trainer, "executor", None)
+    if ex is None:
+        return {}, {}
+    sched = ex.schedule
+    pinned = ex.pinned_bytes
+    row: dict[str, Any] = {"pinned_planned_gib": pinned["planned"] / GIB,
+                           "pinned_locked_gib": (pinned["registered"] + pinned["host_allocator"]) / GIB}
+    if sched.policy == "milp":
+        row.update(predicted_step_s=(sched.predicted.get("step_ms") or 0) / 1e3 or None,
+                   solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))
+    extra = {"schedule_policy": sched.policy, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
+             "retained": sum(lp.retain for lp in sched.layers), "prefetch_depth": sched.prefetch_depth,
+             "recomputed_layers": ex.stats.recomputed_layers, "weight_loads": ex.stats.weight_loads}
+    return row, extra
+
+
+def executed_flops(config: Any, n_params: int, tokens: int, seq_len: int, fwd_passes_per_layer: float,
+                   layer_params: float | None = None) -> float:
+    """FLOPs that ran in one step: each decoder layer's forward `fwd_passes_per_layer` times plus its backward
+    (2 forwards), causal attention 2·T·H per token per layer forward, the rest (embedding + head) 6·N·tokens.
+    Full activation checkpointing: fwd_passes_per_layer = 2 (forward + recompute)."""
+    L = config.num_hidden_layers
+    H = config.hidden_size
+    if layer_params is None:
+        inter = config.intermediate_size
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        hd = getattr(config, "head_dim", None) or H // heads
+        layer_params = H * hd * (heads * 2 + kv * 2) + 3 * H * inter
+    per_layer_fwd = 2 * layer_params * tokens + 2 * tokens * seq_len * H
+    rest = max(0.0, n_params - L * layer_params)
+    return per_layer_fwd * (fwd_passes_per_layer + 2) * L + 6 * rest * tokens

@@ -1,0 +1,194 @@
+"""One harness process: one system, one model, one GPU cap, one or more batch sizes (ascending).
+
+    python -m benchmarks.worker SPEC.json
+
+SPEC (written by benchmarks.run): system, model, gpu_cap_gib (GiB or null), batch_sizes, seq_len, steps (timed),
+warmup, device, rows_out (JSON-lines file, one results row per batch size, appended as each finishes so a killed
+process keeps what it measured) and the LazyTrain knobs (rows_per_pass, checkpoint_every, master_weights,
+loss_chunk_tokens, embedding_states) and zero_stage. Rows follow shared/RESULTS_FORMAT.md.
+Out of memory (GPU) is caught and reported as status "oom"; batch sizes above one that ran out of memory are
+reported "oom" without being run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import GIB, fast_random_model, gsm8k_token_rows, percentiles, row
+from .systems import (
+    ONE_BATCH_PER_PROCESS,
+    StepTimer,
+    build_args,
+    build_trainer,
+    executed_flops,
+    lazytrain_metrics,
+    unsupported_reason,
+)
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """[N, T] token rows as causal-LM examples (labels = input_ids; every token counts, no padding).
+    `ds["input_ids"]` gives all rows (LazyTrain's planner reads the sequence length from it)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int | str) -> Any:
+        if isinstance(i, str):
+            if i not in ("input_ids", "labels"):
+                raise KeyError(i)
+            return list(self.ids)
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def _emit(out: Path, r: dict[str, Any]) -> None:
+    with open(out, "a") as f:
+        f.write(json.dumps(r, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    print(fmt_row(r), flush=True)
+
+
+def fmt_row(r: dict[str, Any]) -> str:
+    head = f"{r['system']:18s} {r['model']} cap={r['gpu_cap_gib']} B={r['batch_size']:<4d}"
+    if r["status"] != "ok":
+        return f"{head} {r['status']}: {r['reason']}"
+    return (f"{head} step {r['step_s_median']:.3f}s tok/s {r['tokens_per_s']:.0f} TFLOPS6ND {r['tflops_6nd']:.1f} "
+            f"peakGPU {r['peak_gpu_gib'] or 0:.1f}GiB RSS {r['peak_host_rss_gib'] or 0:.1f}GiB "
+            f"opt {r['optimizer_ms'] or 0:.0f}ms")
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: StepTimer, facts: dict[str, Any],
+             model_config: Any) -> dict[str, Any]:
+    """Row fields from the timer after one train() of warmup + steps optimizer steps."""
+    warm = spec["warmup"]
+    times = timer.step_s[warm:]
+    if not times:
+        raise RuntimeError(f"no timed step: {len(timer.step_s)} steps ran, {warm} of them warm-up")
+    med = statistics.median(times)
+    tokens = B * spec["seq_len"]
+    n = facts["params"]
+    fields: dict[str, Any] = dict(percentiles(times), tokens_per_s=tokens / med,
+                                  tflops_6nd=6 * n * tokens / med / 1e12,
+                                  peak_host_rss_gib=timer.rss_peak / GIB if timer.rss_peak else None)
+    if spec["device"] == "cuda":
+        fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+    extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm}
+    if system != "zero_offload" and timer.optim_s[warm:]:
+        fields["optimizer_ms"] = statistics.median(timer.optim_s[warm:]) * 1e3
+    elif system == "zero_offload":
+        extra["optimizer_note"] = "DeepSpeed steps inside backward (engine.step); not separable from the Trainer"
+    lt_fields, lt_extra = lazytrain_metrics(trainer)
+    fields.update(lt_fields)
+    extra.update(lt_extra)
+    L = model_config.num_hidden_layers
+    if system.startswith("lazytrain"):
+        if timer.h2d_ms[warm:]:
+            fields.update(exposed_h2d_ms=statistics.median(timer.h2d_ms[warm:]),
+                          exposed_d2h_ms=statistics.median(timer.d2h_ms[warm:]))
+        fwd = (L + (L - lt_extra["retained"]) + lt_extra["recomputed_layers"]) / L
+        extra["optimizer_note"] = "exposed part only: streamed layers' updates overlap the next forward"
+    else:
+        fwd = 2.0  # forward + recompute in backward (checkpointing every layer)
+    fields["tflops_executed"] = executed_flops(model_config, n, tokens, spec["seq_len"], fwd,
+                                               facts["layer_params"]) / med / 1e12
+    fields["extra"] = extra
+    return fields
+
+
+def run(spec: dict[str, Any]) -> None:
+    system, device = spec["system"], spec["device"]
+    out = Path(spec["rows_out"])
+    base = dict(system=system, model=spec["model"], gpu_cap_gib=spec["gpu_cap_gib"], seq_len=spec["seq_len"])
+    reason = unsupported_reason(system, device)
+    if reason:
+        for B in spec["batch_sizes"]:
+            _emit(out, row(**base, batch_size=B, status="unsupported", reason=reason))
+        return
+    if device == "cuda":
+        cap = spec["gpu_cap_gib"]
+        if cap:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
+    t0 = time.perf_counter()
+    model = fast_random_model(spec["model"], torch.bfloat16)
+    model.config.use_cache = False
+    unique = {id(p): p for p in model.parameters()}.values()
+    layers = model.model.layers
+    facts = {"params": sum(p.numel() for p in unique),
+             "layer_params": sum(p.numel() for p in layers.parameters()) / len(layers)}
+    ids = gsm8k_token_rows(spec["seq_len"], max(spec["batch_sizes"]) * (spec["steps"] + spec["warmup"]),
+                           spec.get("data_dir"))
+    folded = None
+    if int(ids.max()) >= model.config.vocab_size:  # tiny test shapes: fold the real token ids into their vocabulary
+        folded = model.config.vocab_size
+        ids = ids % folded
+    dataset = TokenRows(ids)
+    setup_s = time.perf_counter() - t0
+    timer = StepTimer(device)
+    trainer, build_extra, oom_at = None, {}, None
+    for B in spec["batch_sizes"]:
+        r = row(**base, params=facts["params"], batch_size=B, status="ok")
+        if oom_at is not None:
+            r.update(status="oom", reason=f"not run: batch {oom_at} was already out of memory")
+            _emit(out, r)
+            continue
+        steps = spec["steps"] + spec["warmup"]
+        try:
+            t1 = time.perf_counter()
+            if trainer is None:
+                args, build_extra = build_args(system, spec, B, steps)
+                trainer = build_trainer(system, spec, model, args, dataset, timer)
+                if getattr(trainer, "executor", None) is not None and device == "cuda":
+                    trainer.executor.instrument(True)
+            else:  # same Trainer, new batch size (LazyTrain's MILP replans at train begin)
+                trainer.args.per_device_train_batch_size = B
+                trainer._train_batch_size = B
+                trainer.args.max_steps = steps
+            trainer.train()
+            r.update(_measure(spec, system, B, trainer, timer, facts, model.config))
+            r["extra"].update(build_extra, setup_s=round(setup_s, 2), train_call_s=round(time.perf_counter() - t1, 2))
+            if folded:
+                r["extra"]["token_ids_folded_modulo"] = folded
+        except Exception as e:  # the row carries the failure; a crash of the process is the parent's to report
+            traceback.print_exc(file=sys.stderr)
+            kind = type(e).__name__
+            if _is_oom(e) or "Infeasible" in kind:
+                oom_at = B
+                r.update(status="oom", reason=f"{kind}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            else:
+                r.update(status="error", reason=f"{kind}: {str(e)[:300]}")
+            r["extra"].update(build_extra)
+            trainer = None  # a failed train() can leave the Trainer half-stepped: rebuild for the next size
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        _emit(out, r)
+        if system in ONE_BATCH_PER_PROCESS:
+            trainer = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run(spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""lazytrain-hf: fine-tune Hugging Face causal LMs with layer streaming (train), plan schedules (plan), probe hardware.
+
+    lazytrain-hf train --config recipes/cpu_default.yaml [--set training.max_steps=20] [--resume DIR|last]
+    lazytrain-hf plan  --model qwen2.5-7b --gpu-memory 24GiB --batch-size 16 --seq-len 1024
+    lazytrain-hf probe [--nvme-dir DIR]
+
+The same entry point runs under accelerate: ``accelerate launch -m lazytrain_hf.cli train --config ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "train", "COMMANDS"]
+
+logger = logging.getLogger("lazytrain_hf")
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="recipe YAML (see recipes/)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value, e.g. --set training.max_steps=20 (repeatable)")
+    p.add_argument("--resume", default=None,
+                   help="resume from a checkpoint directory, or 'last' for the newest in output_dir")
+
+
+def train(args: argparse.Namespace) -> int:
+    """Fine-tune per recipe, save a HF checkpoint to <output_dir>/final, evaluate exact match, write metrics.json.
+
+    Every input problem (recipe keys, data files, schema, architecture, conflicting flags) is raised before the
+    model loads or training starts.
+    """
+    from . import LazyTrainer, LazyTrainingArguments
+    from .data import evaluate_exact_match, load_math_dataset, load_tokenizer, make_collator, tokenize_for_sft
+    from .data.evaluate import write_metrics_json
+    from .models import check_supported, load_model, resolve_config
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.config, args.set)
+    targs = LazyTrainingArguments(**recipe.training, lazytrain_config=recipe.lazytrain)
+    config = resolve_config(recipe.model.name_or_path)
+    if targs.lazy_config.policy != "none":
+        check_supported(config)
+    d = recipe.data
+    train_raw = load_math_dataset(d.source, d.train_split, limit=d.train_limit, seed=d.seed, name=d.hub_config)
+    test_raw = None
+    if recipe.eval.enabled and d.test_split:
+        test_raw = load_math_dataset(d.source, d.test_split, limit=d.test_limit, seed=d.seed, name=d.hub_config)
+    tokenizer = load_tokenizer(recipe.tokenizer.name_or_path)
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model {recipe.model.name_or_path!r} has "
+                         f"vocab_size={config.vocab_size}; pick a model whose vocabulary covers the tokenizer "
+                         "(e.g. qwen3-tiny-vocab with the qwen-offline tokenizer)")
+    train_ds = tokenize_for_sft(train_raw, tokenizer, d.max_length)
+
+    model = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed)
+    trainer = LazyTrainer(model=model, args=targs, train_dataset=train_ds,
+                          data_collator=make_collator(tokenizer, pad_to_multiple_of=8), processing_class=tokenizer)
+    resume: Any = args.resume
+    if resume == "last":
+        resume = True
+    t0 = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    out = Path(targs.output_dir)
+    final = out / "final"
+    trainer.save_model(str(final))  # the Trainer writes on the main process only
+    if not trainer.is_world_process_zero():  # data parallel: the other ranks are done (rank 0 evaluates, reports)
+        return 0
+    tokenizer.save_pretrained(str(final))
+    metrics: dict[str, Any] = {
+        "recipe": recipe.path, "model": recipe.model.name_or_path, "train": result.metrics,
+        "train_wall_s": round(time.perf_counter() - t0, 2), "checkpoint": str(final),
+        "log_history": trainer.state.log_history,
+        "lazytrain_config": targs.lazytrain_config,
+    }
+    if test_raw is not None:
+        eval_model, device = _model_for_generation(trainer, model)
+        metrics["eval"] = evaluate_exact_match(eval_model, tokenizer, test_raw, recipe.eval.max_new_tokens,
+                                               recipe.eval.batch_size, recipe.eval.limit, device)
+        logger.info("exact match on %s: %.4f (%d/%d)", d.test_split, metrics["eval"]["exact_match"],
+                    metrics["eval"]["num_correct"], metrics["eval"]["num_examples"])
+    path = write_metrics_json(out / "metrics.json", metrics)
+    print(json.dumps({"checkpoint": str(final), "metrics": str(path), "train_loss": result.metrics.get("train_loss"),
+                      "exact_match": metrics.get("eval", {}).get("exact_match")}))
+    return 0
+
+
+def _model_for_generation(trainer: Any, model: Any) -> tuple[Any, Any]:
+    """The trained model, whole on one device for `generate`: the GPU if it fits, else the CPU."""
+    import torch
+
+    ex = getattr(trainer, "executor", None)
+    if ex is None:
+        return model, trainer.args.device
+    ex.close()
+    if ex.device.type == "cuda":
+        try:
+            return model.to(ex.device), ex.device
+        except torch.OutOfMemoryError:
+            logger.warning("the model does not fit on the GPU for generation; evaluating on the CPU (slow)")
+            torch.cuda.empty_cache()
+    return model.to("cpu"), torch.device("cpu")
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from .cli_plan import add_arguments
+
+    add_arguments(p)
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Solve the MILP for a model and budgets, print the per-layer plan, write schedule JSON and timeline PNG."""
+    from .cli_plan import run
+
+    return run(args)
+
+
+def _add_probe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nvme-dir", default=None, help="directory whose disk is measured for the NVMe tier")
+    p.add_argument("--device", default="auto", help="cuda | cpu | auto")
+
+
+def probe(args: argparse.Namespace) -> int:
+    """Measure (or, without a GPU, report the defaults of) PCIe, NVMe, GEMM and optimizer rates; cached per machine."""
+    from .profiling.hardware import probe as run_probe
+
+    prof = run_probe(args.device, nvme_dir=args.nvme_dir)
+    print(json.dumps(prof.to_dict() if hasattr(prof, "to_dict") else prof.__dict__, indent=1, default=str))
+    return 0
+
+
+#: subcommand -> (argument builder, function, help)
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {
+    "train": (_add_train_args, train, "fine-tune from a recipe YAML"),
+    "plan": (_add_plan_args, plan, "plan a schedule (MILP) for a model and budgets; no GPU needed"),
+    "probe": (_add_probe_args, probe, "measure this machine's PCIe / NVMe / GEMM / optimizer rates"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lazytrain-hf", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add, _fn, help_) in COMMANDS.items():
+        add(sub.add_parser(name, help=help_))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command][1](args)
+    except (ValueError, FileNotFoundError) as e:
+        if args.verbose:
+            raise
+        print(f"lazytrain-hf {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""`lazytrain-hf plan`: plan a step for a model and budgets without a GPU (analytic costs on the meta device).
+
+Example::
+
+    lazytrain-hf plan --model qwen2.5-7b --gpu-memory 24GiB --host-memory 100GiB --batch-size 16 --seq-len 1024 \\
+        --out-dir plans/
+
+prints the per-layer plan (boundary tier, recompute, retain, optimizer placement), the predicted step time,
+tokens/s, peak GPU and host memory, exposed transfer time, the solver's status / gap / time and the largest
+feasible batch, and writes the schedule JSON, the cost model JSON and a timeline PNG to --out-dir.
+
+Hardware rates: the H200 figures of DESIGN §7, or this machine's cached probe (`lazytrain_hf.profiling.probe`)
+when one exists, or a probe JSON given with --hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .config import LazyTrainConfig
+
+__all__ = ["add_arguments", "run"]
+
+_GIB = 1024**3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `plan` subcommand's options to `parser`."""
+    parser.add_argument("--model", required=True,
+                        help="registry name (e.g. qwen2.5-7b, qwen3.6-27b), Hub id or local path")
+    parser.add_argument("--gpu-memory", default=None,
+                        help="GPU memory the plan may use, e.g. 24GiB (default: the hardware profile's GPU)")
+    parser.add_argument("--gpu-memory-margin", type=float, default=LazyTrainConfig.gpu_memory_margin,
+                        help="fraction of the GPU memory kept free for fragmentation and unmodelled workspaces "
+                             "(default %(default)s, as lazytrain_config.gpu_memory_margin)")
+    parser.add_argument("--host-memory", default=None,
+                        help="host memory the plan may use, e.g. 100GiB (default: 90%% of the profile's RAM)")
+    parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size B (default 16)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="sequence length T (default 1024)")
+    parser.add_argument("--nvme-dir", default=None, help="directory for the NVMe activation tier (enables it)")
+    parser.add_argument("--nvme-budget", default=None,
+                        help="bytes the NVMe tier may write, e.g. 200GiB (default: 90%% of the free space)")
+    parser.add_argument("--policy", choices=("milp", "fixed"), default="milp", help="planner (default milp)")
+    parser.add_argument("--checkpoint-every", type=int, default=4, help="fixed policy: checkpoint every k layers")
+    parser.add_argument("--tier", choices=("gpu", "cpu", "nvme"), default="gpu", help="fixed policy: boundary tier")
+    parser.add_argument("--prefetch-depth", type=int, default=1, help="fixed policy: weight prefetch depth")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit in seconds (default 10)")
+    parser.add_argument("--mip-gap", type=float, default=0.01, help="MILP relative gap (default 0.01)")
+    parser.add_argument("--gpu-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                        help="let the plan move layers' optimizer updates to the GPU (the executor runs them at "
+                             "the layer's next load; lazytrain_config.gpu_layer_updates, default on)")
+    parser.add_argument("--rows-per-pass", type=int, default=None,
+                        help="the executor's max_rows_per_pass (layers run over the batch in chunks of this many rows)")
+    parser.add_argument("--hardware", default=None,
+                        help="hardware profile JSON (from lazytrain_hf.profiling.probe), or 'defaults' for the "
+                             "H200 figures; default: this machine's cached probe if any, else the H200 figures")
+    parser.add_argument("--max-batch", type=int, default=1024,
+                        help="upper end of the largest-feasible-batch search (0 skips it)")
+    parser.add_argument("--out-dir", default=None, help="write schedule JSON, cost model JSON and timeline PNG here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `plan`; returns the exit status (0 planned, 1 no schedule fits, 2 invalid arguments)."""
+    from .config import parse_bytes
+    from .planning.milp import InfeasiblePlanError
+
+    problems = []
+    if args.batch_size < 1:
+        problems.append(f"--batch-size must be >= 1, but got {args.batch_size}")
+    if args.seq_len < 1:
+        problems.append(f"--seq-len must be >= 1, but got {args.seq_len}")
+    if not 1 <= args.prefetch_depth <= 3:
+        problems.append(f"--prefetch-depth must be in [1, 3], but got {args.prefetch_depth}")
+    if args.checkpoint_every < 1:
+        problems.append(f"--checkpoint-every must be >= 1, but got {args.checkpoint_every}")
+    if args.rows_per_pass is not None and args.rows_per_pass < 1:
+        problems.append(f"--rows-per-pass must be >= 1, but got {args.rows_per_pass}")
+    if args.tier == "nvme" and args.policy == "fixed" and not args.nvme_dir:
+        problems.append("--tier nvme needs --nvme-dir")
+    sizes: dict[str, int | None] = {}
+    for flag in ("gpu_memory", "host_memory", "nvme_budget"):
+        value = getattr(args, flag)
+        if value is not None and re.fullmatch(r"\s*[0-9.]+\s*", str(value)):  # "24": bytes, surely not meant
+            problems.append(f"--{flag.replace('_', '-')} {value}: give a unit, e.g. {value.strip()}GiB")
+            continue
+        try:
+            sizes[flag] = parse_bytes(value)
+        except ValueError as e:
+            problems.append(f"--{flag.replace('_', '-')}: {e}")
+    if problems:
+        print("lazytrain-hf plan: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 2
+    try:
+        hardware = _hardware(args.hardware)
+    except (OSError, ValueError) as e:
+        print(f"lazytrain-hf plan: --hardware {args.hardware!r}: {e}", file=sys.stderr)
+        return 2
+    if not 0 <= args.gpu_memory_margin < 0.9:
+        print(f"lazytrain-hf plan: --gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}",
+              file=sys.stderr)
+        return 2
+    gpu_bytes = int((sizes["gpu_memory"] or hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
+    host_bytes = sizes["host_memory"] or int(0.9 * hardware.host_memory_bytes)
+    nvme_bytes = 0
+    if args.nvme_dir:
+        nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)
+
+    from .models import check_supported, resolve_config
+    from .planning.planner import largest_feasible_batch, make_schedule
+    from .planning.schedule import fingerprint
+    from .profiling.analytic import analytic_cost_model, model_shape
+
+    try:
+        config = resolve_config(args.model)
+        check_supported(config)
+    except (OSError, ValueError) as e:
+        print(f"lazytrain-hf plan: --model {args.model!r}: {e}", file=sys.stderr)
+        return 2
+    shape = model_shape(config, args.model)
+
+    def build(batch: int) -> Any:
+        return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
+                                   nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model)
+
+    cm = build(args.batch_size)
+    fp = fingerprint(config.to_dict(), args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes,
+                     hardware.to_dict())
+    _print_header(args, shape, cm, hardware)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            sched = make_schedule(cm, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
+                                  prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
+                                  mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer,
+                                  fingerprint=fp)
+        except InfeasiblePlanError as e:
+            print(f"\nNo plan: {e}")
+            return 1
+    for w in caught:
+        print(f"warning: {w.message}")
+    _print_table(sched, cm)
+    _print_prediction(sched, cm)
+    if args.max_batch > 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            best = largest_feasible_batch(build, args.policy, max_batch=args.max_batch,
+                                          checkpoint_every=args.checkpoint_every, tier=args.tier,
+                                          prefetch_depth=args.prefetch_depth)
+        cap = " (the search cap)" if best == args.max_batch else ""
+        print(f"largest feasible batch ({args.policy}, seq {args.seq_len}): {best}{cap}")
+    if args.out_dir:
+        _write(args, sched, cm)
+    return 0
+
+
+def _hardware(spec: str | None) -> Any:
+    from .profiling.hardware import H200_DEFAULTS, HardwareProfile, cache_dir, machine_fingerprint
+
+    if spec == "defaults":
+        return H200_DEFAULTS
+    if spec:
+        return HardwareProfile.from_dict(json.loads(Path(spec).read_text()))
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            path = cache_dir() / f"hardware-{machine_fingerprint('cuda')}.json"
+            if path.is_file():
+                return HardwareProfile.from_dict(json.loads(path.read_text()))
+    except Exception:  # noqa: BLE001 - a broken CUDA setup must not stop planning
+        pass
+    return H200_DEFAULTS
+
+
+def _free_bytes(directory: str) -> int:
+    import shutil
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return int(0.9 * shutil.disk_usage(directory).free)
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / _GIB:.2f} GiB"
+
+
+def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any) -> None:
+    print(f"model {args.model} ({shape.model_type}): {shape.num_params / 1e9:.2f} B params, {cm.num_layers} decoder "
+          f"layers ({', '.join(f'{shape.layer_kinds.count(k)} {k}' for k in sorted(set(shape.layer_kinds)))})")
+    print(f"batch {args.batch_size} x seq {args.seq_len} = {cm.tokens_per_step} tokens/step; budgets: GPU "
+          f"{_gib(cm.gpu_bytes)}, host {_gib(cm.pinned_host_bytes)} (fixed part {_gib(cm.host_fixed_bytes)}), "
+          f"NVMe {_gib(cm.nvme_bytes)}")
+    print(f"hardware: {hardware.source}{'' if hardware.measured else ' (not measured here)'}; H2D "
+          f"{hardware.h2d_gbps:.1f} / D2H {hardware.d2h_gbps:.1f} / both {hardware.bidir_gbps:.1f} GB/s, "
+          f"{hardware.gpu_tflops:.0f} TFLOPS bf16, CPU optimizer {hardware.cpu_optim_params_per_s / 1e9:.2f} G params/s")
+    print(f"per layer (analytic): fwd {min(cm.fwd_ms):.2f}-{max(cm.fwd_ms):.2f} ms, bwd {min(cm.bwd_ms):.2f}-"
+          f"{max(cm.bwd_ms):.2f} ms, weights {_gib(max(cm.param_bytes))}, boundary {_gib(max(cm.act_bytes))}, "
+          f"saved activations {_gib(max(cm.saved_bytes))}")
+
+
+def _print_table(sched: Any, cm: Any) -> None:
+    from .planning.estimate import recompute_flags
+
+    x = recompute_flags(sched)
+    print(f"\n{'layer':>5}  {'kind':<16} {'boundary':<8} {'recompute':<9} {'retain':<6} {'optimizer':<9}")
+    for i, lp in enumerate(sched.layers):
+        tier = lp.tier if lp.checkpoint else "-"
+        print(f"{i:>5}  {cm.layer_kind[i]:<16} {tier:<8} {'yes' if x[i] else '-':<9} "
+              f"{'yes' if lp.retain else '-':<6} {lp.optimizer_device:<9}")
+
+
+def _print_prediction(sched: Any, cm: Any) -> None:
+    p, s = sched.predicted, sched.solver
+    flops = 6 * cm.num_params_total() * cm.tokens_per_step / (p["step_ms"] / 1e3) / 1e12
+    print(f"\npolicy {sched.policy}, prefetch depth {sched.prefetch_depth}, {len(sched.segments())} segments, "
+          f"{p.get('recomputed_layers', 0)} layers rebuilt in backward")
+    print(f"predicted step {p['step_ms']:.1f} ms (simulated {p.get('simulated_step_ms', float('nan')):.1f} ms), "
+          f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS (6ND)")
+    print(f"  compute {p['compute_ms']:.1f} ms + recompute {p['recompute_ms']:.1f} ms + GPU optimizer "
+          f"{p['gpu_optim_ms']:.1f} ms + exposed transfer {p['exposed_transfer_ms']:.1f} ms + exposed CPU optimizer "
+          f"{p['exposed_optimizer_ms']:.1f} ms")
+    print(f"peak GPU {_gib(p['peak_gpu_bytes'])} (simulated {_gib(p.get('simulated_peak_gpu_bytes'))}) of "
+          f"{_gib(cm.gpu_bytes)}; host {_gib(p['pinned_host_bytes'])} of {_gib(cm.pinned_host_bytes)}; NVMe "
+          f"{_gib(p['nvme_bytes'])}")
+    if s:
+        gap = "-" if s.get("mip_gap") is None else f"{100 * s['mip_gap']:.2f}%"
+        depths = ", ".join(f"{d['prefetch_depth']}={d['status']}" for d in s.get("depths", []))
+        print(f"solver: {s['status']}, gap {gap}, {s['solve_ms']:.0f} ms (per prefetch depth: {depths})")
+
+
+def _write(args: argparse.Namespace, sched: Any, cm: Any) -> None:
+    from .planning.simulator import simulate
+    from .planning.timeline import plot_timeline
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{re.sub(r'[^A-Za-z0-9._-]+', '_', args.model)}-b{args.batch_size}-s{args.seq_len}-{sched.policy}"
+    sched.to_json(out / f"{stem}.schedule.json")
+    (out / f"{stem}.cost_model.json").write_text(json.dumps(cm.to_dict(), indent=1))
+    p = sched.predicted
+    title = (f"{args.model} B={args.batch_size} T={args.seq_len} {sched.policy}: predicted {p['step_ms']:.0f} ms, "
+             f"{p['tokens_per_s']:.0f} tok/s, peak {p['peak_gpu_bytes'] / _GIB:.1f} GiB")
+    plot_timeline(simulate(cm, sched), out / f"{stem}.timeline.png", title=title, gpu_budget_bytes=cm.gpu_bytes)
+    print(f"wrote {out / (stem + '.schedule.json')}, {stem}.cost_model.json, {stem}.timeline.png")
+
+
+if __name__ == "__main__":  # python -m lazytrain_hf.cli_plan --model qwen2.5-7b ...
+    _parser = argparse.ArgumentParser(prog="lazytrain-hf plan", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

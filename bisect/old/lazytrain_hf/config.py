@@ -1,0 +1,261 @@
+"""`LazyTrainConfig`: every knob of the executor, planner and optimizer in one validated dataclass.
+
+Resolution order for each field (as accelerate does): the value given by the user, then the environment
+variable `LAZYTRAIN_<FIELD>` (upper case), then the default. All problems are collected and raised at once in
+one `ValueError`, each message naming the key as the user wrote it, the rule, the value received and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LazyTrainConfig", "parse_bytes", "format_bytes", "GIB"]
+
+GIB = 1024**3
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: int | float | str | None) -> int | None:
+    """Parse a memory size such as ``"24GiB"``, ``"80 GB"`` or ``25769803776`` into bytes.
+
+    Raises:
+        ValueError: the string is not a number followed by one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '24GiB', but got {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as '24GiB' or '80GB', but got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def cpu_threads() -> int:
+    """CPU threads for this process's optimizer kernel: the cores it may use divided among the ranks on this host
+    (LOCAL_WORLD_SIZE, set by torchrun / accelerate launch; torchrun also sets OMP_NUM_THREADS=1, which would leave
+    the CPU optimizer on one core). Single process: torch.get_num_threads(). Override: LAZYTRAIN_CPU_THREADS."""
+    import torch
+
+    if os.environ.get("LAZYTRAIN_CPU_THREADS"):
+        return max(1, int(os.environ["LAZYTRAIN_CPU_THREADS"]))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if local <= 1:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local)
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Format bytes as GiB with two decimals (``None`` -> ``"-"``)."""
+    return "-" if n is None else f"{n / GIB:.2f} GiB"
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "policy": ("fixed", "milp", "none"),
+    "device": ("auto", "cuda", "cpu"),
+    "activation_tier": ("gpu", "cpu", "nvme"),
+    "state_dtype": ("8bit", "fp32"),
+    "master_weights": ("auto", "fp32", "kahan", "none"),
+}
+
+
+@dataclass
+class LazyTrainConfig:
+    """Configuration of the LazyTrain executor, planner and Hybrid 8-bit optimizer.
+
+    Args:
+        policy (str, defaults to "fixed"): how the schedule is made. "fixed": the MegaTrain-equivalent baseline
+            (a checkpoint every `checkpoint_every` layers, boundaries in `activation_tier`); "milp": solved by the
+            HiGHS planner (lazytrain_hf.planning); "none": no executor, the plain HF Trainer path.
+        device (str, defaults to "auto"): compute device of the executor: "cuda" when available, else "cpu".
+        checkpoint_every (int, defaults to 4): fixed policy: materialize the input of every k-th decoder layer;
+            layers in between are recomputed in backward.
+        activation_tier (str, defaults to "gpu"): fixed policy: where materialized boundaries live
+            ("gpu" = the compute device, "cpu" = pinned host memory, "nvme" = files in `nvme_dir`).
+        prefetch_depth (int, defaults to 1): number of decoder layers whose weights are streamed ahead of
+            compute (1-3); the device holds `prefetch_depth + 1` weight slots per layer structure.
+        gpu_memory_budget (str or int, defaults to None): device memory the plan may use, e.g. "24GiB".
+            None: what the device reports free. Also caps the process with
+            `torch.cuda.set_per_process_memory_fraction` when `cap_gpu_memory` is true.
+        cap_gpu_memory (bool, defaults to False): enforce `gpu_memory_budget` on the CUDA caching allocator
+            (emulates a smaller GPU).
+        gpu_memory_margin (float, defaults to 0.12): fraction of the GPU budget the MILP keeps free for allocator
+            fragmentation and workspaces the analytic cost model does not count. On the H200 (benchmarks/NOTES.md,
+            2026-11-29) a plan predicted at 23.4 GB ran out of memory under a 25.8 GB cap: >= 9% under-prediction.
+        host_memory_budget (str or int, defaults to None): pinned host memory the plan may use (per process). None:
+            90% of RAM divided among the data-parallel ranks on this host (LOCAL_WORLD_SIZE).
+        nvme_dir (str, defaults to None): directory for the "nvme" tier; required when that tier is used.
+        nvme_budget (str or int, defaults to None): bytes the plan may write to `nvme_dir`.
+        pin_memory (bool, defaults to True): keep host weights and gradients in pinned (page-locked) memory
+            when the device is CUDA (needed for asynchronous H2D/D2H copies).
+        max_rows_per_pass (int, defaults to None): rows (sequences) of a micro-batch a decoder layer processes at
+            once; the layer runs over the micro-batch in row chunks with its weights loaded once, so a layer's
+            activation memory scales with this instead of the micro-batch size. None: the whole micro-batch.
+        overlap_optimizer (bool, defaults to True): run the streamed layers' optimizer updates on a CPU worker
+            overlapped with the next forward (layer i's update must land before layer i is streamed in) instead
+            of serially inside `optimizer.step()`.
+        gpu_layer_updates (bool, defaults to True): let the MILP place streamed layers' optimizer updates on the
+            GPU (run at the layer's next load, streamed states; needs overlap_optimizer and a CUDA device); the
+            plan moves a layer only where the cost model predicts a shorter step. Measured on an H200 (Qwen2.5-7B shape, 24 GiB
+            cap, 16 cores): 1.5x the CPU-only MILP plan at batch 8, 1.14x at batch 64 (benchmarks/NOTES.md).
+        loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
+            [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
+        schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
+        plan_buckets (int, defaults to 4): policy "milp": sequence-length buckets planned at the start of training
+            (powers of two up to the longest sequence, one MILP solve each); each batch runs the plan of the
+            smallest bucket that holds it. 1: one plan for the longest sequence.
+        solver_time_limit_s (float, defaults to 10.0): HiGHS time limit (s).
+        solver_mip_rel_gap (float, defaults to 0.01): HiGHS relative MIP gap.
+        state_dtype (str, defaults to "8bit"): Hybrid8 optimizer moments: "8bit" blockwise or "fp32".
+        master_weights (str, defaults to "auto"): "fp32" master copy, "kahan" compensated bf16, "none"
+            (update in the parameter dtype); "auto" = fp32 for bf16/fp16 parameters, none for fp32 ones.
+        block_size (int, defaults to 256): quantization block size (elements per absmax), as bitsandbytes.
+        min_8bit_size (int, defaults to 4096): tensors with fewer elements keep fp32 states (bitsandbytes default).
+        fp32_state_modules (list of str, defaults to []): extra module-name substrings whose parameters keep fp32
+            states (embeddings and lm_head always do).
+    """
+
+    policy: str = "fixed"
+    device: str = "auto"
+    checkpoint_every: int = 4
+    activation_tier: str = "gpu"
+    prefetch_depth: int = 1
+    gpu_memory_budget: int | str | None = None
+    cap_gpu_memory: bool = False
+    gpu_memory_margin: float = 0.12
+    host_memory_budget: int | str | None = None
+    nvme_dir: str | None = None
+    nvme_budget: int | str | None = None
+    pin_memory: bool = True
+    max_rows_per_pass: int | None = None
+    overlap_optimizer: bool = True
+    gpu_layer_updates: bool = True
+    loss_chunk_tokens: int = 2048
+    schedule_path: str | None = None
+    plan_buckets: int = 4
+    solver_time_limit_s: float = 10.0
+    solver_mip_rel_gap: float = 0.01
+    state_dtype: str = "8bit"
+    master_weights: str = "auto"
+    block_size: int = 256
+    min_8bit_size: int = 4096
+    fp32_state_modules: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
+        # 1. resolve: argument (if changed from default) > environment > default
+        for f in dataclasses.fields(self):
+            env = os.environ.get(f"LAZYTRAIN_{f.name.upper()}")
+            if env is not None and getattr(self, f.name) == defaults.get(f.name, object()):
+                try:
+                    setattr(self, f.name, _coerce_env(env, f.type))
+                except ValueError as e:
+                    problems.append(f"environment LAZYTRAIN_{f.name.upper()}={env!r}: {e}")
+        # 2. normalize
+        for key in _CHOICES:
+            if isinstance(getattr(self, key), str):
+                setattr(self, key, getattr(self, key).lower())
+        for key in ("gpu_memory_budget", "host_memory_budget", "nvme_budget"):
+            try:
+                setattr(self, key, parse_bytes(getattr(self, key)))
+            except ValueError as e:
+                problems.append(f"lazytrain_config.{key}: {e}")
+        if isinstance(self.fp32_state_modules, str):
+            self.fp32_state_modules = [self.fp32_state_modules]
+        # 3. validate
+        for key, allowed in _CHOICES.items():
+            if getattr(self, key) not in allowed:
+                problems.append(f"lazytrain_config.{key} must be one of {list(allowed)}, but got {getattr(self, key)!r}")
+        _check_int(problems, "checkpoint_every", self.checkpoint_every, 1, 10_000)
+        _check_int(problems, "prefetch_depth", self.prefetch_depth, 1, 3)
+        _check_int(problems, "plan_buckets", self.plan_buckets, 1, 16)
+        margin = self.gpu_memory_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.9:
+            problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), e.g. 0.12 (the "
+                            f"default), but got {margin!r}")
+        _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
+        if self.max_rows_per_pass is not None:
+            _check_int(problems, "max_rows_per_pass", self.max_rows_per_pass, 1, 1 << 20)
+        _check_int(problems, "block_size", self.block_size, 64, 1 << 16)
+        _check_int(problems, "min_8bit_size", self.min_8bit_size, 0, 1 << 40)
+        if isinstance(self.block_size, int) and self.block_size & (self.block_size - 1):
+            problems.append(f"lazytrain_config.block_size must be a power of two, but got {self.block_size}")
+        if self.activation_tier == "nvme" and not self.nvme_dir:
+            problems.append("lazytrain_config.activation_tier='nvme' needs lazytrain_config.nvme_dir (a directory "
+                            "on a fast local disk), but nvme_dir is not set")
+        if self.schedule_path and not Path(self.schedule_path).is_file():
+            problems.append(f"lazytrain_config.schedule_path: no file at {self.schedule_path!r}")
+        if problems:
+            raise ValueError("Invalid LazyTrain configuration:\n  - " + "\n  - ".join(problems))
+
+    @classmethod
+    def from_any(cls, value: LazyTrainConfig | dict[str, Any] | str | os.PathLike | None) -> LazyTrainConfig:
+        """Build from a config, a dict, a YAML path or None (defaults).
+
+        Raises:
+            ValueError: unknown keys (all listed, with the allowed keys) or invalid values.
+            FileNotFoundError: a YAML path that does not exist.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            import yaml
+
+            path = Path(value)
+            if not path.is_file():
+                raise FileNotFoundError(f"lazytrain_config: no YAML file at {str(path)!r}")
+            value = yaml.safe_load(path.read_text()) or {}
+            if "lazytrain" in value and isinstance(value["lazytrain"], dict):
+                value = value["lazytrain"]
+        if not isinstance(value, dict):
+            raise ValueError(f"lazytrain_config must be a dict or a YAML path, but got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def resolved_device(self) -> str:
+        """The compute device string ("cuda" or "cpu") after resolving "auto"."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_int(problems: list[str], key: str, value: Any, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        problems.append(f"lazytrain_config.{key} must be an integer in [{lo}, {hi}], but got {value!r}")
+
+
+def _coerce_env(text: str, type_hint: Any) -> Any:
+    hint = str(type_hint)
+    if hint.startswith("bool"):
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true/false")
+    if hint.startswith("int"):
+        return int(text)
+    if hint == "float":
+        return float(text)
+    if hint.startswith("list"):
+        return [s for s in text.split(",") if s]
+    return text

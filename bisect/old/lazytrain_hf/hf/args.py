@@ -1,0 +1,85 @@
+"""`LazyTrainingArguments`: `TrainingArguments` plus one field, `lazytrain_config` (like `fsdp_config`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from ..config import LazyTrainConfig
+from .register import OPTIM_NAME, register
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LazyTrainingArguments"]
+
+register()
+
+
+@dataclass
+class LazyTrainingArguments(TrainingArguments):
+    """TrainingArguments for `LazyTrainer`.
+
+    Args:
+        lazytrain_config (dict or str, defaults to None): a dict or a YAML path validated into a
+            `LazyTrainConfig` (see lazytrain_hf.config for every key); None = defaults.
+        optim (str, defaults to "lazytrain_hybrid8"): the executor's optimizer. With
+            `lazytrain_config.policy="none"` any HF optimizer may be used.
+
+    The executor owns host/device placement, so the Trainer does not move the model to the device.
+
+    Raises:
+        ValueError: invalid `lazytrain_config` (every problem listed), `gradient_checkpointing=True` with the
+            executor (it owns recomputation), or another `optim` with the executor.
+    """
+
+    lazytrain_config: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "LazyTrain config: a dict or a YAML path (see lazytrain_hf.config)."})
+    optim: str = field(default=OPTIM_NAME, metadata={"help": "Optimizer; the executor needs lazytrain_hybrid8."})
+
+    def __post_init__(self) -> None:
+        cfg = LazyTrainConfig.from_any(self.lazytrain_config)
+        self.lazytrain_config = cfg.to_dict()  # normalized, JSON-serializable (to_json_string, logging)
+        problems = []
+        if cfg.policy != "none":
+            if self.gradient_checkpointing:
+                problems.append("gradient_checkpointing=True conflicts with the LazyTrain executor, which owns "
+                                "recomputation (lazytrain_config.policy=" + repr(cfg.policy) + "). Set "
+                                "gradient_checkpointing=False, or lazytrain_config.policy='none' for the plain path.")
+            if str(getattr(self.optim, "value", self.optim)) != OPTIM_NAME:
+                problems.append(f"optim={self.optim!r} cannot update parameters streamed from host memory; use "
+                                f"optim='{OPTIM_NAME}' (lazytrain_config.state_dtype='fp32' gives plain fp32 AdamW "
+                                "states) or lazytrain_config.policy='none'.")
+            if self.label_smoothing_factor:
+                problems.append("label_smoothing_factor > 0 is not supported by the executor's chunked loss; set "
+                                "it to 0 or lazytrain_config.policy='none'.")
+        if problems:
+            raise ValueError("Invalid LazyTrainingArguments:\n  - " + "\n  - ".join(problems))
+        super().__post_init__()
+
+    @property
+    def lazy_config(self) -> LazyTrainConfig:
+        """The validated LazyTrainConfig."""
+        return LazyTrainConfig.from_any(dict(self.lazytrain_config))
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: 1 with the executor. The Trainer would otherwise run torch DataParallel over every
+        visible GPU (and hand the loss a per-GPU token count); the executor drives one GPU per process, and data
+        parallelism is one process per GPU (accelerate launch / torchrun, streaming/comm.py)."""
+        n = super().n_gpu
+        if n > 1 and self.lazytrain_config.get("policy", "fixed") != "none":
+            if not getattr(self, "_warned_n_gpu", False):
+                logger.warning("%d GPUs are visible to this one process; LazyTrain uses %s only. Launch one process "
+                               "per GPU (accelerate launch --num_processes %d ... or torchrun --nproc_per_node %d) "
+                               "to train on all of them.", n, self.device, n, n)
+                object.__setattr__(self, "_warned_n_gpu", True)
+            return 1
+        return n
+
+    @property
+    def place_model_on_device(self) -> bool:
+        # The executor places resident parts on the device and keeps decoder layers in host memory.
+        return self.lazytrain_config.get("policy", "fixed") == "none"

@@ -1,0 +1,69 @@
+"""`LazyTrainCallback`: plans at train begin, times steps for the metrics, saves the schedule into checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+
+from ..planning.schedule import Schedule
+
+if TYPE_CHECKING:
+    from .trainer import LazyTrainer
+
+__all__ = ["LazyTrainCallback", "SCHEDULE_NAME"]
+
+logger = logging.getLogger(__name__)
+SCHEDULE_NAME = "lazytrain_schedule.json"
+
+
+class LazyTrainCallback(TrainerCallback):
+    """Owned by `LazyTrainer` (added automatically): the Trainer-event side of the executor.
+
+    - on_train_begin: load `schedule_path`, or plan (policy "milp") for the run's batch shape; log the plan.
+    - on_step_begin / on_step_end: time each optimizer step and collect executor counters for `Trainer.log`.
+    - on_save: write the schedule JSON into the checkpoint directory (atomically).
+    """
+
+    def __init__(self, trainer: LazyTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        ex = self.trainer.executor
+        cfg = self.trainer.lazy_config
+        if cfg.schedule_path:
+            ex.set_schedule(Schedule.from_json(cfg.schedule_path))
+        elif cfg.policy == "milp":
+            from .plan import plan_buckets_for_trainer
+
+            plans = self.trainer.bucket_plans = plan_buckets_for_trainer(self.trainer)
+            ex.set_schedule(plans.schedules[plans.buckets[-1]])
+            if len(plans.buckets) > 1:
+                logger.info("LazyTrain: %d sequence-length buckets %s, one plan each", len(plans.buckets),
+                            plans.buckets)
+        s = ex.schedule
+        logger.info("LazyTrain schedule: policy=%s, %d layers, %d checkpoints (tiers %s), %d retained, "
+                    "prefetch_depth=%d", s.policy, s.num_layers, sum(lp.checkpoint for lp in s.layers),
+                    sorted({lp.tier for lp in s.layers if lp.checkpoint}), sum(lp.retain for lp in s.layers),
+                    s.prefetch_depth)
+
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self.trainer.meter.start()
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        self.trainer.meter.stop(self.trainer.executor_metrics())
+        if control.should_save or control.should_evaluate or control.should_training_stop or \
+                state.global_step >= state.max_steps:
+            self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.trainer.executor.flush_updates()
+
+    def on_save(self, args, state, control, **kwargs: Any):
+        if not state.is_world_process_zero:  # one writer, as the Trainer's own checkpoint files
+            return
+        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(ckpt) and self.trainer.executor is not None:
+            self.trainer.executor.schedule.to_json(os.path.join(ckpt, SCHEDULE_NAME))

@@ -1,0 +1,109 @@
+"""Planning for a Trainer run: batch shape from the arguments and data, budgets from the config, MILP solve."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..config import GIB
+from ..planning.buckets import BucketSchedules, seq_len_buckets
+from ..planning.milp import solve_milp
+from ..planning.schedule import Schedule, fingerprint
+from ..profiling.analytic import analytic_cost_model
+from ..profiling.hardware import H200_DEFAULTS, probe
+
+__all__ = ["plan_for_trainer", "plan_buckets_for_trainer", "run_shape"]
+
+logger = logging.getLogger(__name__)
+
+
+def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
+    """(micro-batch size, longest sequence rounded up to `multiple`) of the trainer's training data."""
+    B = trainer.args.per_device_train_batch_size
+    ds = trainer.train_dataset
+    T = 1024
+    try:
+        T = max(len(x) for x in ds["input_ids"])
+    except (TypeError, KeyError, ValueError):
+        logger.warning("cannot read input_ids lengths from the training data; planning for seq_len=%d", T)
+    return B, -(-T // multiple) * multiple
+
+
+def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
+    """(hardware profile, GPU bytes less the margin, host bytes, NVMe bytes) for planning this trainer's run."""
+    cfg = trainer.lazy_config
+    ex = trainer.executor
+    if ex.device.type == "cuda":
+        hardware = probe(ex.device, nvme_dir=cfg.nvme_dir)
+        free, _ = torch.cuda.mem_get_info(ex.device)
+        gpu = cfg.gpu_memory_budget or free
+    else:
+        hardware, gpu = H200_DEFAULTS, cfg.gpu_memory_budget or 80 * GIB
+    # data parallel: every rank on this host keeps its own host store and stash (streaming/comm.py)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    if cfg.host_memory_budget:
+        host = cfg.host_memory_budget
+    else:
+        import psutil
+
+        host = int(0.9 * psutil.virtual_memory().total) // local
+    gpu = int(gpu * (1 - cfg.gpu_memory_margin))  # fragmentation and unmodelled workspaces (config docs)
+    nvme = (cfg.nvme_budget or 256 * GIB // local) if cfg.nvme_dir else 0
+    if local > 1 and not cfg.host_memory_budget:
+        logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)", host / GIB, local)
+    return hardware, gpu, host, nvme
+
+
+def plan_for_trainer(trainer: Any, seq_len: int | None = None,
+                     prefetch_depths: tuple[int, ...] = (1, 2, 3)) -> Schedule:
+    """Solve the MILP (lazytrain_hf.planning.milp) for this trainer's model, batch shape and budgets.
+
+    Args:
+        seq_len: tokens per sequence to plan for (default: the longest in the training data, `run_shape`).
+        prefetch_depths: prefetch depths the MILP may choose from.
+
+    Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
+    `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM / data-parallel ranks on this host), `nvme_budget`
+    when `nvme_dir` is set.
+    Hardware rates: the cached or fresh probe on CUDA, the H200 defaults elsewhere.
+
+    Raises:
+        InfeasiblePlanError: no schedule fits; the message names the smallest feasible budgets.
+    """
+    cfg = trainer.lazy_config
+    B, T = run_shape(trainer)
+    T = seq_len or T
+    hardware, gpu, host, nvme = _budgets(trainer)
+    cm = analytic_cost_model(trainer.model.config, B, T, hardware, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
+                             loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
+                             master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
+                             block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
+    fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
+    # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
+    # device they would only move the update from the worker thread into the forward's critical path
+    gpu_optimizer = cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda"
+    schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
+                          mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
+    schedule.solver["seq_len_bucket"] = T
+    logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
+    return schedule
+
+
+def plan_buckets_for_trainer(trainer: Any) -> BucketSchedules:
+    """One MILP plan per sequence-length bucket (`lazytrain_config.plan_buckets` of them, powers of two up to the
+    longest sequence; lazytrain_hf/planning/buckets.py). Every bucket uses the prefetch depth of the longest
+    bucket's plan, so switching plans between batches never reallocates weight slots.
+
+    Raises:
+        InfeasiblePlanError: the longest bucket has no schedule within the budgets.
+    """
+    _, T = run_shape(trainer)
+    buckets = seq_len_buckets(T, min_seq_len=min(128, max(8, T // 8)), max_buckets=trainer.lazy_config.plan_buckets)
+    longest = plan_for_trainer(trainer, buckets[-1])
+    plans = {buckets[-1]: longest}
+    for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is
+        plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,))
+    return BucketSchedules(plans)

@@ -1,0 +1,220 @@
+"""`LazyTrainer`: the HF Trainer with the layer-streaming executor behind a few overridden hooks.
+
+Overridden (DESIGN.md §5): `_wrap_model` (returns the StreamingModel, so accelerate neither wraps nor moves the
+model), `get_optimizer_cls_and_kwargs` / `create_optimizer` (Hybrid8bitOptimizer reading the executor's fp32 host
+gradients), `training_step` (the executor's forward + backward), `_clip_grad_norm` / `_get_grad_norm` (the global
+norm from the executor's gradient buffers; the clip coefficient is folded into the optimizer update), `log`
+(throughput and memory metrics). Logging, evaluation, checkpointing, resume, LR scheduling, gradient accumulation
+and callbacks stay the Trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from ..config import GIB, LazyTrainConfig
+from ..models import check_supported
+from ..planning.buckets import BucketSchedules
+from ..planning.schedule import Schedule
+from ..streaming.executor import StreamingExecutor
+from ..streaming.head import shift_labels
+from ..streaming.model import StreamingModel
+from .args import LazyTrainingArguments
+from .callback import LazyTrainCallback
+from .metrics import StepMeter
+
+__all__ = ["LazyTrainer", "LazyTrainerMixin"]
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_INPUTS = {"input_ids", "attention_mask", "labels", "position_ids"}
+
+
+class LazyTrainerMixin:
+    """The executor hooks, mixable into any `Trainer` subclass (e.g. TRL's SFTTrainer):
+    ``class LazySFTTrainer(LazyTrainerMixin, SFTTrainer): ...`` (the mixin must come first).
+
+    Raises (at construction, before any training time is spent):
+        TypeError: `args` is not a LazyTrainingArguments.
+        ValueError: unsupported architecture, `gradient_checkpointing=True`, another optimizer, a
+            `compute_loss_func`, or invalid `lazytrain_config`.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: LazyTrainingArguments | None = None,
+                 *pos: Any, **kwargs: Any) -> None:
+        if not isinstance(args, LazyTrainingArguments):
+            raise TypeError("LazyTrainer needs `args=LazyTrainingArguments(...)`, a drop-in subclass of "
+                            f"TrainingArguments, but got {type(args).__name__}")
+        cfg = args.lazy_config
+        self.lazy_config: LazyTrainConfig = cfg
+        self.executor: StreamingExecutor | None = None
+        self.bucket_plans: BucketSchedules | None = None  # policy "milp": one plan per sequence-length bucket
+        if cfg.policy != "none":
+            if model is None:
+                raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
+            check_supported(model.config)
+            if kwargs.get("compute_loss_func") is not None:
+                raise ValueError("compute_loss_func is not supported by the executor's chunked loss; remove it or "
+                                 "set lazytrain_config.policy='none'")
+            flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else \
+                "is_gradient_checkpointing"
+            if getattr(model, flag, False):
+                raise ValueError("the model has gradient checkpointing enabled; call "
+                                 "model.gradient_checkpointing_disable() (the executor owns recomputation)")
+        super().__init__(model, args, *pos, **kwargs)
+        if cfg.policy == "none":
+            return
+        if (self.args.bf16 or self.args.fp16) and any(p.dtype == torch.float32 for p in self.model.parameters()):
+            logger.warning("bf16/fp16=True does not autocast inside the LazyTrain executor: it computes in the "
+                           "model's own dtype (float32 here). Load the model in bfloat16 (from_pretrained(..., "
+                           "dtype=torch.bfloat16) or lazytrain_hf.models.load_model(name, 'bfloat16')) for bf16 "
+                           "training, or set bf16=False to silence this.")
+        device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
+        if device.type == self.args.device.type and device.index is None:
+            device = self.args.device  # "cuda" means this rank's GPU (cuda:LOCAL_RANK under accelerate / torchrun)
+        if device.type == "cuda" and cfg.cap_gpu_memory and cfg.gpu_memory_budget:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_budget / total), device)
+        # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
+        grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
+        self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
+        dp = self.executor.dp
+        logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "
+                    f"({dp.backend})" if dp is not None else "one process (no data parallelism)")
+        self.streaming_model = StreamingModel(self.executor)
+        n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
+        self.meter = StepMeter(n_params, device)
+        self.add_callback(LazyTrainCallback(self))
+
+    # ---- planning ------------------------------------------------------------------------------------------
+    def plan_schedule(self) -> Schedule:
+        """Solve the MILP for this run's batch shape (per_device_train_batch_size x max sequence length)."""
+        from .plan import plan_for_trainer
+
+        return plan_for_trainer(self)
+
+    # ---- model and optimizer -------------------------------------------------------------------------------
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        if self.executor is None:
+            return super()._wrap_model(model, training, dataloader)
+        return self.streaming_model
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        if isinstance(args, LazyTrainingArguments) and args.lazy_config.policy != "none":
+            cfg = args.lazy_config
+            explicit = {kv.split("=")[0].strip() for kv in (args.optim_args or "").split(",") if kv.strip()}
+            extra = {"state_dtype": cfg.state_dtype, "master_weights": cfg.master_weights,
+                     "block_size": cfg.block_size, "min_8bit_size": cfg.min_8bit_size}
+            kwargs.update({k: v for k, v in extra.items() if k not in explicit})
+            if cfg.fp32_state_modules and model is not None:
+                named = [p for n, p in model.named_parameters() if any(m in n for m in cfg.fp32_state_modules)]
+                kwargs["fp32_state_params"] = list(kwargs.get("fp32_state_params") or []) + named
+        return cls, kwargs
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        opt = super().create_optimizer(model)
+        if self.executor is not None:
+            inner = self._inner_optimizer(opt)
+            inner.set_grad_source(self.executor.grad_source)
+            inner.set_state_allocator(self.executor.state_alloc)  # exact-size pinned states (before any resume)
+            if self.lazy_config.overlap_optimizer:
+                self.executor.attach_optimizer(inner)
+        return opt
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        if self.executor is not None:
+            self.executor.flush_updates()  # deferred layer updates land before the weights are written
+        super()._save(output_dir, state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.executor is not None:
+            self.executor.flush_updates()
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    @staticmethod
+    def _inner_optimizer(opt: Any) -> Any:
+        return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps ours
+
+    # ---- one micro-batch -----------------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        if self.executor is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        unknown = set(inputs) - _SUPPORTED_INPUTS
+        if unknown:
+            raise ValueError(f"the LazyTrain executor takes {sorted(_SUPPORTED_INPUTS)} but the batch also has "
+                             f"{sorted(unknown)}; drop those columns (remove_unused_columns=True) or use "
+                             "lazytrain_config.policy='none'")
+        if "labels" not in inputs:
+            raise ValueError("the batch has no `labels`; the executor trains causal LMs with a labels column "
+                             "(-100 = ignored), e.g. from DataCollatorForLanguageModeling(mlm=False)")
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs["labels"]
+        if self.bucket_plans is not None:  # the plan of the smallest bucket holding this batch's length
+            plans = self.bucket_plans
+            sched = plans.schedule_for(min(labels.shape[1], plans.buckets[-1]))
+            if sched is not self.executor.schedule:
+                self.executor.set_schedule(sched)
+        # Ranks' gradients are SUMMED (streaming/comm.py), so the denominator is global: DDP's average of the
+        # ranks' losses (each x world when the token count is already global, as Trainer.compute_loss does).
+        world = self.executor.dp.world if self.executor.dp is not None else 1
+        if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+            denominator = num_items_in_batch  # token-weighted over the whole accumulation window, as HF
+            if not self.args.average_tokens_across_devices:
+                denominator = denominator * world  # a per-rank count: the ranks' losses are averaged
+        else:  # per-micro-batch mean, scaled for accumulation as the Trainer does
+            denominator = shift_labels(labels).ne(-100).sum().clamp(min=1) * self.current_gradient_accumulation_steps
+            denominator = denominator * world
+        loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
+                                              inputs.get("position_ids"), denominator=denominator,
+                                              sync_gradients=self.accelerator.sync_gradients)
+        self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
+        return loss.detach().to(self.args.device) * world  # the logged loss: the mean over ranks, as HF logs it
+
+    # ---- gradient norm and clipping ------------------------------------------------------------------------
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        if self.executor is None:
+            return super()._clip_grad_norm(model)
+        norm = self.executor.grad_norm()
+        return self._inner_optimizer(self.optimizer).clip_grad_norm(self.args.max_grad_norm, norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self.executor is not None and grad_norm is None:
+            # max_grad_norm == 0: no clipping, but a non-finite norm still skips the step (documented difference)
+            grad_norm = self._inner_optimizer(self.optimizer).clip_grad_norm(float("inf"), self.executor.grad_norm())
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    # ---- metrics -------------------------------------------------------------------------------------------
+    def executor_metrics(self) -> dict[str, float]:
+        ex = self.executor
+        st = ex.stats
+        pinned = ex.pinned_bytes
+        m = {"pinned_host_gib": round((pinned["registered"] + pinned["host_allocator"]) / GIB, 3),
+             "h2d_weight_gib_per_microbatch": round(st.h2d_weight_bytes / GIB, 4),
+             "recomputed_layers": float(st.recomputed_layers)}
+        opt = self._inner_optimizer(self.optimizer) if self.optimizer is not None else None
+        if opt is not None and getattr(opt, "last_step_skipped", False):
+            m["optimizer_step_skipped"] = 1.0
+        return m
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.executor is not None and "loss" in logs and self.meter.last:
+            logs = {**logs, **self.meter.last}
+        super().log(logs, *args, **kwargs)
+
+
+class LazyTrainer(LazyTrainerMixin, Trainer):
+    """`transformers.Trainer` running the LazyTrain layer-streaming executor.
+
+    Example:
+        >>> args = LazyTrainingArguments(output_dir="out", lazytrain_config={"checkpoint_every": 4})
+        >>> LazyTrainer(model=model, args=args, train_dataset=ds, data_collator=collator).train()
+    """

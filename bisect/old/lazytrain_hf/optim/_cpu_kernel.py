@@ -1,0 +1,1001 @@
+"""Fused CPU AdamW kernel (C++ / OpenMP), built on first use with `torch.utils.cpp_extension.load_inline`.
+
+Per quantization block (kept in L1), two passes: (1) dequantize m and v -> AdamW (clip coefficient folded into the
+gradient) -> write the parameter (fp32, or bf16 from an fp32 master / Kahan-compensated) -> new m and v into a
+per-thread buffer and their absmax; (2) requantize m and v. OpenMP threads take contiguous ranges of whole blocks.
+With AVX2 and FMA (the native build on x86) both passes are hand-vectorized; otherwise (the portable build, other
+architectures) a generic path does the same fp32 operations in the same order: both give the same bits (except
+which NaN survives where two NaNs meet: the compiler's operand order).
+
+Cost per element is dominated by four table reads (two dequantizations through the 256-entry maps, two searches
+for the nearest code through `kernel_lookup_table`). The AVX2 path does them with gathers or with scalar loads;
+which is faster depends on the CPU (scalar loads were 10-20% faster on the AMD Zen 3 cores measured; gathers are
+cheap on some other cores), so at load the library times both on one thread and keeps the faster
+(``LAZYTRAIN_CPU_LOOKUP=gather|scalar`` forces one; `cpu_kernel_status` says which was picked and why). The
+choice changes speed only, never a result bit.
+
+The source is plain C++ with ``extern "C"`` entry points called through ctypes (which releases the GIL while the
+kernel runs, so an executor thread can overlap it with other work). It includes no torch headers: the build takes
+seconds instead of about a minute for a ``torch/extension.h`` extension.
+
+The library is cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions/<python>_<variant>``) under a name that includes a hash of the CPU's feature flags,
+because it is built with ``-march=native`` (a cache shared by different CPUs gets one build per CPU kind). If the
+native build fails, a portable build is tried; if that fails too, `load_cpu_kernel` returns None and
+`cpu_kernel_status` gives the reason (the optimizer then logs it and uses the pure-torch path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .quant import LUT_EXP_RANGE, LUT_MANT_BITS
+
+__all__ = ["load_cpu_kernel", "cpu_kernel_status", "CpuTables", "kernel_lookup_table", "cpu_adamw_step",
+           "cpu_quantize_blockwise", "DTYPE_CODES"]
+
+logger = logging.getLogger(__name__)
+
+# dtype codes shared with the C++ source
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1}
+# master modes shared with the C++ source
+MASTER_NONE, MASTER_FP32, MASTER_KAHAN = 0, 1, 2
+# lt_abi_version() of the source below (4: the kernel's lookup table layout of `CpuTables`)
+_ABI_VERSION = 4
+
+_SOURCE = r"""
+// lazytrain_hf Hybrid 8-bit AdamW: fused CPU kernel. No torch headers: called from Python through ctypes.
+// Per block of B elements (kept in L1), two passes: (1) dequantize m and v, AdamW, write the parameter, keep the
+// new m and v in a per-thread buffer and take their absmax; (2) requantize m and v. With AVX2 and FMA both passes
+// are hand-vectorized, 8 lanes at a time; otherwise a generic path that the compiler vectorizes where it can. Both
+// paths do the same fp32 operations in the same order on every element: results are bit-identical (except which
+// NaN survives where two NaNs meet, the compiler's operand order for a commutative operation).
+// Table reads (4 per element: 2 dequantizations, 2 code searches) dominate: on AVX2 they are done either with
+// gathers or with scalar loads (`Lookup`); which one is faster depends on the CPU (scalar loads on the AMD Zen 3
+// cores measured; gathers should win where they are cheap), so the library measures both once
+// (`lt_calibrate_lookup`) and uses the faster one. Both give the same values.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LT_AVX2 1
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+enum DType { kF32 = 0, kBF16 = 1 };
+enum Lookup { kGather = 0, kScalar = 1 };  // table reads of the AVX2 path (the generic path ignores it)
+enum Master { kMasterNone = 0, kMasterFp32 = 1, kMasterKahan = 2 };
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, NaN -> canonical quiet NaN: the same rounding as c10::BFloat16.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(r);
+}
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T> inline float load(const T* p, int64_t i);
+template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+template <typename T> inline void store(T* p, int64_t i, float v);
+template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+inline float fmadd(float a, float b, float c) {
+#ifdef __FMA__
+  return __builtin_fmaf(a, b, c);  // as torch's vectorized lerp
+#else
+  return a * b + c;
+#endif
+}
+
+// Nearest code of x (already divided by the block absmax), ties to the lower code: one read of the kernel's
+// lookup table (`_cpu_kernel.kernel_lookup_table`): key = clamp((|x| bits >> (23 - M)) - key_off, 0, half - 1)
+// (below 2**-K: bucket 0; at or above 2: the last bucket, whose row holds no midpoint), entry = base | t << 16 with t
+// the low 23 - M mantissa bits of the bucket's midpoint, stored as is for x >= 0 and mirrored (2**(23-M) - 1 - t)
+// for x < 0, so that one comparison serves both signs: code = base + (low' > t), low' = the low bits of x,
+// mirrored for x < 0.
+struct Codebook {
+  const int32_t* lut;   // [2 * half]
+  const float* qmap;    // [256]
+  int64_t half;
+  int lut_k;
+  int lut_m;
+};
+
+struct KeyGeom {
+  uint32_t shift, kmask, low_mask;
+  int32_t key_off, key_max;
+  explicit KeyGeom(const Codebook& cb)
+      : shift(static_cast<uint32_t>(23 - cb.lut_m)),
+        kmask((1u << (8 + cb.lut_m)) - 1u),
+        low_mask((1u << (23 - cb.lut_m)) - 1u),
+        key_off(((127 - cb.lut_k) << cb.lut_m) - 1),
+        key_max(static_cast<int32_t>(cb.half) - 1) {}
+};
+
+inline uint32_t nearest_code(float x, const Codebook& cb, const KeyGeom& kg) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t sign = u >> 31;
+  int32_t key = static_cast<int32_t>((u >> kg.shift) & kg.kmask) - kg.key_off;
+  key = key < 0 ? 0 : key > kg.key_max ? kg.key_max : key;
+  const uint32_t entry = static_cast<uint32_t>(cb.lut[sign * cb.half + key]);
+  const uint32_t low = (u ^ (0u - sign)) & kg.low_mask;
+  return (entry & 0xFFu) + (low > (entry >> 16) ? 1u : 0u);
+}
+
+// floor: a non-zero x never takes the zero code z (it takes z +- 1, by its sign; Note [v floor] in quant.py).
+inline uint32_t floor_code(uint32_t c, float raw, int z) {
+  if (static_cast<int>(c) == z) {
+    if (raw > 0.0f) return static_cast<uint32_t>(z + 1);
+    if (raw < 0.0f && z > 0) return static_cast<uint32_t>(z - 1);
+  }
+  return c;
+}
+
+// max |x| over x[0, len) through the float bits (non-negative floats order as unsigned ints; NaN is largest)
+inline float abs_max(const float* __restrict__ x, int64_t len) {
+  uint32_t m = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    const uint32_t u = f32_bits(x[j]) & 0x7FFFFFFFu;
+    m = u > m ? u : m;
+  }
+  return bits_f32(m);
+}
+
+struct Args {
+  void* param; const void* grad;
+  void* state1; void* state2; float* absmax1; float* absmax2;
+  float* master; uint16_t* kahan;
+  int64_t n; int64_t block;
+  float clip, beta2, w1, w2, eps, decay, neg_step_size, bc2_sqrt;
+  Codebook cb1, cb2;
+  int threads;
+};
+
+// Hyperparameters of one update, as fp32 (1 - beta1 and 1 - beta2 come from the caller in double precision:
+// 1.0f - 0.999f is off by 1.3e-5).
+struct Hyper {
+  float clip, beta2, w1c, w2, eps, decay, nss, bc2;
+  // m = lerp(m, g, w1) as torch: w1 < 0.5: m + w1 (g - m); else g + (w1 - 1)(g - m). The base (m or g) is picked
+  // with a bit mask (all ones: m), which vectorizes where a bool select does not.
+  uint32_t lerp_mask;
+};
+
+// One element of AdamW: m, v (fp32, in place) and the parameter (p, with master or Kahan buffer).
+template <typename PT, typename GT, int MM>
+inline void update_one(PT* __restrict__ p, const GT* __restrict__ g, float& m, float& v,
+                       float* __restrict__ master, uint16_t* __restrict__ kahan, int64_t j, const Hyper& h) {
+  const float gv = load<GT>(g, j) * h.clip;
+  const float base = bits_f32((f32_bits(m) & h.lerp_mask) | (f32_bits(gv) & ~h.lerp_mask));
+  m = fmadd(h.w1c, gv - m, base);
+  v = v * h.beta2 + (h.w2 * gv) * gv;
+  float pf;
+  if (MM == kMasterFp32) pf = master[j];
+  else if (MM == kMasterKahan) pf = load<PT>(p, j) + bf16_to_f32(kahan[j]);
+  else pf = load<PT>(p, j);
+  pf = pf * h.decay;
+  const float denom = std::sqrt(v) / h.bc2 + h.eps;
+  pf = pf + (h.nss * m) / denom;
+  if (MM == kMasterFp32) {
+    master[j] = pf;
+    store<PT>(p, j, pf);
+  } else if (MM == kMasterKahan) {
+    const uint16_t r = f32_to_bf16(pf);
+    reinterpret_cast<uint16_t*>(p)[j] = r;
+    kahan[j] = f32_to_bf16(pf - bf16_to_f32(r));
+  } else {
+    store<PT>(p, j, pf);
+  }
+}
+
+#ifdef LT_AVX2
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// bf16 bits (in the low 16 bits of each lane) of 8 floats, rounded as f32_to_bf16
+inline __m256i bf16_bits8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+inline void store_bf16x8(uint16_t* p, __m256i bits) {
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) { store_bf16x8(p, bf16_bits8(v)); }
+
+// Table reads of 8 lanes (`Lookup`): kGather: one AVX2 gather; kScalar: eight scalar loads (indices moved to
+// general registers), which some CPUs run faster than a gather. Same values either way.
+
+template <int LK>
+inline __m256 dequant8(const uint8_t* codes, const float* qmap, __m256 scale) {
+  if (LK == kScalar) {
+    uint64_t c;
+    std::memcpy(&c, codes, 8);
+    const __m256 x = _mm256_setr_ps(qmap[c & 255], qmap[(c >> 8) & 255], qmap[(c >> 16) & 255],
+                                    qmap[(c >> 24) & 255], qmap[(c >> 32) & 255], qmap[(c >> 40) & 255],
+                                    qmap[(c >> 48) & 255], qmap[c >> 56]);
+    return _mm256_mul_ps(x, scale);
+  }
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  return _mm256_mul_ps(_mm256_i32gather_ps(qmap, idx, 4), scale);
+}
+
+template <int LK>
+inline __m256i lookup8(const int* lut, __m256i key) {
+  if (LK == kScalar) {
+    const __m128i lo = _mm256_castsi256_si128(key), hi = _mm256_extracti128_si256(key, 1);
+    const uint64_t k01 = static_cast<uint64_t>(_mm_cvtsi128_si64(lo));
+    const uint64_t k23 = static_cast<uint64_t>(_mm_extract_epi64(lo, 1));
+    const uint64_t k45 = static_cast<uint64_t>(_mm_cvtsi128_si64(hi));
+    const uint64_t k67 = static_cast<uint64_t>(_mm_extract_epi64(hi, 1));
+    return _mm256_setr_epi32(lut[static_cast<uint32_t>(k01)], lut[k01 >> 32], lut[static_cast<uint32_t>(k23)],
+                             lut[k23 >> 32], lut[static_cast<uint32_t>(k45)], lut[k45 >> 32],
+                             lut[static_cast<uint32_t>(k67)], lut[k67 >> 32]);
+  }
+  return _mm256_i32gather_epi32(lut, key, 4);
+}
+
+// Pass 1 on one block: dequantize, AdamW, parameter write; new m and v into mbuf / vbuf; returns their absmax
+// (integer max over the float bits with the sign cleared, as abs_max). Two loops over the block: the table reads
+// first, into the buffers, then the arithmetic: in one loop the dependency chain per 8 elements (table reads ->
+// moments -> sqrt, two divisions -> parameter -> bf16 rounding) was too long for the out-of-order window to
+// overlap enough iterations (the split measured 4-14% faster with the block in cache; streaming from memory it
+// needs the prefetch in adamw_q8 to gain, 2-12%).
+template <int LK, typename PT, typename GT, int MM>
+inline void update_block_avx2(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1, const uint8_t* c2,
+                              float s1, float s2, const float* qmap1, const float* qmap2,
+                              float* __restrict__ mbuf, float* __restrict__ vbuf, float* __restrict__ master,
+                              uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1, float* am2) {
+  const __m256 vs1 = _mm256_set1_ps(s1), vs2 = _mm256_set1_ps(s2);
+  const __m256 clip = _mm256_set1_ps(h.clip), w1c = _mm256_set1_ps(h.w1c), beta2 = _mm256_set1_ps(h.beta2);
+  const __m256 w2 = _mm256_set1_ps(h.w2), eps = _mm256_set1_ps(h.eps), decay = _mm256_set1_ps(h.decay);
+  const __m256 nss = _mm256_set1_ps(h.nss), bc2 = _mm256_set1_ps(h.bc2);
+  const __m256 lerp_mask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(h.lerp_mask)));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const int64_t len8 = len & ~int64_t{7};
+  for (int64_t j = 0; j < len8; j += 8) {  // dequantize m and v
+    _mm256_store_ps(mbuf + j, dequant8<LK>(c1 + j, qmap1, vs1));
+    _mm256_store_ps(vbuf + j, dequant8<LK>(c2 + j, qmap2, vs2));
+  }
+  __m256i b1 = _mm256_setzero_si256(), b2 = _mm256_setzero_si256();
+  for (int64_t j = 0; j < len8; j += 8) {  // moments, their absmax, parameter
+    const __m256 gv = _mm256_mul_ps(load8(g + j), clip);
+    __m256 m = _mm256_load_ps(mbuf + j);
+    __m256 v = _mm256_load_ps(vbuf + j);
+    m = _mm256_fmadd_ps(w1c, _mm256_sub_ps(gv, m), _mm256_blendv_ps(gv, m, lerp_mask));
+    v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(w2, gv), gv));
+    __m256 pf;
+    if (MM == kMasterFp32) pf = _mm256_loadu_ps(master + j);
+    else if (MM == kMasterKahan) pf = _mm256_add_ps(load8(p + j), load8(kahan + j));
+    else pf = load8(p + j);
+    pf = _mm256_mul_ps(pf, decay);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+    pf = _mm256_add_ps(pf, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
+    if (MM == kMasterFp32) {
+      _mm256_storeu_ps(master + j, pf);
+      store8(p + j, pf);
+    } else if (MM == kMasterKahan) {
+      const __m256i r = bf16_bits8(pf);
+      store_bf16x8(reinterpret_cast<uint16_t*>(p) + j, r);
+      store_bf16x8(kahan + j, bf16_bits8(_mm256_sub_ps(pf, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)))));
+    } else {
+      store8(p + j, pf);
+    }
+    _mm256_store_ps(mbuf + j, m);
+    _mm256_store_ps(vbuf + j, v);
+    b1 = _mm256_max_epu32(b1, _mm256_and_si256(_mm256_castps_si256(m), abs_mask));
+    b2 = _mm256_max_epu32(b2, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+  }
+  alignas(32) uint32_t l1[8], l2[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l1), b1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l2), b2);
+  uint32_t r1 = 0, r2 = 0;
+  for (int q = 0; q < 8; ++q) {
+    r1 = l1[q] > r1 ? l1[q] : r1;
+    r2 = l2[q] > r2 ? l2[q] : r2;
+  }
+  for (int64_t j = len8; j < len; ++j) {  // the last len % 8 elements, one at a time
+    float m = qmap1[c1[j]] * s1, v = qmap2[c2[j]] * s2;
+    update_one<PT, GT, MM>(p, g, m, v, master, kahan, j, h);
+    mbuf[j] = m;
+    vbuf[j] = v;
+    const uint32_t u1 = f32_bits(m) & 0x7FFFFFFFu, u2 = f32_bits(v) & 0x7FFFFFFFu;
+    r1 = u1 > r1 ? u1 : r1;
+    r2 = u2 > r2 ? u2 : r2;
+  }
+  *am1 = bits_f32(r1);
+  *am2 = bits_f32(r2);
+}
+
+enum Floor { kFloorNone = 0, kFloorZero0 = 1, kFloorAny = 2 };
+
+struct QuantConsts {
+  __m256 inv;
+  __m256i kmask, key_off, key_max, zero, half, low_mask, m255;
+  __m128i shift;
+  __m256i vz, one, down;
+  const int* lut;
+  QuantConsts(const Codebook& cb, float inv_, int z) {
+    const KeyGeom kg(cb);
+    inv = _mm256_set1_ps(inv_);
+    kmask = _mm256_set1_epi32(static_cast<int>(kg.kmask));
+    key_off = _mm256_set1_epi32(kg.key_off);
+    key_max = _mm256_set1_epi32(kg.key_max);
+    zero = _mm256_setzero_si256();
+    half = _mm256_set1_epi32(static_cast<int>(cb.half));
+    low_mask = _mm256_set1_epi32(static_cast<int>(kg.low_mask));
+    m255 = _mm256_set1_epi32(255);
+    shift = _mm_cvtsi32_si128(static_cast<int>(kg.shift));
+    vz = _mm256_set1_epi32(z);
+    one = _mm256_set1_epi32(1);
+    down = _mm256_set1_epi32(z > 0 ? 1 : 0);
+    lut = reinterpret_cast<const int*>(cb.lut);
+  }
+};
+
+// codes (one per 32-bit lane) of 8 elements of x
+template <int LK, int FL>
+inline __m256i quant8(const float* x, const QuantConsts& k) {
+  const __m256 raw = _mm256_loadu_ps(x);
+  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(raw, k.inv));
+  const __m256i s = _mm256_srai_epi32(u, 31);
+  __m256i key = _mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(u, k.shift), k.kmask), k.key_off);
+  key = _mm256_min_epi32(_mm256_max_epi32(key, k.zero), k.key_max);
+  key = _mm256_add_epi32(key, _mm256_and_si256(s, k.half));
+  const __m256i entry = lookup8<LK>(k.lut, key);
+  const __m256i low = _mm256_slli_epi32(_mm256_and_si256(_mm256_xor_si256(u, s), k.low_mask), 16);
+  __m256i c = _mm256_sub_epi32(_mm256_and_si256(entry, k.m255), _mm256_cmpgt_epi32(low, entry));
+  if (FL == kFloorZero0) {
+    // z = 0: c == 0 and raw > 0 -> 1; min(raw bits, 1) is 1 for raw > 0 or NaN (whose code is 255 anyway), and
+    // 0 or negative for +0 and negatives
+    c = _mm256_max_epi32(c, _mm256_min_epi32(_mm256_castps_si256(raw), k.one));
+  } else if (FL == kFloorAny) {
+    const __m256i atz = _mm256_cmpeq_epi32(c, k.vz);
+    const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(raw, _mm256_setzero_ps(), _CMP_GT_OQ));
+    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(raw, _mm256_setzero_ps(), _CMP_LT_OQ));
+    c = _mm256_add_epi32(c, _mm256_and_si256(_mm256_and_si256(atz, pos), k.one));
+    c = _mm256_sub_epi32(c, _mm256_and_si256(_mm256_and_si256(atz, neg), k.down));
+  }
+  return c;
+}
+
+// 32 codes (4 x 8 lanes, each in 0..255) -> 32 bytes in order
+inline void store_codes32(uint8_t* out, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline void store_codes8(uint8_t* out, __m256i c) {
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+}
+
+template <int LK, int FL>
+void quantize_block_avx2(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
+                         const Codebook& cb, int z) {
+  const QuantConsts k(cb, inv, z);
+  int64_t j = 0;
+  for (; j + 32 <= len; j += 32)
+    store_codes32(out + j, quant8<LK, FL>(x + j, k), quant8<LK, FL>(x + j + 8, k), quant8<LK, FL>(x + j + 16, k),
+                  quant8<LK, FL>(x + j + 24, k));
+  for (; j + 8 <= len; j += 8) store_codes8(out + j, quant8<LK, FL>(x + j, k));
+  const KeyGeom kg(cb);
+  for (; j < len; ++j) {
+    uint32_t c = nearest_code(x[j] * inv, cb, kg);
+    if (FL != kFloorNone) c = floor_code(c, x[j], z);
+    out[j] = static_cast<uint8_t>(c);
+  }
+}
+
+// Lookup mode of the AVX2 path (`Lookup`), set by lt_set_lookup / lt_calibrate_lookup.
+std::atomic<int> g_lookup{kScalar};
+
+#endif  // LT_AVX2
+
+// codes of x[0, len) * inv; floor: a non-zero x never takes the zero code z (it takes z +- 1, by its sign).
+template <int LK>
+void quantize_block(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
+                    const Codebook& cb, int z, bool floor) {
+#ifdef LT_AVX2
+  if (!floor) quantize_block_avx2<LK, kFloorNone>(x, out, len, inv, cb, z);
+  else if (z == 0) quantize_block_avx2<LK, kFloorZero0>(x, out, len, inv, cb, z);
+  else quantize_block_avx2<LK, kFloorAny>(x, out, len, inv, cb, z);
+#else
+  const KeyGeom kg(cb);
+  for (int64_t j = 0; j < len; ++j) {
+    uint32_t c = nearest_code(x[j] * inv, cb, kg);
+    if (floor) c = floor_code(c, x[j], z);
+    out[j] = static_cast<uint8_t>(c);
+  }
+#endif
+}
+
+// AdamW on len elements, m and v (fp32) in place; with ABSMAX also their absmax (as abs_max). The generic path
+// (auto-vectorized: every pointer restrict-qualified, h a local copy that no store can alias).
+template <typename PT, typename GT, int MM, bool ABSMAX>
+void update_block(PT* __restrict__ p, const GT* __restrict__ g, float* __restrict__ m_, float* __restrict__ v_,
+                  float* __restrict__ master, uint16_t* __restrict__ kahan, int64_t len, const Hyper h, float* am1,
+                  float* am2) {
+  uint32_t b1 = 0, b2 = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    float m = m_[j], v = v_[j];
+    update_one<PT, GT, MM>(p, g, m, v, master, kahan, j, h);
+    m_[j] = m;
+    v_[j] = v;
+    if (ABSMAX) {
+      const uint32_t u1 = f32_bits(m) & 0x7FFFFFFFu, u2 = f32_bits(v) & 0x7FFFFFFFu;
+      b1 = u1 > b1 ? u1 : b1;
+      b2 = u2 > b2 ? u2 : b2;
+    }
+  }
+  if (ABSMAX) {
+    *am1 = bits_f32(b1);
+    *am2 = bits_f32(b2);
+  }
+}
+
+// Generic pass 1 (no AVX2): dequantize into the buffers, then AdamW in place.
+template <typename PT, typename GT, int MM>
+inline void update_block_generic(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1,
+                                 const uint8_t* c2, float s1, float s2, const float* qmap1, const float* qmap2,
+                                 float* __restrict__ mbuf, float* __restrict__ vbuf, float* __restrict__ master,
+                                 uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1,
+                                 float* am2) {
+  for (int64_t j = 0; j < len; ++j) mbuf[j] = qmap1[c1[j]] * s1;
+  for (int64_t j = 0; j < len; ++j) vbuf[j] = qmap2[c2[j]] * s2;
+  update_block<PT, GT, MM, true>(p, g, mbuf, vbuf, master, kahan, len, h, am1, am2);
+}
+
+// Software prefetch of the block of len elements at element s (every stream the update reads or writes): with
+// the table reads in a loop of their own, the streams are touched in bursts and DRAM latency was exposed.
+template <typename PT, typename GT, int MM>
+inline void prefetch_block(const Args& a, int64_t s, int64_t len) {
+  const char* gp = reinterpret_cast<const char*>(static_cast<const GT*>(a.grad) + s);
+  for (int64_t o = 0; o < len * static_cast<int64_t>(sizeof(GT)); o += 64) __builtin_prefetch(gp + o, 0);
+  const char* pp = reinterpret_cast<const char*>(static_cast<PT*>(a.param) + s);
+  for (int64_t o = 0; o < len * static_cast<int64_t>(sizeof(PT)); o += 64) __builtin_prefetch(pp + o, 1);
+  if (MM == kMasterFp32) {
+    const char* mp = reinterpret_cast<const char*>(a.master + s);
+    for (int64_t o = 0; o < len * 4; o += 64) __builtin_prefetch(mp + o, 1);
+  }
+  if (MM == kMasterKahan) {
+    const char* kp = reinterpret_cast<const char*>(a.kahan + s);
+    for (int64_t o = 0; o < len * 2; o += 64) __builtin_prefetch(kp + o, 1);
+  }
+  const char* c1 = static_cast<const char*>(a.state1) + s;
+  const char* c2 = static_cast<const char*>(a.state2) + s;
+  for (int64_t o = 0; o < len; o += 64) {
+    __builtin_prefetch(c1 + o, 1);
+    __builtin_prefetch(c2 + o, 1);
+  }
+}
+
+// 8-bit states: threads take contiguous ranges of whole blocks; per block: prefetch of a block about 512
+// elements ahead, pass 1, new scales, pass 2 (requantize; Note [v floor] in lazytrain_hf/optim/quant.py for the
+// second moment).
+template <int LK, typename PT, typename GT, int MM>
+void adamw_q8(const Args& a, const Hyper& h) {
+  PT* const p = static_cast<PT*>(a.param);
+  const GT* const g = static_cast<const GT*>(a.grad);
+  const int64_t n = a.n, B = a.block;
+  const int64_t nblocks = (n + B - 1) / B;
+  const int64_t ahead = std::max<int64_t>(1, 512 / B);
+  const int nthreads = std::max(1, a.threads);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= 32768)
+  {
+    const size_t bytes = static_cast<size_t>((B * 4 + 63) / 64) * 64;
+    float* mbuf = static_cast<float*>(std::aligned_alloc(64, bytes));
+    float* vbuf = static_cast<float*>(std::aligned_alloc(64, bytes));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t s = b * B;
+      const int64_t len = std::min(B, n - s);
+      float* master = MM == kMasterFp32 ? a.master + s : nullptr;
+      uint16_t* kahan = MM == kMasterKahan ? a.kahan + s : nullptr;
+      uint8_t* c1 = static_cast<uint8_t*>(a.state1) + s;
+      uint8_t* c2 = static_cast<uint8_t*>(a.state2) + s;
+      if (b + ahead < nblocks) prefetch_block<PT, GT, MM>(a, s + ahead * B, B);
+      float am1 = 0.0f, am2 = 0.0f;
+#ifdef LT_AVX2
+      update_block_avx2<LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap, a.cb2.qmap,
+                                        mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+#else
+      update_block_generic<PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap, a.cb2.qmap,
+                                       mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+#endif
+      a.absmax1[b] = am1;
+      a.absmax2[b] = am2;
+      quantize_block<LK>(mbuf, c1, len, am1 > 0.0f ? 1.0f / am1 : 0.0f, a.cb1, 127, false);
+      quantize_block<LK>(vbuf, c2, len, am2 > 0.0f ? 1.0f / am2 : 0.0f, a.cb2, 0, true);
+    }
+    std::free(mbuf);
+    std::free(vbuf);
+  }
+}
+
+// fp32 states: threads take contiguous ranges of chunks of `block` elements.
+template <typename PT, typename GT, int MM>
+void adamw_f32(const Args& a, const Hyper& h) {
+  PT* const p = static_cast<PT*>(a.param);
+  const GT* const g = static_cast<const GT*>(a.grad);
+  float* const m = static_cast<float*>(a.state1);
+  float* const v = static_cast<float*>(a.state2);
+  const int64_t n = a.n, B = a.block;
+  const int64_t nblocks = (n + B - 1) / B;
+  const int nthreads = std::max(1, a.threads);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 32768)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t s = b * B;
+    update_block<PT, GT, MM, false>(p + s, g + s, m + s, v + s, MM == kMasterFp32 ? a.master + s : nullptr,
+                                    MM == kMasterKahan ? a.kahan + s : nullptr, std::min(B, n - s), h, nullptr,
+                                    nullptr);
+  }
+}
+
+template <typename PT, typename GT, int MM>
+void adamw_impl(const Args& a, bool q8) {
+  const bool lerp_low = std::fabs(a.w1) < 0.5f;
+  const Hyper h{a.clip, a.beta2, lerp_low ? a.w1 : a.w1 - 1.0f, a.w2, a.eps, a.decay, a.neg_step_size,
+                a.bc2_sqrt, lerp_low ? 0xFFFFFFFFu : 0u};
+  if (!q8) {
+    adamw_f32<PT, GT, MM>(a, h);
+#ifdef LT_AVX2
+  } else if (g_lookup.load(std::memory_order_relaxed) == kGather) {
+    adamw_q8<kGather, PT, GT, MM>(a, h);
+#endif
+  } else {
+    adamw_q8<kScalar, PT, GT, MM>(a, h);
+  }
+}
+
+template <typename PT, typename GT>
+int dispatch_mode(const Args& a, int q8, int master_mode) {
+  switch (master_mode) {
+    case kMasterNone: adamw_impl<PT, GT, kMasterNone>(a, q8 != 0); return 0;
+    case kMasterFp32: adamw_impl<PT, GT, kMasterFp32>(a, q8 != 0); return 0;
+    case kMasterKahan: adamw_impl<PT, GT, kMasterKahan>(a, q8 != 0); return 0;
+  }
+  return 2;
+}
+
+}  // namespace
+
+extern "C" {
+
+int lt_abi_version() { return 4; }
+
+// Returns 0 on success, 1 on an unsupported dtype, 2 on an unsupported mode.
+int lt_adamw_step(void* param, int param_dtype, const void* grad, int grad_dtype, int64_t n,
+                  void* state1, void* state2, int state_8bit, float* absmax1, float* absmax2,
+                  float* master, uint16_t* kahan, int master_mode, int64_t block,
+                  const int32_t* lut1, const float* qmap1, const int32_t* lut2, const float* qmap2,
+                  int64_t lut_half, int lut_k, int lut_m,
+                  float clip, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
+                  float decay, float neg_step_size, float bc2_sqrt, int threads) {
+  Args a{param, grad, state1, state2, absmax1, absmax2, master, kahan, n, block,
+         clip, beta2, one_minus_beta1, one_minus_beta2, eps, decay, neg_step_size, bc2_sqrt,
+         Codebook{lut1, qmap1, lut_half, lut_k, lut_m}, Codebook{lut2, qmap2, lut_half, lut_k, lut_m}, threads};
+  if (master_mode == kMasterKahan && param_dtype != kBF16) return 2;
+  if (param_dtype == kF32 && grad_dtype == kF32) return dispatch_mode<float, float>(a, state_8bit, master_mode);
+  if (param_dtype == kF32 && grad_dtype == kBF16) return dispatch_mode<float, uint16_t>(a, state_8bit, master_mode);
+  if (param_dtype == kBF16 && grad_dtype == kF32) return dispatch_mode<uint16_t, float>(a, state_8bit, master_mode);
+  if (param_dtype == kBF16 && grad_dtype == kBF16) return dispatch_mode<uint16_t, uint16_t>(a, state_8bit, master_mode);
+  return 1;
+}
+
+// Blockwise quantization of fp32 x [n] (tests and tools): codes [n], absmax [ceil(n / block)].
+void lt_quantize_blockwise(const float* x, int64_t n, int64_t block, uint8_t* codes, float* absmax,
+                           const int32_t* lut, const float* qmap, int64_t lut_half,
+                           int lut_k, int lut_m, int zero, int nonzero_floor, int threads) {
+  const Codebook cb{lut, qmap, lut_half, lut_k, lut_m};
+  const int64_t nblocks = (n + block - 1) / block;
+  const int nthreads = std::max(1, threads);
+#ifdef LT_AVX2
+  const bool gather = g_lookup.load(std::memory_order_relaxed) == kGather;
+#endif
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 32768)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t s = b * block, len = std::min(block, n - s);
+    const float am = abs_max(x + s, len);
+    absmax[b] = am;
+    const float inv = am > 0.0f ? 1.0f / am : 0.0f;
+#ifdef LT_AVX2
+    if (gather) {
+      quantize_block<kGather>(x + s, codes + s, len, inv, cb, zero, nonzero_floor != 0);
+      continue;
+    }
+#endif
+    quantize_block<kScalar>(x + s, codes + s, len, inv, cb, zero, nonzero_floor != 0);
+  }
+}
+
+// Table reads of the AVX2 path: 0 gathers, 1 scalar loads; -1 when the library has no AVX2 path.
+int lt_get_lookup() {
+#ifdef LT_AVX2
+  return g_lookup.load();
+#else
+  return -1;
+#endif
+}
+
+// Sets the table reads (0 or 1; ignored without an AVX2 path); returns lt_get_lookup().
+int lt_set_lookup(int mode) {
+#ifdef LT_AVX2
+  if (mode == kGather || mode == kScalar) g_lookup.store(mode);
+#else
+  (void)mode;
+#endif
+  return lt_get_lookup();
+}
+
+// Times both table-read modes on one thread (the 8-bit update of n synthetic elements: bf16 parameters, fp32
+// master and gradients, quantized normal moments, blocks of 256; `reps` alternating runs each, best run kept),
+// keeps the faster mode and returns lt_get_lookup(). seconds[0], seconds[1]: best time of gathers / scalar loads
+// (0 without an AVX2 path).
+int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* qmap1, const int32_t* lut2,
+                        const float* qmap2, int64_t lut_half, int lut_k, int lut_m, double* seconds) {
+  seconds[0] = seconds[1] = 0.0;
+#ifdef LT_AVX2
+  const int64_t B = 256, nb = (n + B - 1) / B;
+  std::vector<uint16_t> p(n), p0(n);
+  std::vector<float> g(n), master(n), master0(n), m(n), v(n), a1(nb), a2(nb), a10(nb), a20(nb);
+  std::vector<uint8_t> s1(n), s2(n), s10(n), s20(n);
+  uint32_t r = 12345u;
+  auto normal = [&r]() {  // deterministic, roughly normal (sum of 4 uniforms)
+    float x = -2.0f;
+    for (int k = 0; k < 4; ++k) {
+      r = r * 1664525u + 1013904223u;
+      x += static_cast<float>(r >> 8) * (1.0f / 16777216.0f);
+    }
+    return x;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    g[i] = normal() * 1e-3f;
+    master0[i] = normal() * 2e-2f;
+    p0[i] = f32_to_bf16(master0[i]);
+    m[i] = normal() * 1e-4f;
+    const float w = normal() * 1e-3f;
+    v[i] = w * w;
+  }
+  const Codebook cb1{lut1, qmap1, lut_half, lut_k, lut_m}, cb2{lut2, qmap2, lut_half, lut_k, lut_m};
+  for (int64_t b = 0; b < nb; ++b) {  // states as a real run has them: quantized moments
+    const int64_t s = b * B, len = std::min(B, n - s);
+    a10[b] = abs_max(m.data() + s, len);
+    a20[b] = abs_max(v.data() + s, len);
+    quantize_block<kScalar>(m.data() + s, s10.data() + s, len, 1.0f / a10[b], cb1, 127, false);
+    quantize_block<kScalar>(v.data() + s, s20.data() + s, len, 1.0f / a20[b], cb2, 0, true);
+  }
+  const int modes[2] = {kGather, kScalar};
+  const int saved = g_lookup.load();
+  double best[2] = {1e30, 1e30};
+  for (int rep = 0; rep < reps; ++rep) {
+    for (int k = 0; k < 2; ++k) {
+      p = p0; master = master0; s1 = s10; s2 = s20; a1 = a10; a2 = a20;
+      g_lookup.store(modes[k]);
+      const auto t0 = std::chrono::steady_clock::now();
+      lt_adamw_step(p.data(), kBF16, g.data(), kF32, n, s1.data(), s2.data(), 1, a1.data(), a2.data(),
+                    master.data(), nullptr, kMasterFp32, B, lut1, qmap1, lut2, qmap2, lut_half, lut_k, lut_m,
+                    1.0f, 0.999f, 0.1f, 0.001f, 1e-8f, 1.0f, -1e-4f, 0.5f, 1);
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best[k] = std::min(best[k], dt);
+    }
+  }
+  seconds[0] = best[0];
+  seconds[1] = best[1];
+  g_lookup.store(reps > 0 ? (best[0] < best[1] ? kGather : kScalar) : saved);
+#else
+  (void)n; (void)reps; (void)lut1; (void)qmap1; (void)lut2; (void)qmap2; (void)lut_half; (void)lut_k; (void)lut_m;
+#endif
+  return lt_get_lookup();
+}
+
+}  // extern "C"
+"""
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I = ctypes.c_int
+_F = ctypes.c_float
+_ADAMW_ARGTYPES = [_P, _I, _P, _I, _I64,            # param, param_dtype, grad, grad_dtype, n
+                   _P, _P, _I, _P, _P,              # state1, state2, state_8bit, absmax1, absmax2
+                   _P, _P, _I, _I64,                # master, kahan, master_mode, block
+                   _P, _P, _P, _P,                  # lut1, qmap1, lut2, qmap2
+                   _I64, _I, _I,                    # lut_half, lut_k, lut_m
+                   _F, _F, _F, _F, _F, _F, _F, _F,  # clip, beta2, 1-beta1, 1-beta2, eps, decay, -step_size, bc2_sqrt
+                   _I]                              # threads
+_QUANT_ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _I]
+_CALIBRATE_ARGTYPES = [_I64, _I, _P, _P, _P, _P, _I64, _I, _I, ctypes.POINTER(ctypes.c_double)]
+
+LOOKUP_ENV = "LAZYTRAIN_CPU_LOOKUP"
+# table-read modes of the kernel's AVX2 path (lt_set_lookup); "auto" measures both once at load
+LOOKUP_MODES = {"gather": 0, "scalar": 1}
+_CALIBRATION_ELEMENTS = 1 << 14
+_CALIBRATION_REPS = 15
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status: tuple[bool, str] | None = None
+
+
+def _cpu_tag() -> str:
+    """Short hash of the CPU's feature flags and architecture (the build uses -march=native)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    flags += line
+                    if line.startswith(("flags", "Features")):
+                        break
+    except OSError:
+        pass
+    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
+
+
+def _build() -> tuple[ctypes.CDLL, str]:
+    from torch.utils.cpp_extension import load_inline
+
+    errors = []
+    for variant, arch in (("native", ["-march=native"]), ("portable", [])):
+        name = f"lazytrain_hybrid8_cpu_{variant}_{_cpu_tag() if arch else platform.machine()}"
+        try:
+            path = load_inline(
+                name=name,
+                cpp_sources=[_SOURCE],
+                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *arch],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                no_implicit_headers=True,
+                verbose=False,
+            )
+            lib = ctypes.CDLL(path)
+            if lib.lt_abi_version() != _ABI_VERSION:
+                raise RuntimeError(f"unexpected ABI version {lib.lt_abi_version()} in {path}")
+            lib.lt_adamw_step.argtypes = _ADAMW_ARGTYPES
+            lib.lt_adamw_step.restype = _I
+            lib.lt_quantize_blockwise.argtypes = _QUANT_ARGTYPES
+            lib.lt_quantize_blockwise.restype = None
+            lib.lt_set_lookup.argtypes = [_I]
+            lib.lt_set_lookup.restype = _I
+            lib.lt_get_lookup.argtypes = []
+            lib.lt_get_lookup.restype = _I
+            lib.lt_calibrate_lookup.argtypes = _CALIBRATE_ARGTYPES
+            lib.lt_calibrate_lookup.restype = _I
+            return lib, variant
+        except Exception as e:  # noqa: BLE001 - any build/load failure means: fall back
+            errors.append(f"{variant} build failed: {type(e).__name__}: {str(e).strip()[-400:]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def _configure_lookup(lib: ctypes.CDLL) -> str:
+    """Pick the table reads of the kernel's AVX2 path (`LOOKUP_ENV`, else the faster one measured now); says which.
+
+    Both modes give bit-identical results; only their speed differs by CPU (gathers are slow on some cores, scalar
+    loads cost more instructions). A bad `LOOKUP_ENV` value is logged and treated as unset.
+    """
+    if lib.lt_get_lookup() < 0:
+        return "generic path (no AVX2)"
+    choice = os.environ.get(LOOKUP_ENV, "auto").strip().lower() or "auto"
+    if choice in LOOKUP_MODES:
+        lib.lt_set_lookup(LOOKUP_MODES[choice])
+        return f"table reads: {choice} ({LOOKUP_ENV})"
+    if choice != "auto":
+        logger.warning("environment %s must be one of %s (or unset), but got %r; measuring both", LOOKUP_ENV,
+                       list(LOOKUP_MODES), os.environ.get(LOOKUP_ENV))
+    from .quant import dynamic_map
+
+    tables = CpuTables.build(dynamic_map(True), dynamic_map(False))
+    seconds = (ctypes.c_double * 2)()
+    mode = lib.lt_calibrate_lookup(_CALIBRATION_ELEMENTS, _CALIBRATION_REPS, _ptr(tables.lut1), _ptr(tables.qmap1),
+                                   _ptr(tables.lut2), _ptr(tables.qmap2), tables.half, LUT_EXP_RANGE, LUT_MANT_BITS,
+                                   seconds)
+    name = next(k for k, v in LOOKUP_MODES.items() if v == mode)
+    per = 1e9 / _CALIBRATION_ELEMENTS
+    return (f"table reads: {name} (measured on one thread: gather {seconds[0] * per:.2f} ns/param, "
+            f"scalar {seconds[1] * per:.2f} ns/param)")
+
+
+def load_cpu_kernel() -> ctypes.CDLL | None:
+    """Build (first call; cached on disk) and load the fused CPU kernel. Thread-safe; never raises.
+
+    Returns:
+        The loaded library, or None when no build succeeded (`cpu_kernel_status` says why).
+    """
+    global _lib, _status
+    if _status is not None:
+        return _lib
+    with _lock:
+        if _status is None:
+            try:
+                lib, variant = _build()
+                _status = (True, f"built ({variant}; {_configure_lookup(lib)})")
+                _lib = lib
+            except Exception as e:  # noqa: BLE001
+                _lib = None
+                _status = (False, str(e))
+    return _lib
+
+
+def cpu_kernel_status() -> tuple[bool, str]:
+    """``(available, reason)`` of the fused CPU kernel, building it if not tried yet."""
+    load_cpu_kernel()
+    assert _status is not None
+    return _status
+
+
+@dataclass(frozen=True)
+class CpuTables:
+    """Codebooks of the two maps in the layout the kernel reads (all CPU, contiguous).
+
+    Fields:
+        qmap1, qmap2: fp32 [256] signed / unsigned maps.
+        lut1, lut2: int32 [2 * half] kernel lookup tables (`kernel_lookup_table`).
+        half: entries per sign in a lookup table.
+    """
+
+    qmap1: Tensor
+    qmap2: Tensor
+    lut1: Tensor
+    lut2: Tensor
+    half: int
+
+    @classmethod
+    def build(cls, qmap1: Tensor, qmap2: Tensor) -> CpuTables:
+        q1, q2 = qmap1.detach().cpu().float().contiguous(), qmap2.detach().cpu().float().contiguous()
+        lut1, lut2 = kernel_lookup_table(q1), kernel_lookup_table(q2)
+        return cls(q1, q2, lut1, lut2, lut1.numel() // 2)
+
+
+def kernel_lookup_table(qmap: Tensor) -> Tensor:
+    """`quant.code_lookup_table` rearranged for the kernel's branch-free lookup (see ``nearest_code`` in the source).
+
+    Two changes, both exact: (1) in the negative half, ``t`` is mirrored to ``2**(23 - LUT_MANT_BITS) - 1 - t``,
+    so that the kernel compares the mirrored low bits of a negative x with ``>`` as for a positive one
+    (``low < t`` iff ``mirror(low) > mirror(t)``; a bucket without a midpoint gets the never-firing
+    ``2**(23 - LUT_MANT_BITS) - 1`` in both halves); (2) the kernel clamps the key of |x| >= 2 (and NaN) to the last
+    bucket instead of keeping its mantissa bits: the same code, since the last exponent row holds no midpoint and
+    a single base (checked here).
+
+    Returns:
+        int32 [2 * half] on CPU, contiguous.
+
+    Raises:
+        ValueError: a table geometry the kernel cannot use (the low bits must fit in 15 bits).
+    """
+    from .quant import code_lookup_table
+
+    low_bits = 23 - LUT_MANT_BITS
+    if low_bits > 15:
+        raise ValueError(f"the kernel needs LUT_MANT_BITS >= 8, but got {LUT_MANT_BITS}")
+    lut = code_lookup_table(qmap).clone()
+    half = lut.numel() // 2
+    never = (1 << low_bits) - 1
+    neg = lut[half:]
+    neg.copy_((neg & 0xFF) | ((never - (neg >> 16)) << 16))
+    row = 1 << LUT_MANT_BITS
+    for part in (lut[half - row:half], lut[-row:]):
+        if not bool((part == part[0]).all()) or int(part[0]) >> 16 != never:
+            raise ValueError("kernel_lookup_table: the last exponent row must map to one code")
+    return lut.contiguous()
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def cpu_adamw_step(
+    lib: ctypes.CDLL,
+    tables: CpuTables,
+    param: Tensor,
+    grad: Tensor,
+    state1: Tensor,
+    state2: Tensor,
+    absmax1: Tensor | None,
+    absmax2: Tensor | None,
+    master: Tensor | None,
+    kahan: Tensor | None,
+    *,
+    block_size: int,
+    clip_coef: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: float,
+    step_size: float,
+    bc2_sqrt: float,
+    threads: int,
+) -> None:
+    """Run one fused AdamW update in place. All tensors CPU and contiguous with the same numel N.
+
+    Args:
+        param: fp32 or bf16 [N], updated in place.
+        grad: fp32 or bf16 [N] (never modified).
+        state1, state2: uint8 codes [N] (8-bit) or fp32 [N] moments.
+        absmax1, absmax2: fp32 [ceil(N / block_size)] when the states are uint8, else None.
+        master: fp32 [N] master weights or None; kahan: bf16 [N] compensation or None (bf16 params only).
+        decay: ``1 - lr * weight_decay``; step_size: ``lr / (1 - beta1**step)``;
+        bc2_sqrt: ``sqrt(1 - beta2**step)``; clip_coef: multiplies the gradient; threads: OpenMP threads.
+
+    Raises:
+        ValueError: unsupported dtype or mode combination (the caller should have routed it to torch).
+    """
+    q8 = state1.dtype == torch.uint8
+    mode = MASTER_FP32 if master is not None else MASTER_KAHAN if kahan is not None else MASTER_NONE
+    rc = lib.lt_adamw_step(
+        _ptr(param), DTYPE_CODES[param.dtype], _ptr(grad), DTYPE_CODES[grad.dtype], param.numel(),
+        _ptr(state1), _ptr(state2), int(q8), _ptr(absmax1), _ptr(absmax2),
+        _ptr(master), _ptr(kahan), mode, block_size,
+        _ptr(tables.lut1), _ptr(tables.qmap1), _ptr(tables.lut2), _ptr(tables.qmap2),
+        tables.half, LUT_EXP_RANGE, LUT_MANT_BITS,
+        clip_coef, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay, -step_size, bc2_sqrt, threads,
+    )
+    if rc != 0:
+        raise ValueError(f"fused CPU AdamW kernel refused param {param.dtype} / grad {grad.dtype} / "
+                         f"master mode {mode} (code {rc})")
+
+
+def cpu_quantize_blockwise(lib: ctypes.CDLL, tables: CpuTables, x: Tensor, *, signed: bool, block_size: int,
+                           nonzero_floor: bool = False, threads: int = 1) -> tuple[Tensor, Tensor]:
+    """The kernel's quantizer on fp32 CPU ``x`` [N] -> (uint8 codes [N], fp32 absmax [ceil(N / block_size)]).
+
+    Same contract as `quant.quantize_blockwise` (used by tests to prove both give identical codes).
+    """
+    x = x.detach().reshape(-1).float().contiguous()
+    n = x.numel()
+    codes = torch.empty(n, dtype=torch.uint8)
+    absmax = torch.empty(-(-n // block_size), dtype=torch.float32)
+    lut, qmap = (tables.lut1, tables.qmap1) if signed else (tables.lut2, tables.qmap2)
+    zero = 127 if signed else 0
+    lib.lt_quantize_blockwise(_ptr(x), n, block_size, _ptr(codes), _ptr(absmax), _ptr(lut), _ptr(qmap),
+                              tables.half, LUT_EXP_RANGE, LUT_MANT_BITS, zero, int(nonzero_floor), threads)
+    return codes, absmax

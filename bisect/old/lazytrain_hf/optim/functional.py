@@ -1,0 +1,421 @@
+"""Thin functional layer under `Hybrid8bitOptimizer`: one AdamW update of one tensor, per-device kernels.
+
+``adamw_step`` routes one parameter's update to a kernel (``select_kernel``) and every kernel implements the same
+contract:
+
+- decoupled AdamW exactly as ``torch.optim.AdamW``: ``p *= 1 - lr * wd``; ``m = lerp(m, g, 1 - beta1)``
+  (= ``beta1 m + (1 - beta1) g``); ``v = beta2 v + (1 - beta2) g^2``;
+  ``p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` with ``g = grad * clip_coef`` (the clip coefficient enters
+  the update; the gradient tensor itself is never modified);
+- the step uses the fp32 m and v of this step; 8-bit states are requantized afterwards (per-block absmax of the
+  new values), as bitsandbytes does;
+- the parameter is written from the fp32 result: into the fp32 master and then rounded into the parameter, or
+  with a bf16 Kahan compensation buffer (``p + kahan`` is the represented value), or rounded directly.
+
+Kernels (`KERNELS`):
+
+- ``"torch"``: pure torch, any device, any float dtype; the reference the others are tested against.
+- ``"cpp"``: the fused one-pass CPU kernel (`_cpu_kernel`), fp32/bf16 params and grads, contiguous tensors.
+  ``LAZYTRAIN_CPU_KERNEL=torch|cpp`` forces the CPU choice (``cpp`` raises if the kernel cannot be built).
+- ``"bnb"``: bitsandbytes' CUDA kernels (8-bit blockwise for uint8 states, 32-bit for fp32 states) with the clip
+  coefficient as ``gnorm_scale``. bitsandbytes applies weight decay *after* the Adam step
+  (``p = (p - u)(1 - lr wd)``), so decay is applied here first and bitsandbytes gets ``weight_decay=0``; its
+  8-bit kernel works on blocks of 256 only, rounds v to the nearest code and so may store the zero code
+  (Note [v floor] in `quant`): codes of state2 are floored at 1 right after the kernel.
+
+State keys (bitsandbytes' vocabulary): ``state1``/``state2`` (uint8 codes or fp32 moments, param-shaped),
+``absmax1``/``absmax2`` (fp32 [ceil(N / block_size)], 8-bit only), ``master`` (fp32, param-shaped) or ``kahan``
+(param dtype, param-shaped), ``step`` (int, updates applied so far: the kernels read the step from
+`AdamWHyper` and the caller counts it after the update).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import cpu_threads
+from ._cpu_kernel import DTYPE_CODES, CpuTables, cpu_adamw_step, cpu_kernel_status, load_cpu_kernel
+from .quant import code_midpoints, dequantize_blockwise, dynamic_map, quantize_blockwise
+
+__all__ = [
+    "KERNELS",
+    "CPU_KERNEL_ENV",
+    "AdamWHyper",
+    "Codebooks",
+    "adamw_step",
+    "adamw_step_torch",
+    "adamw_step_cpp",
+    "adamw_step_bnb_cuda",
+    "select_kernel",
+    "cpu_kernel_choice",
+    "bitsandbytes_cuda_status",
+]
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("torch", "cpp", "bnb")
+CPU_KERNEL_ENV = "LAZYTRAIN_CPU_KERNEL"
+_CPU_CHOICES = ("auto", "torch", "cpp")
+BNB_BLOCK_SIZE = 256  # bitsandbytes' 2-state blockwise CUDA kernel is compiled for 256-element blocks
+# "torch" / "bnb" kernels update large tensors in slices of this many elements (a multiple of every block size):
+# their fp32 temporaries (param + Kahan sum, fp32 gradient, write-back residual) then stay ~0.1 GiB each instead of
+# several GiB for a 0.55 B-element embedding (the 7B run's optimizer phase peaked 11 GiB above its resident
+# memory). Blocks are independent, so sliced and whole updates are bitwise equal.
+CHUNK_ELEMENTS = 1 << 25
+_BNB_MAX_NUMEL = 2**31 - 1  # its element index is a 32-bit int
+
+_logged: set[str] = set()
+
+
+def _log_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning(msg, *args)
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """Hyperparameters of one update (Python floats; ``step`` counts this update, so it is >= 1).
+
+    Derived values use double precision as ``torch.optim.AdamW`` does and are rounded to fp32 by the kernels.
+    """
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+    clip_coef: float = 1.0
+
+    @property
+    def decay(self) -> float:
+        """Multiplier of the decoupled weight decay: ``1 - lr * weight_decay``."""
+        return 1.0 - self.lr * self.weight_decay
+
+    @property
+    def step_size(self) -> float:
+        """``lr / (1 - beta1**step)``."""
+        return self.lr / (1.0 - self.beta1**self.step)
+
+    @property
+    def bc2_sqrt(self) -> float:
+        """``sqrt(1 - beta2**step)``."""
+        return (1.0 - self.beta2**self.step) ** 0.5
+
+
+@dataclass(frozen=True)
+class Codebooks:
+    """The two quantization maps on one device, plus the CPU kernel's lookup tables on CPU.
+
+    Fields:
+        qmap1: fp32 [256] signed map (first moment); qmap2: fp32 [256] unsigned map (second moment).
+        mids1, mids2: fp32 [255] midpoints (torch path).
+        cpu: lookup tables for the fused CPU kernel (CPU codebooks only, built on first use).
+    """
+
+    qmap1: Tensor
+    qmap2: Tensor
+    mids1: Tensor
+    mids2: Tensor
+    cpu: CpuTables | None = None
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> Codebooks:
+        """Codebooks on ``device`` (CPU ones are built once per process and shared: they are read-only)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return _cpu_codebooks()
+        q1, q2 = dynamic_map(True, device), dynamic_map(False, device)
+        return cls(q1, q2, code_midpoints(q1), code_midpoints(q2), None)
+
+
+@functools.cache
+def _cpu_codebooks() -> Codebooks:
+    q1, q2 = dynamic_map(True), dynamic_map(False)
+    return Codebooks(q1, q2, code_midpoints(q1), code_midpoints(q2), CpuTables.build(q1, q2))
+
+
+def cpu_kernel_choice() -> str:
+    """``LAZYTRAIN_CPU_KERNEL`` normalized: ``"auto"`` (unset), ``"torch"`` or ``"cpp"``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(CPU_KERNEL_ENV, "auto").strip().lower() or "auto"
+    if raw not in _CPU_CHOICES:
+        raise ValueError(f"environment {CPU_KERNEL_ENV} must be one of {list(_CPU_CHOICES[1:])} (or unset), "
+                         f"but got {os.environ.get(CPU_KERNEL_ENV)!r}")
+    return raw
+
+
+@functools.cache
+def bitsandbytes_cuda_status(device_index: int = 0) -> tuple[bool, str]:
+    """``(available, reason)``: can bitsandbytes' CUDA optimizer kernels run on ``cuda:device_index``?
+
+    Runs both kernels once on 512-element dummy tensors (so a missing CUDA library shows up here, not halfway
+    through an update). Cached per device.
+    """
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    try:
+        import bitsandbytes.functional as bnbf
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available
+        return False, f"bitsandbytes is not importable ({type(e).__name__}: {e})"
+    try:
+        dev = torch.device("cuda", device_index)
+        n = 2 * BNB_BLOCK_SIZE
+        p = torch.zeros(n, device=dev)
+        g = torch.full((n,), 0.5, device=dev)
+        s1 = torch.full((n,), 127, dtype=torch.uint8, device=dev)
+        s2 = torch.zeros(n, dtype=torch.uint8, device=dev)
+        a1 = torch.zeros(2, device=dev)
+        a2 = torch.zeros(2, device=dev)
+        bnbf.optimizer_update_8bit_blockwise("adam", g, p, s1, s2, 0.9, 0.999, 0.0, 0.0, 1e-8, 1, 1e-3,
+                                             dynamic_map(True, dev), dynamic_map(False, dev), a1, a2,
+                                             weight_decay=0.0, gnorm_scale=1.0, skip_zeros=False)
+        f1, f2 = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        bnbf.optimizer_update_32bit("adam", g, p, f1, 0.9, 1e-8, 1, 1e-3, state2=f2, beta2=0.999,
+                                    weight_decay=0.0, gnorm_scale=1.0)
+        torch.cuda.synchronize(dev)
+        if not torch.allclose(p, torch.full_like(p, -2e-3), rtol=1e-3):
+            return False, f"bitsandbytes self-test gave {p[:2].tolist()} instead of -2e-3 after two Adam steps"
+    except Exception as e:  # noqa: BLE001
+        return False, f"bitsandbytes CUDA kernels failed a self-test ({type(e).__name__}: {e})"
+    return True, "ok"
+
+
+def _cpp_supports(param: Tensor, grad: Tensor, state: dict[str, Any]) -> str | None:
+    """None when the fused CPU kernel can run this update, else the reason it cannot."""
+    if param.dtype not in DTYPE_CODES:
+        return f"param dtype {param.dtype} (the kernel takes float32 and bfloat16)"
+    if grad.dtype not in DTYPE_CODES:
+        return f"grad dtype {grad.dtype} (the kernel takes float32 and bfloat16)"
+    if state.get("kahan") is not None and param.dtype != torch.bfloat16:
+        return f"Kahan compensation for {param.dtype} params (the kernel does it for bfloat16)"
+    if not param.is_contiguous():
+        return "a non-contiguous parameter"
+    return None
+
+
+def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size: int) -> str:
+    """Pick the kernel for one update (one of `KERNELS`); logs each fallback reason once.
+
+    Raises:
+        RuntimeError: ``LAZYTRAIN_CPU_KERNEL=cpp`` but the fused kernel cannot be built.
+        ValueError: bad ``LAZYTRAIN_CPU_KERNEL`` value.
+    """
+    dev = param.device.type
+    if dev == "cpu":
+        choice = cpu_kernel_choice()
+        if choice == "torch":
+            return "torch"
+        if load_cpu_kernel() is None:
+            ok, reason = cpu_kernel_status()
+            if choice == "cpp":
+                raise RuntimeError(f"{CPU_KERNEL_ENV}=cpp but the fused CPU kernel could not be built: {reason}")
+            _log_once("cpp-build", "Hybrid8bitOptimizer: fused CPU kernel unavailable (%s); using the pure-torch "
+                      "update, several times slower. Install a C++ compiler with OpenMP (g++) to enable it.",
+                      reason)
+            return "torch"
+        why_not = _cpp_supports(param, grad, state)
+        if why_not is not None:
+            _log_once(f"cpp-{why_not}", "Hybrid8bitOptimizer: fused CPU kernel does not handle %s; using the "
+                      "pure-torch update for such tensors.", why_not)
+            return "torch"
+        return "cpp"
+    if dev == "cuda":
+        eight_bit = state["state1"].dtype == torch.uint8
+        if eight_bit and block_size != BNB_BLOCK_SIZE:
+            _log_once("bnb-block", "Hybrid8bitOptimizer: bitsandbytes' CUDA kernel uses %d-element blocks, but "
+                      "block_size=%d; using the pure-torch update on the GPU (slower).", BNB_BLOCK_SIZE, block_size)
+            return "torch"
+        if param.numel() > _BNB_MAX_NUMEL or not param.is_contiguous():
+            return "torch"
+        ok, reason = bitsandbytes_cuda_status(param.device.index or 0)
+        if not ok:
+            _log_once("bnb-missing", "Hybrid8bitOptimizer: bitsandbytes CUDA kernels unavailable (%s); using the "
+                      "pure-torch update on the GPU (slower).", reason)
+            return "torch"
+        return "bnb"
+    return "torch"
+
+
+def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks, *,
+               block_size: int, kernel: str | None = None, threads: int | None = None) -> str:
+    """Update ``param`` and its ``state`` in place with one AdamW step; returns the kernel used.
+
+    Args:
+        param: parameter, any shape, N elements, fp32 / bf16 / fp16, on the device that holds its states.
+        grad: gradient with N elements on ``param``'s device (any float dtype; never modified).
+        state: the parameter's state dict (keys in this module's docstring), updated in place.
+        hyper: hyperparameters of this step (``hyper.step`` counts this update, so it is >= 1).
+        books: codebooks on ``param``'s device.
+        block_size: quantization block size (elements) of 8-bit states.
+        kernel: force one of `KERNELS` (tests, benchmarks); None: `select_kernel`.
+        threads: CPU threads for the fused kernel (default `lazytrain_hf.config.cpu_threads()`).
+
+    Raises:
+        ValueError: unknown kernel, or sizes that do not match.
+    """
+    if grad.numel() != param.numel():
+        raise ValueError(f"grad has {grad.numel()} elements but its parameter has {param.numel()}")
+    kernel = kernel or select_kernel(param, grad, state, block_size)
+    if kernel == "cpp":  # fused one pass: no temporaries to bound
+        adamw_step_cpp(param, grad, state, hyper, books, block_size=block_size, threads=threads)
+        return kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)}, but got {kernel!r}")
+    step = adamw_step_torch if kernel == "torch" else adamw_step_bnb_cuda
+    for p, g, st in _slices(param, grad, state, block_size):
+        step(p, g, st, hyper, books, block_size=block_size)
+    return kernel
+
+
+def _slices(param: Tensor, grad: Tensor, state: dict[str, Any], block_size: int):
+    """(param, grad, state) over slices of `CHUNK_ELEMENTS` (rounded down to whole blocks) of flat views; the
+    whole tensors when small or not contiguous. Per-block absmax slices follow their elements."""
+    n = param.numel()
+    chunk = CHUNK_ELEMENTS - CHUNK_ELEMENTS % block_size
+    tensors = [param, grad] + [v for v in state.values() if isinstance(v, Tensor)]
+    if n <= chunk or chunk <= 0 or not all(t.is_contiguous() for t in tensors):
+        yield param, grad, state
+        return
+    flat_p, flat_g = param.view(-1), grad.reshape(-1)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        sub = {}
+        for k, v in state.items():
+            if not isinstance(v, Tensor) or v.dim() == 0:
+                sub[k] = v
+            elif k in ("absmax1", "absmax2"):
+                sub[k] = v[a // block_size:-(-b // block_size)]
+            else:
+                sub[k] = v.view(-1)[a:b]
+        yield flat_p[a:b], flat_g[a:b], sub
+
+
+def _write_back(param: Tensor, work: Tensor, state: dict[str, Any]) -> None:
+    """Store the fp32 result ``work`` (param-shaped) into the parameter (and the Kahan buffer)."""
+    kahan = state.get("kahan")
+    if kahan is not None:
+        new = work.to(param.dtype)
+        kahan.copy_(work - new.float())   # rounding residual, rounded to the buffer's dtype
+        param.copy_(new)
+    elif work is not param:
+        param.copy_(work)                 # from the master (or a temporary): round to nearest
+
+
+def _work_tensor(param: Tensor, state: dict[str, Any]) -> Tensor:
+    """The fp32 value the update applies to: the master, ``param + kahan``, the fp32 param itself, or a copy."""
+    master, kahan = state.get("master"), state.get("kahan")
+    if master is not None:
+        return master
+    if kahan is not None:
+        return param.float() + kahan.float()
+    if param.dtype == torch.float32:
+        return param
+    return param.float()
+
+
+@torch.no_grad()
+def adamw_step_torch(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks,
+                     *, block_size: int) -> None:
+    """Pure-torch reference update (any device). Several passes and fp32 temporaries of N elements."""
+    g = grad.reshape(param.shape).float()
+    if hyper.clip_coef != 1.0:
+        g = g * hyper.clip_coef                        # a temporary: the caller's gradient stays as it was
+    s1, s2 = state["state1"], state["state2"]
+    eight_bit = s1.dtype == torch.uint8
+    if eight_bit:
+        m = dequantize_blockwise(s1, state["absmax1"], books.qmap1, block_size).view(param.shape)
+        v = dequantize_blockwise(s2, state["absmax2"], books.qmap2, block_size).view(param.shape)
+    else:
+        m, v = s1, s2
+    work = _work_tensor(param, state)
+    # the operations and their order of torch.optim.AdamW (single-tensor path)
+    if hyper.weight_decay != 0:
+        work.mul_(hyper.decay)
+    m.lerp_(g, 1 - hyper.beta1)
+    v.mul_(hyper.beta2).addcmul_(g, g, value=1 - hyper.beta2)
+    denom = (v.sqrt() / hyper.bc2_sqrt).add_(hyper.eps)
+    work.addcdiv_(m, denom, value=-hyper.step_size)
+    _write_back(param, work, state)
+    if eight_bit:
+        quantize_blockwise(m, books.qmap1, block_size, mids=books.mids1, out=s1, absmax_out=state["absmax1"])
+        quantize_blockwise(v, books.qmap2, block_size, mids=books.mids2, nonzero_floor=True, out=s2,
+                           absmax_out=state["absmax2"])
+
+
+@torch.no_grad()
+def adamw_step_cpp(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks,
+                   *, block_size: int, threads: int | None = None) -> None:
+    """Fused one-pass CPU update (`_cpu_kernel`). Same result as `adamw_step_torch` up to fp32 rounding
+    order, i.e. at most one code step per 8-bit state element.
+
+    Raises:
+        RuntimeError: the kernel could not be built.
+        ValueError: a tensor the kernel does not handle (see `select_kernel`).
+    """
+    lib = load_cpu_kernel()
+    if lib is None:
+        raise RuntimeError(f"fused CPU kernel unavailable: {cpu_kernel_status()[1]}")
+    why_not = _cpp_supports(param, grad, state)
+    if why_not is not None:
+        raise ValueError(f"fused CPU kernel does not handle {why_not}")
+    if books.cpu is None:
+        raise ValueError("adamw_step_cpp needs CPU codebooks (Codebooks.for_device('cpu'))")
+    g = grad.contiguous()
+    eight_bit = state["state1"].dtype == torch.uint8
+    cpu_adamw_step(
+        lib, books.cpu, param, g, state["state1"], state["state2"],
+        state["absmax1"] if eight_bit else None, state["absmax2"] if eight_bit else None,
+        state.get("master"), state.get("kahan"),
+        block_size=block_size, clip_coef=hyper.clip_coef, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+        decay=hyper.decay, step_size=hyper.step_size, bc2_sqrt=hyper.bc2_sqrt,
+        threads=threads if threads is not None else cpu_threads(),
+    )
+
+
+@torch.no_grad()
+def adamw_step_bnb_cuda(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks,
+                        *, block_size: int) -> None:
+    """bitsandbytes' CUDA update (8-bit blockwise or 32-bit states), AdamW decay order, v floor.
+
+    Raises:
+        ValueError: 8-bit states with ``block_size != 256`` (bitsandbytes' kernel is compiled for 256).
+    """
+    import bitsandbytes.functional as bnbf
+
+    s1, s2 = state["state1"], state["state2"]
+    eight_bit = s1.dtype == torch.uint8
+    if eight_bit and block_size != BNB_BLOCK_SIZE:
+        raise ValueError(f"bitsandbytes' 8-bit blockwise kernel needs block_size={BNB_BLOCK_SIZE}, "
+                         f"but got {block_size}")
+    work = _work_tensor(param, state)                  # fp32, contiguous (bitsandbytes reads raw pointers)
+    g = grad.float().contiguous()                      # bitsandbytes needs g.dtype == p.dtype
+    if hyper.weight_decay != 0:
+        work.mul_(hyper.decay)                         # decoupled decay first, as torch.optim.AdamW
+    if eight_bit:
+        bnbf.optimizer_update_8bit_blockwise(
+            "adam", g, work, s1, s2, hyper.beta1, hyper.beta2, 0.0, 0.0, hyper.eps, hyper.step, hyper.lr,
+            books.qmap1, books.qmap2, state["absmax1"], state["absmax2"],
+            weight_decay=0.0, gnorm_scale=hyper.clip_coef, skip_zeros=False,
+        )
+        # Note [v floor] (quant.py): bitsandbytes rounds v to the nearest code, possibly 0. A v that was exactly
+        # 0 also gets code 1 here; harmless, since then m == 0 as well.
+        s2.clamp_(min=1)
+    else:
+        bnbf.optimizer_update_32bit(
+            "adam", g, work, s1, hyper.beta1, hyper.eps, hyper.step, hyper.lr, state2=s2, beta2=hyper.beta2,
+            weight_decay=0.0, gnorm_scale=hyper.clip_coef,
+        )
+    _write_back(param, work, state)
+

@@ -1,0 +1,25 @@
+"""The `fixed` policy: MegaTrain's heuristic (arXiv 2604.05091), kept as the baseline the MILP is measured against.
+
+A checkpoint every k layers, every checkpoint in one tier, every non-checkpointed layer re-forwarded in backward,
+no retention, optimizer updates on the CPU.
+"""
+
+from __future__ import annotations
+
+from .schedule import LayerPlan, Schedule
+
+__all__ = ["fixed_schedule"]
+
+
+def fixed_schedule(num_layers: int, checkpoint_every: int = 4, tier: str = "gpu", prefetch_depth: int = 1,
+                   fingerprint: str = "") -> Schedule:
+    """Checkpoint the input of layers 0, k, 2k, ... in `tier`.
+
+    Raises:
+        ValueError: num_layers < 1 or checkpoint_every < 1.
+    """
+    if num_layers < 1 or checkpoint_every < 1:
+        raise ValueError(f"fixed_schedule needs num_layers >= 1 and checkpoint_every >= 1, "
+                         f"but got {num_layers} and {checkpoint_every}")
+    layers = [LayerPlan(checkpoint=(i % checkpoint_every == 0), tier=tier) for i in range(num_layers)]
+    return Schedule(policy="fixed", layers=layers, prefetch_depth=prefetch_depth, fingerprint=fingerprint)

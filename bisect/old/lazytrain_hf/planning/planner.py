@@ -1,0 +1,153 @@
+"""Planner entry points: a `CostModel` in, a `Schedule` out (policy "milp" or "fixed"), and the largest batch that fits.
+
+`make_schedule` is what the executor's callback and the `plan` CLI call; `make_schedule_from_config` reads the
+policy knobs from a `LazyTrainConfig`. Both attach the linear model's prediction (`estimate.evaluate`) and the
+discrete-event simulator's (`simulator.simulate`) to `Schedule.predicted`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .cost_model import CostModel
+from .estimate import evaluate, recompute_flags
+from .fixed import fixed_schedule
+from .milp import InfeasiblePlanError, min_gpu_bytes, solve_milp
+from .schedule import Schedule
+from .schedule import fingerprint as _fingerprint
+from .simulator import simulate
+
+__all__ = ["make_schedule", "make_schedule_from_config", "largest_feasible_batch", "POLICIES", "InfeasiblePlanError"]
+
+POLICIES = ("milp", "fixed")
+
+
+def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_every: int = 4, tier: str = "gpu",
+                  prefetch_depth: int = 1, prefetch_depths: tuple[int, ...] = (1, 2, 3), time_limit_s: float = 10.0,
+                  mip_rel_gap: float = 0.01, gpu_optimizer: bool = True, fingerprint: str = "",
+                  simulate_check: bool = True) -> Schedule:
+    """Plan one step.
+
+    Args:
+        cost_model: costs, rates and budgets.
+        policy: "milp" (solve the planning MILP) or "fixed" (MegaTrain's heuristic: a checkpoint every
+            `checkpoint_every` layers in `tier`, every layer re-forwarded, CPU optimizer).
+        checkpoint_every, tier, prefetch_depth: the fixed policy's knobs (boundary 0 always stays on the GPU).
+        prefetch_depths: depths the MILP tries.
+        time_limit_s, mip_rel_gap: HiGHS limits (s, relative gap).
+        gpu_optimizer: let the MILP place layers' optimizer updates on the GPU (False: all on the CPU).
+        fingerprint: stored in the schedule (default: a hash of the cost model).
+        simulate_check: also replay the schedule in the simulator and store `simulated_step_ms` and
+            `simulated_peak_gpu_bytes` in `predicted`.
+
+    Returns:
+        The schedule; `predicted` holds step_ms, peak_gpu_bytes, pinned_host_bytes, exposed_transfer_ms,
+        recompute_ms, tokens_per_s, ... (ms, bytes, tokens/s) and `fits_budget`.
+
+    Raises:
+        ValueError: unknown policy or invalid fixed-policy knobs.
+        InfeasiblePlanError: policy "milp" and no schedule fits the budgets.
+
+    Warns:
+        UserWarning: the fixed schedule does not fit the budgets (it is returned anyway, as a baseline), or the
+        MILP stopped at its time limit.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {list(POLICIES)}, but got {policy!r}")
+    fp = fingerprint or _fingerprint(cost_model.to_dict())
+    if policy == "milp":
+        sched = solve_milp(cost_model, prefetch_depths=prefetch_depths, time_limit_s=time_limit_s,
+                           mip_rel_gap=mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
+    else:
+        sched = fixed_schedule(cost_model.num_layers, checkpoint_every=checkpoint_every, tier=tier,
+                               prefetch_depth=prefetch_depth, fingerprint=fp)
+        sched.layers[0].tier = "gpu"  # boundary 0 (the embedding output) stays on the GPU
+        if tier == "nvme" and cost_model.nvme_bytes <= 0:
+            raise ValueError("the fixed policy with tier='nvme' needs an NVMe budget (nvme_bytes > 0, an nvme_dir)")
+        sched.predicted = evaluate(cost_model, sched).as_predicted(cost_model.tokens_per_step)
+        sched.predicted["recomputed_layers"] = sum(recompute_flags(sched))
+    p = sched.predicted
+    p["fits_budget"] = bool(p["peak_gpu_bytes"] <= cost_model.gpu_bytes
+                            and p["pinned_host_bytes"] <= cost_model.pinned_host_bytes
+                            and p["nvme_bytes"] <= cost_model.nvme_bytes)
+    if not p["fits_budget"]:
+        warnings.warn(f"The {policy} schedule needs {p['peak_gpu_bytes'] / 2**30:.2f} GiB GPU and "
+                      f"{p['pinned_host_bytes'] / 2**30:.2f} GiB host memory, over the budgets "
+                      f"({cost_model.gpu_bytes / 2**30:.2f} / {cost_model.pinned_host_bytes / 2**30:.2f} GiB): "
+                      f"expect out-of-memory. Lower checkpoint_every, use tier='cpu', or use policy='milp'.",
+                      stacklevel=2)
+    if simulate_check:
+        sim = simulate(cost_model, sched)
+        p["simulated_step_ms"] = sim.step_ms
+        p["simulated_peak_gpu_bytes"] = sim.peak_gpu_bytes
+    return sched
+
+
+def make_schedule_from_config(cost_model: CostModel, config: Any, fingerprint: str = "") -> Schedule:
+    """`make_schedule` with the policy knobs of a `LazyTrainConfig` (policy, checkpoint_every, activation_tier,
+    prefetch_depth, solver_time_limit_s, solver_mip_rel_gap).
+
+    Raises:
+        ValueError: config.policy is "none" (no executor, nothing to plan).
+    """
+    if config.policy == "none":
+        raise ValueError("lazytrain_config.policy='none' runs the plain HF path: there is no schedule to make")
+    return make_schedule(cost_model, config.policy, checkpoint_every=config.checkpoint_every,
+                         tier=config.activation_tier, prefetch_depth=config.prefetch_depth,
+                         time_limit_s=config.solver_time_limit_s, mip_rel_gap=config.solver_mip_rel_gap,
+                         fingerprint=fingerprint)
+
+
+def _fits(cm: CostModel, policy: str, checkpoint_every: int, tier: str, prefetch_depth: int) -> bool:
+    if cm.pinned_host_bytes < cm.host_fixed_bytes:
+        return False
+    if policy == "milp":
+        need = min_gpu_bytes(cm)
+        return need is not None and need <= cm.gpu_bytes
+    s = fixed_schedule(cm.num_layers, checkpoint_every=checkpoint_every, tier=tier, prefetch_depth=prefetch_depth)
+    s.layers[0].tier = "gpu"
+    est = evaluate(cm, s)
+    return (est.peak_gpu_bytes <= cm.gpu_bytes and est.pinned_host_bytes <= cm.pinned_host_bytes
+            and est.nvme_bytes <= cm.nvme_bytes)
+
+
+def largest_feasible_batch(build: Callable[[int], CostModel], policy: str = "milp", *, max_batch: int = 4096,
+                           checkpoint_every: int = 4, tier: str = "gpu", prefetch_depth: int = 1) -> int:
+    """Largest batch size B <= max_batch for which a schedule fits the budgets (0 if even B = 1 does not).
+
+    Args:
+        build: batch size -> CostModel (same model, sequence length, machine and budgets).
+        policy: "milp" (some schedule exists: the memory-only MILP's smallest peak fits) or "fixed" (the fixed
+            schedule with the given knobs fits).
+        max_batch: upper end of the search.
+
+    Feasibility is monotone in B (every memory term grows with B), so a doubling search then bisection needs
+    about 2 log2(B) feasibility checks.
+
+    Raises:
+        ValueError: unknown policy or max_batch < 1.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {list(POLICIES)}, but got {policy!r}")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, but got {max_batch}")
+
+    def fits(b: int) -> bool:
+        return _fits(build(b), policy, checkpoint_every, tier, prefetch_depth)
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= max_batch and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, max_batch + 1)  # lo fits, hi does not (or is past the cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+

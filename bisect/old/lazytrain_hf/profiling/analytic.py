@@ -1,0 +1,288 @@
+"""Analytic per-layer costs from a transformers config and a batch shape, for planning without a GPU.
+
+`model_shape(config)` instantiates the model on the meta device (no memory allocated) to count each decoder
+layer's parameters exactly and to read its kind (Qwen3.5 mixes "linear_attention" and "full_attention" layers,
+`config.layer_types`). `analytic_cost_model(...)` turns that into a `CostModel` for a (batch, seq) on a
+`HardwareProfile`. Numbers are estimates; `layer_costs.measure_layer_costs` replaces the per-layer ones with
+measurements on a CUDA device.
+
+Sources of the formulas:
+    - matmul FLOPs: 2 * tokens * parameters forward and twice that backward (Kaplan et al. 2020, the 6ND rule;
+      PaLM, Chowdhery et al. 2022, appendix B);
+    - causal attention FLOPs: QK^T and AV are 2 * B * T^2 * heads * head_dim each, halved by causality (flash
+      attention skips the masked half), backward about 2.5x forward (FlashAttention-2, Dao 2023);
+    - gated delta rule (Qwen3.5 linear attention, chunk C = 64): per token and value head about
+      2 * (3 * dk * dv + C * (2 * dk + dv)) FLOPs (state read/update and the intra-chunk WY form; Yang et al.
+      2024, "Gated Delta Networks"); without flash-linear-attention kernels transformers runs a reference PyTorch
+      loop, far slower than this estimate suggests: measure before trusting Qwen3.5 numbers;
+    - saved activations: per-tensor accounting of what autograd keeps in a Qwen decoder layer in bf16 with
+      fp32 RMSNorm internals and SDPA (q, k, v, output and log-sum-exp), in the manner of Korthikanti et al.
+      2022, "Reducing Activation Recomputation in Large Transformer Models" §4;
+    - efficiencies: a dense layer reaches about 0.7 of the 8192^3 GEMM rate (DESIGN §7: the stock Trainer's
+      416 TFLOPS (6ND) at batch 8 x 1024 with one recompute executes 8ND, about 555 TFLOPS of 787);
+    - host bytes per parameter: bf16 weight 2 + bf16 gradient 2 + 8-bit moments 2 (+ fp32 absmax per block) +
+      fp32 master 4 (Kahan: 2); resident parameters (embedding, lm_head, norm) keep gradients and optimizer
+      states on the GPU by default, as the executor does (measured: 4.39 GB of states for Qwen2.5-7B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..planning.cost_model import CostModel
+from .hardware import H200_DEFAULTS, HardwareProfile
+
+__all__ = ["ModelShape", "model_shape", "analytic_cost_model", "layer_flops"]
+
+BF16 = 2  # bytes per bf16 element
+FP32 = 4
+MIB = 1024**2
+
+
+@dataclass
+class ModelShape:
+    """What the cost formulas need from a config (dimensions) and from the meta model (parameter counts).
+
+    Attributes:
+        model_type: transformers model_type ("qwen2", "qwen3", "qwen3_5_text", "llama").
+        hidden_size, intermediate_size, vocab_size: H, I, V.
+        num_heads, num_kv_heads, head_dim: full-attention geometry.
+        attn_output_gate: q_proj also produces a sigmoid output gate (Qwen3.5 full attention).
+        qk_norm: per-head RMSNorm on q and k (Qwen3, Qwen3.5).
+        linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim, linear_conv_kernel: Qwen3.5 gated delta net.
+        layer_kinds: per decoder layer, "full_attention" or "linear_attention".
+        layer_params: per decoder layer, trainable parameters (count).
+        embed_params: embedding parameters; lm_head_params: untied lm_head parameters (0 when tied);
+        norm_params: final norm parameters.
+        name: registry name or hub id (for printing).
+    """
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attn_output_gate: bool
+    qk_norm: bool
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    linear_conv_kernel: int
+    layer_kinds: list[str]
+    layer_params: list[int]
+    embed_params: int
+    lm_head_params: int
+    norm_params: int
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.layer_params) + self.embed_params + self.lm_head_params + self.norm_params
+
+
+def model_shape(config: Any, name: str = "") -> ModelShape:
+    """Read dimensions from `config` and count parameters on a meta-device instance (nothing allocated).
+
+    Raises:
+        ValueError: the config has no decoder layers under `model.layers`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    body = getattr(model, "model", None)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise ValueError(f"model_type={config.model_type!r}: expected decoder layers at model.model.layers")
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
+    kinds = ["linear_attention" if t == "linear_attention" else "full_attention" for t in types[: len(layers)]]
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    embed = body.embed_tokens.weight.numel()
+    lm_head = model.lm_head.weight
+    lm_head_params = 0 if lm_head is body.embed_tokens.weight else lm_head.numel()
+    norm_params = sum(p.numel() for p in body.norm.parameters())
+    nh = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // nh
+    mt = config.model_type
+    return ModelShape(
+        model_type=mt, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size, num_heads=nh, num_kv_heads=getattr(config, "num_key_value_heads", nh) or nh,
+        head_dim=hd, attn_output_gate=mt.startswith("qwen3_5"), qk_norm=mt.startswith("qwen3"),
+        linear_k_heads=getattr(config, "linear_num_key_heads", 0) or 0,
+        linear_v_heads=getattr(config, "linear_num_value_heads", 0) or 0,
+        linear_k_dim=getattr(config, "linear_key_head_dim", 0) or 0,
+        linear_v_dim=getattr(config, "linear_value_head_dim", 0) or 0,
+        linear_conv_kernel=getattr(config, "linear_conv_kernel_dim", 4) or 4,
+        layer_kinds=kinds, layer_params=layer_params, embed_params=embed, lm_head_params=lm_head_params,
+        norm_params=norm_params, name=name or getattr(config, "_name_or_path", "") or mt)
+
+
+def layer_flops(shape: ModelShape, i: int, batch_size: int, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs of decoder layer i for [B, T] tokens, split by kind of work.
+
+    Returns:
+        {"matmul": 2 * N * params, "attention": causal SDPA, "linear_attention": gated delta rule} (FLOPs).
+    """
+    n = batch_size * seq_len
+    out = {"matmul": 2.0 * n * shape.layer_params[i], "attention": 0.0, "linear_attention": 0.0}
+    if shape.layer_kinds[i] == "full_attention":
+        # QK^T and AV: 2 * B * T^2 * nh * hd each; causal flash attention computes half
+        out["attention"] = 2.0 * batch_size * seq_len**2 * shape.num_heads * shape.head_dim
+    else:
+        c, dk, dv = 64, shape.linear_k_dim, shape.linear_v_dim
+        out["linear_attention"] = 2.0 * n * shape.linear_v_heads * (3 * dk * dv + c * (2 * dk + dv))
+    return out
+
+
+def _per_token_bytes(shape: ModelShape, i: int) -> tuple[float, float, float]:
+    """(saved, forward workspace, backward workspace) bytes per token of decoder layer i (bf16 activations).
+
+    Saved, full attention: input 2H; two RMSNorms 2 x (fp32 copy 4H + bf16 output 2H); q/k/v outputs (with qk norm
+    also their fp32 copies); SDPA q, k, v, output and fp32 log-sum-exp; the output gate's sigmoid and product;
+    MLP gate, up, silu(gate) and product, 4 x 2I.
+    Saved, linear attention (reference PyTorch path): input, norms and MLP as above; qkv projection, conv output
+    and silu output (3 x 2 conv_dim); fp32 copies of q, k, v, beta, g and the chunk intermediates (about 3 x 4
+    conv_dim + the C x C chunk attention, 2 x 4 C per value head); per-chunk states nv dk dv 4 / C; z and the
+    gated norm (2 vd + 2 x 4 vd); out_proj input 2 vd.
+    """
+    H, I = shape.hidden_size, shape.intermediate_size  # noqa: E741 - the paper's symbols
+    norms = 2 * (FP32 * H + BF16 * H)
+    mlp = 4 * BF16 * I
+    if shape.layer_kinds[i] == "full_attention":
+        q = shape.num_heads * shape.head_dim
+        kv = shape.num_kv_heads * shape.head_dim
+        proj = BF16 * (q + 2 * kv) + (FP32 * (q + kv) + BF16 * (q + kv) if shape.qk_norm else 0)
+        sdpa = BF16 * (q + 2 * kv) + BF16 * q + FP32 * shape.num_heads
+        gate = 2 * BF16 * q if shape.attn_output_gate else 0
+        saved = BF16 * H + norms + proj + sdpa + gate + mlp
+        mix_work = BF16 * 2 * (q + kv) + BF16 * q + (BF16 * q if shape.attn_output_gate else 0)
+    else:
+        kd = shape.linear_k_heads * shape.linear_k_dim
+        vd = shape.linear_v_heads * shape.linear_v_dim
+        conv = 2 * kd + vd
+        c = 64
+        core = 3 * FP32 * conv + 2 * FP32 * c * shape.linear_v_heads
+        states = FP32 * shape.linear_v_heads * shape.linear_k_dim * shape.linear_v_dim / c
+        gated_norm = BF16 * vd + 2 * FP32 * vd
+        saved = BF16 * H + norms + 3 * BF16 * conv + core + states + gated_norm + BF16 * vd + mlp
+        mix_work = 3 * BF16 * conv + core + states
+    # no-grad forward: the larger of the token mixer's and the MLP's live intermediates, plus an fp32 norm copy
+    fwd_work = max(mix_work, 3 * BF16 * I) + FP32 * H
+    # backward (beyond saved activations and weight grads): two MLP-intermediate gradients, the hidden-state
+    # gradients in and out, an fp32 norm gradient; saved tensors are freed as backward proceeds. Measured on the
+    # H200 for a Qwen2.5-7B layer at 16 x 1024: 1.03 GB; this gives 1.70 GB (forward workspace: 1.98 measured,
+    # 2.10 GB here; saved activations 3.81 measured, 3.73 GB here; fwd / bwd time 13.9 / 27.4 ms measured,
+    # 14.1 / 28.3 ms here)
+    bwd_work = 2 * BF16 * I + 2 * BF16 * H + FP32 * H
+    return saved, fwd_work, bwd_work
+
+
+def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
+                        hardware: HardwareProfile = H200_DEFAULTS, *, gpu_bytes: int, host_bytes: int,
+                        nvme_bytes: int = 0, matmul_efficiency: float = 0.7, attention_efficiency: float = 0.5,
+                        linear_attention_efficiency: float = 0.25, loss_chunk_tokens: int = 2048,
+                        state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
+                        gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
+                        resident_optimizer: str = "gpu", name: str = "") -> CostModel:
+    """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
+
+    Args:
+        config_or_shape: the model (a config is turned into a `ModelShape` on the meta device).
+        batch_size, seq_len: B and T of one micro-batch (padding counts: tokens = B * T).
+        hardware: machine rates (GB/s, TFLOP/s, params/s).
+        gpu_bytes, host_bytes, nvme_bytes: budgets (bytes).
+        matmul_efficiency, attention_efficiency, linear_attention_efficiency: achieved fraction of
+            `hardware.gpu_tflops` for each kind of work.
+        loss_chunk_tokens: tokens per chunk of the chunked cross-entropy (sets the head's logits workspace).
+        state_dtype: optimizer moments, "8bit" (2 bytes/param + fp32 absmax per block) or "fp32" (8 bytes/param).
+        master_weights: "fp32" (4 bytes/param), "kahan" (2 bytes/param compensation) or "none".
+        block_size: quantization block (elements per fp32 absmax).
+        gpu_reserve_bytes: GPU bytes held back for allocator fragmentation.
+        rows_per_pass: the executor runs each layer over the micro-batch in chunks of this many sequences
+            (`max_rows_per_pass`): a layer's transient activations (saved, forward and backward workspaces) are
+            one chunk's, while boundaries and retained layers keep the whole micro-batch. None: no chunking.
+        resident_optimizer: where the embedding / lm_head / norm update runs: "gpu" (the executor: their states
+            and gradients stay on the GPU; measured there: 4.39 GB of states for Qwen2.5-7B with 8-bit moments and
+            Kahan, i.e. the layers' bytes per parameter) or "cpu" (states on the host, gradients sent back).
+
+    Raises:
+        ValueError: non-positive batch or sequence length, unknown state_dtype / master_weights.
+    """
+    problems = []
+    if batch_size < 1 or seq_len < 1:
+        problems.append(f"batch_size and seq_len must be >= 1, but got {batch_size} and {seq_len}")
+    if state_dtype not in ("8bit", "fp32"):
+        problems.append(f"state_dtype must be '8bit' or 'fp32', but got {state_dtype!r}")
+    if master_weights not in ("fp32", "kahan", "none"):
+        problems.append(f"master_weights must be 'fp32', 'kahan' or 'none', but got {master_weights!r}")
+    if resident_optimizer not in ("gpu", "cpu"):
+        problems.append(f"resident_optimizer must be 'gpu' or 'cpu', but got {resident_optimizer!r}")
+    if rows_per_pass is not None and rows_per_pass < 1:
+        problems.append(f"rows_per_pass must be >= 1 or None, but got {rows_per_pass}")
+    if problems:
+        raise ValueError("analytic_cost_model: " + "; ".join(problems))
+    shape = config_or_shape if isinstance(config_or_shape, ModelShape) else model_shape(config_or_shape, name)
+    L, H, V = shape.num_layers, shape.hidden_size, shape.vocab_size
+    n = batch_size * seq_len
+    peak = hardware.gpu_tflops * 1e12 / 1e3  # FLOPs per ms
+    state_b = 2 + 2 * FP32 / block_size if state_dtype == "8bit" else 2 * FP32  # moments, bytes/param
+    master_b = {"fp32": FP32, "kahan": BF16, "none": 0}[master_weights]
+    n_pass = min(batch_size, rows_per_pass or batch_size) * seq_len  # tokens of one pass through a layer
+    fwd_ms, bwd_ms, saved, fwd_work, bwd_work, retained = [], [], [], [], [], []
+    for i in range(L):
+        fl = layer_flops(shape, i, batch_size, seq_len)
+        fwd_ms.append((fl["matmul"] / matmul_efficiency + fl["attention"] / attention_efficiency
+                       + fl["linear_attention"] / linear_attention_efficiency) / peak)
+        bwd_ms.append((2 * fl["matmul"] / matmul_efficiency + 2.5 * fl["attention"] / attention_efficiency
+                       + 2 * fl["linear_attention"] / linear_attention_efficiency) / peak)
+        s, fw, bw = _per_token_bytes(shape, i)
+        saved.append(int(s * n_pass))
+        fwd_work.append(int(fw * n_pass))
+        bwd_work.append(int(bw * n_pass))
+        retained.append(int(s * n) + BF16 * n * H)  # whole micro-batch: activations and the output
+    params = shape.layer_params
+    act = BF16 * n * H
+    resident_params = shape.embed_params + shape.lm_head_params + shape.norm_params
+    head_flops = 6.0 * n * H * V  # lm_head forward 2NHV, backward 4NHV
+    chunk = min(loss_chunk_tokens, n)
+    on_gpu = resident_optimizer == "gpu"
+    lm_grad = 0 if on_gpu else BF16 * (shape.lm_head_params or shape.embed_params)  # on GPU: in resident_bytes
+    # head workspace: final norm internals (fp32 copy + bf16), logits chunk bf16 + fp32 + fp32 gradient,
+    # lm_head weight gradient, hidden-state gradient
+    head_work = (FP32 + BF16) * n * H + (BF16 + 2 * FP32) * chunk * V + lm_grad + BF16 * n * H
+    layer_host_b = BF16 + BF16 + state_b + master_b  # weight, gradient, moments, master
+    opt_b = state_b + master_b  # optimizer bytes per parameter (moments + master)
+    # resident on the GPU: weights, gradients and optimizer states; on the CPU: weights only (states on the host)
+    resident_gpu_b = BF16 + (BF16 + opt_b if on_gpu else 0)
+    resident_host_b = BF16 + (0 if on_gpu else BF16 + opt_b)
+    gpu_opt_b = state_b + master_b + BF16  # per param: states + master + gradient (up) / weight (down)
+    meta = {"model": shape.name, "model_type": shape.model_type, "batch_size": batch_size, "seq_len": seq_len,
+            "rows_per_pass": rows_per_pass,
+            "num_params": shape.num_params, "hardware": hardware.source, "hardware_measured": hardware.measured,
+            "estimate": "analytic"}
+    return CostModel(
+        layer_kind=list(shape.layer_kinds), num_params=list(params), fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+        param_bytes=[BF16 * p for p in params], grad_bytes=[BF16 * p for p in params], act_bytes=[act] * L,
+        saved_bytes=saved, fwd_work_bytes=fwd_work, bwd_work_bytes=bwd_work,
+        gpu_optim_h2d_bytes=[int(gpu_opt_b * p) for p in params],
+        gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in params],
+        gpu_optim_work_bytes=[int(gpu_opt_b * p) for p in params], retained_bytes=retained,
+        resident_bytes=int(resident_gpu_b * resident_params), head_ms=head_flops / matmul_efficiency / peak,
+        head_work_bytes=int(head_work),
+        head_grad_bytes=0 if on_gpu else BF16 * (shape.lm_head_params + shape.norm_params),
+        embed_grad_bytes=0 if on_gpu else BF16 * shape.embed_params, embed_optim_params=shape.embed_params,
+        resident_optim_on_gpu=on_gpu,
+        head_optim_params=shape.lm_head_params + shape.norm_params, gpu_reserve_bytes=int(gpu_reserve_bytes),
+        host_fixed_bytes=int(layer_host_b * sum(params) + resident_host_b * resident_params),
+        **hardware.planner_rates(), gpu_bytes=int(gpu_bytes), pinned_host_bytes=int(host_bytes),
+        nvme_bytes=int(nvme_bytes), tokens_per_step=n, meta=meta)

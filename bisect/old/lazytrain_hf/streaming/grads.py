@@ -1,0 +1,198 @@
+"""Gradient sink: moves each layer's parameter gradients from its device slot into the host store.
+
+Streams and events (CUDA):
+  d2h stream: waits on `done` (recorded on the compute stream after the layer's backward), copies the slot's
+              flat grad buffers to host memory, records `slot.grads_free`; the compute stream waits on
+              `grads_free` before the slot's grad buffers are zeroed for their next layer.
+Two paths:
+  direct:     the host buffer has the slot's dtype and holds nothing yet this accumulation window: one async copy
+              straight into the pinned host buffer, no CPU work at all (the usual case without accumulation).
+  accumulate: D2H into the slot's pinned staging buffer; the CPU adds (or, first micro-batch, converts) it into the
+              fp32 host buffer one layer later, while the GPU computes the next layer, or at `flush()`.
+The squared L2 norm of every gradient is accumulated on the device in fp32 as it passes (on the D2H stream, after
+any all-reduce); it is the global norm's square only when the window holds one micro-batch (`norm_from_device`),
+otherwise the host buffers are summed.
+Data parallel (`dp`, streaming/comm.py): the slot's gradients are SUM-all-reduced over ranks before they leave the
+device; under NCCL the reduction is enqueued after the layer's backward and only the D2H stream waits for it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .comm import DataParallel
+from .host_store import HostParamStore, Registrations, sq_norm
+from .weights import Slot, wait_on
+
+__all__ = ["GradSink"]
+
+
+@dataclass
+class _Pending:
+    layer: int
+    staging: dict[torch.dtype, torch.Tensor]
+    event: torch.cuda.Event
+    first: bool
+
+
+class GradSink:
+    """Args: store (host buffers), device (compute device), dp (gradient all-reduce over ranks, or None),
+    pin (page-lock the staging buffers; CUDA only).
+
+    Attributes:
+        staging_bytes: bytes of the accumulate path's staging buffers (one set per slot, allocated at its first
+            use, kept: exact sizes, page-locked in place with cudaHostRegister when `pin`).
+        registered_bytes: the part of `staging_bytes` page-locked in place.
+    """
+
+    def __init__(self, store: HostParamStore, device: torch.device, dp: DataParallel | None = None,
+                 pin: bool = True) -> None:
+        self.store = store
+        self.device = device
+        self.dp = dp
+        self.cuda = device.type == "cuda"
+        self.pin = pin and self.cuda
+        self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
+        # id(slot) -> (weak reference to the slot, dtype -> staging buffer)
+        self._staging: dict[int, tuple[weakref.ref, dict[torch.dtype, torch.Tensor]]] = {}
+        self._registered = Registrations()  # staging buffers page-locked in place
+        self._pending: deque[_Pending] = deque()  # staged copies whose CPU add is still to do, FIFO
+        self.sq = torch.zeros((), dtype=torch.float64, device=device)  # sum of squares seen this window
+        self.microbatches = 0  # micro-batches since the last zero_grad
+        self._fresh: set[int] = set(range(len(store.buffers)))  # layers whose host grads hold nothing yet
+        self.d2h_bytes = 0
+        self.staging_bytes = 0
+        self.instrument = False  # record compute-stream stalls on gradient copies (exposed D2H), as WeightStreamer
+        self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def has_grad(self, layer: int) -> bool:
+        return layer not in self._fresh
+
+    def begin_microbatch(self) -> None:
+        self.microbatches += 1
+
+    @property
+    def norm_from_device(self) -> bool:
+        """True when `sq` is the square of the whole window's gradient norm (one micro-batch since zero)."""
+        return self.microbatches == 1
+
+    def prepare(self, slot: Slot) -> None:
+        """Before a backward on `slot`: wait until its grads were copied out, then zero them (compute stream)."""
+        if self.cuda and slot.grads_free is not None:
+            wait_on(self.device, slot.grads_free, self.stalls if self.instrument else None)
+        for g in slot.grads.values():
+            g.zero_()
+
+    def push(self, slot: Slot, layer: int) -> None:
+        """After layer `layer`'s backward on `slot`: send its grads to the host (async on CUDA)."""
+        host = self.store.buffers[layer].grads
+        first = layer in self._fresh
+        self._fresh.discard(layer)
+        grads = list(slot.grads.values())
+        self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads)
+        direct = first and all(host[dt].dtype == g.dtype for dt, g in slot.grads.items())
+        if not self.cuda:
+            if self.dp is not None:
+                self.dp.all_reduce_(grads)
+            for dt, g in slot.grads.items():
+                self.sq += sq_norm(g)
+                host[dt].copy_(g) if first else host[dt].add_(g)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        works = []
+        if self.dp is not None and self.dp.async_device:
+            works = self.dp.all_reduce_async(grads)  # after this layer's backward, on the NCCL stream
+        elif self.dp is not None:
+            self.dp.all_reduce_(grads)
+        self.d2h_stream.wait_stream(compute)
+        with torch.cuda.stream(self.d2h_stream):
+            for w in works:
+                w.wait()  # the D2H stream (not the compute stream) waits for the reduced gradients
+            for g in grads:
+                self.sq += sq_norm(g)
+        if direct:
+            with torch.cuda.stream(self.d2h_stream):
+                for dt, g in slot.grads.items():
+                    host[dt].copy_(g, non_blocking=True)
+                slot.grads_free = self._record()
+            return
+        staging = self._staging_for(slot)
+        for p in [p for p in self._pending if p.staging is staging]:  # staging still holds an earlier layer
+            self._finish(p)
+        with torch.cuda.stream(self.d2h_stream):
+            for dt, g in slot.grads.items():
+                staging[dt].copy_(g, non_blocking=True)
+            ev = self._record()
+        slot.grads_free = ev
+        self._pending.append(_Pending(layer, staging, ev, first))
+        while len(self._pending) > 1:  # add the previous layer's grads while the GPU runs this one
+            self._finish(self._pending[0])
+
+    def _record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.d2h_stream)
+        return ev
+
+    def _staging_for(self, slot: Slot) -> dict[torch.dtype, torch.Tensor]:
+        """The slot's staging buffers: exact sizes, page-locked in place (the caching host allocator would round
+        each up to a power of two). The sets of slots that no longer exist (a new prefetch depth rebuilt them) are
+        freed first, so their ids, reused by new slots, never hand out a wrong-sized set."""
+        hit = self._staging.get(id(slot))
+        if hit is not None and hit[0]() is slot:
+            return hit[1]
+        for key, (ref, old) in list(self._staging.items()):
+            if ref() is None:
+                for p in [p for p in self._pending if p.staging is old]:
+                    self._finish(p)
+                del self._staging[key]
+                self._free(old)
+        staging = {}
+        for dt, g in slot.grads.items():
+            staging[dt] = self._registered.empty(g.numel(), g.dtype, self.pin)
+        self._staging[id(slot)] = (weakref.ref(slot), staging)
+        self.staging_bytes += sum(t.numel() * t.element_size() for t in staging.values())
+        return staging
+
+    def _free(self, staging: dict[torch.dtype, torch.Tensor]) -> None:
+        for t in staging.values():
+            self._registered.drop(t)
+            self.staging_bytes -= t.numel() * t.element_size()
+
+    def _finish(self, p: _Pending) -> None:
+        p.event.synchronize()
+        host = self.store.buffers[p.layer].grads
+        for dt, s in p.staging.items():
+            host[dt].copy_(s) if p.first else host[dt].add_(s)
+        self._pending.remove(p)
+
+    def flush(self) -> None:
+        """Make every pushed gradient visible in the host buffers (end of a micro-batch)."""
+        if self.cuda:
+            self.d2h_stream.synchronize()
+        while self._pending:
+            self._finish(self._pending[0])
+
+    def zero(self) -> None:
+        """Start a new accumulation window. No memset: each layer's first push overwrites its host buffer, and a
+        layer with no push this window reports no gradient (`has_grad`)."""
+        self.flush()
+        self._fresh = set(range(len(self.store.buffers)))
+        self.sq.zero_()
+        self.microbatches = 0
+
+    def __del__(self) -> None:
+        self.release()  # Note [host registration lifetime] (host_store.py)
+
+    def release(self) -> None:
+        """Unregister the page-locked staging buffers (after `flush`; they stay valid as ordinary memory)."""
+        if hasattr(self, "_registered"):
+            self._registered.release()
+
+    @property
+    def registered_bytes(self) -> int:
+        """The part of `staging_bytes` page-locked in place."""
+        return self._registered.bytes

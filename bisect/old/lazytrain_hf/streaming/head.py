@@ -1,0 +1,71 @@
+"""Chunked causal-LM head: final norm + lm_head + cross-entropy without ever holding the [B, T, V] logits.
+
+Matches transformers' `ForCausalLMLoss` (loss_utils.py): logits are cast to fp32, labels are shifted left by
+one with -100 padding, cross-entropy ignores -100, and the sum is divided by `denominator` (the Trainer's
+`num_items_in_batch`, or the micro-batch's valid-label count for a mean). Only positions with a target are projected; each
+chunk of `chunk_tokens` of them runs forward and backward at once, so peak logits memory is chunk_tokens x V x 4
+bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["shift_labels", "chunked_lm_loss", "chunked_logits"]
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[B, T] labels -> [B, T] targets of each position (labels[:, 1:] then one -100), as HF's ForCausalLMLoss."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module, lm_head: nn.Module,
+                    denominator: float | torch.Tensor, chunk_tokens: int = 2048, backward: bool = True,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Loss and, if `backward`, dL/dhidden, accumulating norm / lm_head parameter grads as a side effect.
+
+    Args:
+        hidden: [B, T, H] last decoder layer output (no grad needed; it is detached per chunk).
+        targets: [B, T] int64 shifted targets (see `shift_labels`), -100 = ignored.
+        norm, lm_head: the model's final norm and output projection (on hidden's device).
+        denominator: divide the summed token losses by this (token-weighted mean across micro-batches).
+        chunk_tokens: target-carrying rows of the flattened [B*T, H] hidden processed at once.
+
+    Returns:
+        (loss, grad_hidden): fp32 scalar loss (detached), and [B, T, H] gradient in hidden's dtype or None.
+    """
+    B, T, H = hidden.shape
+    flat = hidden.reshape(B * T, H)
+    tgt = targets.reshape(B * T)
+    # Only rows with a target reach the V-wide projection: ignored rows (prompt, padding) contribute zero loss and
+    # zero gradient exactly, and on SFT data they are often half the tokens.
+    rows = tgt.ne(IGNORE_INDEX).nonzero().squeeze(1)
+    loss = torch.zeros((), dtype=torch.promote_types(torch.float32, hidden.dtype), device=hidden.device)
+    grad = torch.zeros_like(flat) if backward else None
+    denom = denominator.to(hidden.device, torch.float32) if torch.is_tensor(denominator) else float(denominator)
+    for c0 in range(0, rows.numel(), chunk_tokens):
+        idx = rows[c0:c0 + chunk_tokens]
+        with torch.enable_grad() if backward else torch.no_grad():
+            x = flat.index_select(0, idx).detach().requires_grad_(backward)
+            logits = lm_head(norm(x)).float()  # [n, V] fp32, as ForCausalLMLoss upcasts
+            part = F.cross_entropy(logits, tgt.index_select(0, idx), reduction="sum") / denom
+            if backward:
+                part.backward()
+                grad.index_copy_(0, idx, x.grad)
+        loss += part.detach()
+    return loss, (grad.view(B, T, H) if backward else None)
+
+
+@torch.no_grad()
+def chunked_logits(hidden: torch.Tensor, norm: nn.Module, lm_head: nn.Module, chunk_tokens: int = 2048,
+                   out_device: torch.device | str | None = None) -> torch.Tensor:
+    """[B, T, H] -> [B, T, V] logits in lm_head's dtype, computed chunk by chunk into `out_device` memory."""
+    B, T, H = hidden.shape
+    flat = hidden.reshape(B * T, H)
+    outs = [lm_head(norm(flat[r0:r0 + chunk_tokens])).to(out_device or hidden.device)
+            for r0 in range(0, B * T, chunk_tokens)]
+    return torch.cat(outs).view(B, T, -1)

@@ -1,0 +1,197 @@
+"""GPU weight slots and the H2D weight streamer.
+
+Per distinct layer structure (Qwen3.5 mixes linear- and full-attention layers) the device holds
+`prefetch_depth + 1` slots. A slot is a template module whose parameters are views into the slot's flat device
+buffers (zero-copy binding: loading layer i is one H2D copy per dtype into the slot, no device-to-device copy)
+and whose `.grad` tensors are views into flat device gradient buffers (one D2H copy per dtype after backward).
+
+Streams (CUDA only; on CPU every copy is a plain synchronous copy and events are None):
+  compute: the caller's current stream; runs layers.
+  h2d:     weight loads; waits on `slot.free` (compute is done reading the old weights) before overwriting.
+Events:
+  slot.ready: recorded on h2d after the load; compute waits on it before running the slot.
+  slot.free:  recorded on compute after the last use; h2d waits on it before the next load into the slot.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .host_store import HostParamStore
+
+__all__ = ["Slot", "WeightStreamer", "wait_on"]
+
+
+def wait_on(device: torch.device, event: torch.cuda.Event,
+            stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None) -> None:
+    """Make the current (compute) stream wait for `event`; with `stalls`, bracket the wait with timing events
+    whose elapsed time is how long compute stood still (exposed transfer)."""
+    stream = torch.cuda.current_stream(device)
+    if stalls is None:
+        stream.wait_event(event)
+        return
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record(stream)
+    stream.wait_event(event)
+    after.record(stream)
+    stalls.append((before, after))
+
+
+@dataclass
+class Slot:
+    """One device-resident layer instance.
+
+    Attributes:
+        module: template layer whose parameters view `weights` and whose grads view `grads`.
+        weights: dtype -> flat device buffer of the layer's parameters.
+        grads: dtype -> flat device buffer of the layer's parameter gradients (parameter dtype).
+        layer: index of the decoder layer whose weights the slot holds (-1: none).
+    """
+
+    module: nn.Module
+    weights: dict[torch.dtype, torch.Tensor]
+    grads: dict[torch.dtype, torch.Tensor]
+    layer: int = -1
+    ready: torch.cuda.Event | None = None
+    free: torch.cuda.Event | None = None
+    grads_free: torch.cuda.Event | None = None  # recorded on the D2H stream once `grads` were copied out
+    storage_ptrs: set[int] = field(default_factory=set)
+
+
+class WeightStreamer:
+    """Streams decoder-layer weights from a HostParamStore into device slots along a known access sequence.
+
+    Args:
+        layers: the host decoder layers (templates are deep copies, re-bound to device slots).
+        store: the host buffers of those layers.
+        keys: structure key per layer; layers with equal keys share slots.
+        device: compute device.
+        prefetch_depth: accesses issued ahead of the one being computed (slots per structure = depth + 1).
+    """
+
+    def __init__(self, layers: nn.ModuleList, store: HostParamStore, keys: list[tuple], device: torch.device,
+                 prefetch_depth: int = 1) -> None:
+        self.store = store
+        self.keys = keys
+        self.device = device
+        self.depth = prefetch_depth
+        self.cuda = device.type == "cuda"
+        self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pools: dict[tuple, list[Slot]] = {}
+        for i, key in enumerate(keys):
+            if key not in self.pools:
+                self.pools[key] = [self._make_slot(layers[i], i) for _ in range(prefetch_depth + 1)]
+        self.h2d_bytes = 0  # bytes loaded since the last reset (for metrics)
+        # (before, after) events on the compute stream around each wait for a weight load: their elapsed time is
+        # how long compute stalled on H2D (exposed transfer). Filled only when `instrument` is set.
+        self.before_load = None  # callable(layer): blocks until the host weights of `layer` may be read
+        # callable(slot, layer): runs after the weights' H2D is enqueued (on the H2D stream under CUDA) and before
+        # the slot is marked ready: the executor's GPU-side optimizer update of a freshly loaded layer
+        self.after_load = None
+        self.host_written: dict[int, torch.cuda.Event] = {}  # layer -> D2H of its updated host weights
+        self.slot_read: dict[int, torch.cuda.Event] = {}  # id(slot) -> that D2H, which reads the slot
+        self.instrument = False
+        self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.loads = 0
+        self._seq: list[int] = []
+        self._pos = 0
+
+    def _make_slot(self, layer: nn.Module, index: int) -> Slot:
+        bufs = self.store.buffers[index]
+        module = copy.deepcopy(layer).to(self.device)
+        weights = {dt: torch.empty(t.numel(), dtype=dt, device=self.device) for dt, t in bufs.weights.items()}
+        grads = {dt: torch.zeros(t.numel(), dtype=dt, device=self.device) for dt, t in bufs.weights.items()}
+        params = dict(module.named_parameters())
+        for s in bufs.specs:
+            p = params[s.name]
+            p.data = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+            p.grad = grads[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+        ptrs = {t.untyped_storage().data_ptr() for t in weights.values()}
+        ev = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else (None, None)
+        return Slot(module=module, weights=weights, grads=grads, layer=-1, ready=ev[0], free=ev[1], storage_ptrs=ptrs)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [s for pool in self.pools.values() for s in pool]
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes held by all slots (weights + grads)."""
+        return sum(t.numel() * t.element_size() for s in self.slots for d in (s.weights, s.grads) for t in d.values())
+
+    # ---- access sequence -------------------------------------------------------------------------------------
+    def begin(self, sequence: list[int]) -> None:
+        """Start a pass over `sequence` (layer indices in the order they will be used) and prefetch its head."""
+        self._seq = list(sequence)
+        self._pos = 0
+        for k in range(min(self.depth, len(self._seq))):
+            self._issue(k)
+
+    def acquire(self, layer: int) -> Slot:
+        """The slot holding `layer`'s weights, ready for compute on the current stream. Must follow the sequence."""
+        if self._pos >= len(self._seq) or self._seq[self._pos] != layer:
+            raise RuntimeError(f"weight access out of order: expected {self._seq[self._pos:self._pos + 1]}, "
+                               f"got layer {layer}")
+        slot = self._issue(self._pos)
+        if self._pos + self.depth < len(self._seq):
+            self._issue(self._pos + self.depth)
+        if self.cuda:
+            wait_on(self.device, slot.ready, self.stalls if self.instrument else None)
+        self._pos += 1
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Compute is done with the slot's weights (for now): later loads into it wait for this point."""
+        if self.cuda:
+            slot.free.record(torch.cuda.current_stream(self.device))
+
+    def _issue(self, k: int) -> Slot:
+        layer = self._seq[k]
+        pool = self.pools[self.keys[layer]]
+        for s in pool:
+            if s.layer == layer:
+                return s
+        # Victim: a slot whose layer is not needed between the current access and access k.
+        needed = set(self._seq[self._pos:k + 1])
+        victims = [s for s in pool if s.layer not in needed]
+        if not victims:  # cannot happen with depth + 1 slots per structure; be loud if it does
+            raise RuntimeError("no free weight slot; prefetch window larger than the slot pool")
+        slot = victims[0]
+        pool.remove(slot)
+        pool.append(slot)  # LRU order: most recently loaded last
+        self._load(slot, layer)
+        return slot
+
+    def _load(self, slot: Slot, layer: int) -> None:
+        if self.before_load is not None:
+            self.before_load(layer)  # a deferred optimizer update of this layer must land first
+        host = self.store.buffers[layer].weights
+        if self.cuda:
+            with torch.cuda.stream(self.h2d_stream):
+                self.h2d_stream.wait_event(slot.free)
+                if layer in self.host_written:  # a GPU-side update is still writing this layer's host weights
+                    self.h2d_stream.wait_event(self.host_written[layer])
+                if id(slot) in self.slot_read:  # ... or still copying this slot's updated weights out
+                    self.h2d_stream.wait_event(self.slot_read[id(slot)])
+                for dt, dst in slot.weights.items():
+                    dst.copy_(host[dt], non_blocking=True)
+                if self.after_load is not None:
+                    self.after_load(slot, layer)
+                slot.ready.record(self.h2d_stream)
+        else:
+            for dt, dst in slot.weights.items():
+                dst.copy_(host[dt])
+            if self.after_load is not None:
+                self.after_load(slot, layer)
+        slot.layer = layer
+        self.loads += 1
+        self.h2d_bytes += sum(t.numel() * t.element_size() for t in host.values())
+
+    def invalidate(self) -> None:
+        """Forget which layers the slots hold (host weights changed, e.g. after an optimizer step)."""
+        for s in self.slots:
+            s.layer = -1
