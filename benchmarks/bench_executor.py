@@ -106,7 +106,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
     for B in args.batch_sizes:
         r = row(system=f"lazytrain_{policy}", model=args.model, params=n_params, gpu_cap_gib=args.gpu_cap_gib,
                 batch_size=B, seq_len=args.seq_len, status="ok")
-        r["extra"].update(world_size=world, optimizer_cpu_threads=cpu_threads(),
+        r["extra"].update(world_size=world, optimizer_cpu_threads=cpu_threads(), cpu_kernel=_cpu_kernel_facts(),
                           dp_updates=args.dp_updates if ex.dp is not None else None)
         try:
             cm = _cost_model(model, cfg, B, args)
@@ -262,6 +262,17 @@ def run_stock(args: argparse.Namespace) -> list[dict[str, Any]]:
         opt.zero_grad(set_to_none=True)
         _finish_row(args, rows, r)
     return rows
+
+
+def _cpu_kernel_facts() -> dict[str, Any]:
+    """Which CPU update kernel this host runs: build status, table-read mode, the self-check against the torch
+    reference, and the LAZYTRAIN_CPU_KERNEL override (a non-finite run can then be compared with the torch kernel)."""
+    from lazytrain_hf.config import cpu_threads
+    from lazytrain_hf.optim import functional as F
+    from lazytrain_hf.optim._cpu_kernel import cpu_kernel_status
+
+    return {"status": cpu_kernel_status()[1], "self_check": F.cpp_kernel_self_check(cpu_threads())[1],
+            "env": os.environ.get(F.CPU_KERNEL_ENV)}
 
 
 def _global_targets(ids: torch.Tensor, ex: Any) -> torch.Tensor | None:
