@@ -157,6 +157,7 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
     kw: dict[str, Any] = dict(HPARAMS, output_dir=output_dir or tempfile.mkdtemp(prefix=f"bench-{system}-"),
                               per_device_train_batch_size=batch_size, max_steps=max_steps, logging_strategy="no",
                               save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+                              logging_nan_inf_filter=False,  # a NaN loss must show, not become the running mean
                               remove_unused_columns=False, seed=0, use_cpu=device == "cpu")
     extra: dict[str, Any] = {}
     if system in ("stock_trainer", "stock_trainer_bnb8"):

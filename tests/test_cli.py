@@ -100,7 +100,12 @@ def test_unsupported_architecture_before_training(tmp_path, capsys, no_model_loa
     from transformers import GPT2Config
 
     monkeypatch.setattr("lazytrain_hf.models.resolve_config", lambda *a, **k: GPT2Config())
-    recipe = _write_recipe(tmp_path)
+    data = tmp_path / "data"  # a local GSM8K-format folder: the data check passes wherever the shared copy is missing
+    data.mkdir()
+    row = json.dumps({"question": "1 + 1?", "answer": "2\n#### 2"}) + "\n"
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(row * 4)
+    recipe = _write_recipe(tmp_path, data__source=str(data))
     assert cli.main(["train", "--config", str(recipe)]) == 2
     assert "does not support model_type='gpt2'" in capsys.readouterr().err
 

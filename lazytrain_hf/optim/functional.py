@@ -31,9 +31,12 @@ State keys (bitsandbytes' vocabulary): ``state1``/``state2`` (uint8 codes or fp3
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,6 +309,23 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
     return "torch"
 
 
+_deferral = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_launches():
+    """Inside the block `adamw_step` queues each update as a callable instead of running it; yields the queue
+    (a list). The caller runs the callables later, in order, where their inputs are ready: the executor stages a
+    layer's states on the H2D stream at load time and runs the update on the compute stream right before the layer's
+    forward (streaming/executor.py, Note [GPU-side update ordering]). Per thread; not reentrant."""
+    queue: list[Callable[[], None]] = []
+    _deferral.queue = queue
+    try:
+        yield queue
+    finally:
+        _deferral.queue = None
+
+
 def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks, *,
                block_size: int, kernel: str | None = None, threads: int | None = None) -> str:
     """Update ``param`` and its ``state`` in place with one AdamW step; returns the kernel used.
@@ -326,15 +346,24 @@ def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWH
     if grad.numel() != param.numel():
         raise ValueError(f"grad has {grad.numel()} elements but its parameter has {param.numel()}")
     kernel = kernel or select_kernel(param, grad, state, block_size)
-    if kernel == "cpp":  # fused one pass: no temporaries to bound
-        adamw_step_cpp(param, grad, state, hyper, books, block_size=block_size, threads=threads)
-        return kernel
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)}, but got {kernel!r}")
+    queue = getattr(_deferral, "queue", None)
+    if queue is not None:  # `deferred_launches`: run later, with the kernel picked now
+        queue.append(functools.partial(_adamw_step_now, param, grad, state, hyper, books, block_size, kernel, threads))
+        return kernel
+    _adamw_step_now(param, grad, state, hyper, books, block_size, kernel, threads)
+    return kernel
+
+
+def _adamw_step_now(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks,
+                    block_size: int, kernel: str, threads: int | None) -> None:
+    if kernel == "cpp":  # fused one pass: no temporaries to bound
+        adamw_step_cpp(param, grad, state, hyper, books, block_size=block_size, threads=threads)
+        return
     step = adamw_step_torch if kernel == "torch" else adamw_step_bnb_cuda
     for p, g, st in _slices(param, grad, state, block_size):
         step(p, g, st, hyper, books, block_size=block_size)
-    return kernel
 
 
 def _slices(param: Tensor, grad: Tensor, state: dict[str, Any], block_size: int):
@@ -461,19 +490,46 @@ def adamw_step_bnb_cuda(param: Tensor, grad: Tensor, state: dict[str, Any], hype
     g = grad.float().contiguous()                      # bitsandbytes needs g.dtype == p.dtype
     if hyper.weight_decay != 0:
         work.mul_(hyper.decay)                         # decoupled decay first, as torch.optim.AdamW
+    with _on_default_stream(param.device, (work, g)):
+        _bnb_update(bnbf, eight_bit, work, g, s1, s2, state, hyper, books)
+    if eight_bit:
+        # Note [v floor] (quant.py): bitsandbytes rounds v to the nearest code, possibly 0. A v that was exactly
+        # 0 also gets code 1 here; harmless, since then m == 0 as well.
+        s2.clamp_(min=1)
+    _write_back(param, work, state)
+
+
+@contextlib.contextmanager
+def _on_default_stream(device: torch.device, temporaries: tuple[Tensor, ...]):
+    """Order a bitsandbytes optimizer kernel with the current stream. bitsandbytes launches its optimizer kernels
+    without a stream argument, i.e. on the legacy default stream (bitsandbytes/backends/cuda/ops.py,
+    `_optimizer_update_8bit_blockwise_impl`), which does not synchronize with PyTorch's non-blocking side streams:
+    under a side stream the kernel read half-copied inputs and raced its own write-back (non-finite norms on the
+    H200, benchmarks/NOTES.md session 4). Under a side stream: the default stream waits for the current one, and
+    the current one for the kernel; the temporaries are marked in use by the default stream."""
+    cur, s0 = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+    if cur == s0:
+        yield
+        return
+    s0.wait_stream(cur)
+    yield
+    cur.wait_stream(s0)
+    for t in temporaries:
+        t.record_stream(s0)
+
+
+def _bnb_update(bnbf: Any, eight_bit: bool, work: Tensor, g: Tensor, s1: Tensor, s2: Tensor, state: dict[str, Any],
+                hyper: AdamWHyper, books: Codebooks) -> None:
+    """The bitsandbytes kernel launch alone (it runs on the legacy default stream: `_on_default_stream`)."""
     if eight_bit:
         bnbf.optimizer_update_8bit_blockwise(
             "adam", g, work, s1, s2, hyper.beta1, hyper.beta2, 0.0, 0.0, hyper.eps, hyper.step, hyper.lr,
             books.qmap1, books.qmap2, state["absmax1"], state["absmax2"],
             weight_decay=0.0, gnorm_scale=hyper.clip_coef, skip_zeros=False,
         )
-        # Note [v floor] (quant.py): bitsandbytes rounds v to the nearest code, possibly 0. A v that was exactly
-        # 0 also gets code 1 here; harmless, since then m == 0 as well.
-        s2.clamp_(min=1)
     else:
         bnbf.optimizer_update_32bit(
             "adam", g, work, s1, hyper.beta1, hyper.eps, hyper.step, hyper.lr, state2=s2, beta2=hyper.beta2,
             weight_decay=0.0, gnorm_scale=hyper.clip_coef,
         )
-    _write_back(param, work, state)
 

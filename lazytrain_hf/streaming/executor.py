@@ -24,6 +24,7 @@ from torch import nn
 
 from ..config import LazyTrainConfig, cpu_threads
 from ..models import check_supported
+from ..optim import functional as F
 from ..planning.fixed import fixed_schedule
 from ..planning.schedule import Schedule
 from .comm import DataParallel
@@ -185,9 +186,8 @@ class StreamingExecutor:
         self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
         # GPU-side updates: two staging sets per structure, used in turn, so one layer's states go H2D while the
         # previous layer's copy back D2H (one set serialized both directions: measured 2.08 s vs 1.57 s predicted)
-        self._stage: dict[tuple, dict[tuple, torch.Tensor]] = {}  # (structure, turn) -> device copies
-        self._stage_free: dict[tuple, torch.cuda.Event] = {}  # (structure, turn) -> that set copied back (CUDA)
-        self._stage_turn: dict[tuple, int] = {}  # structure -> the set the next GPU-side update uses
+        self._stage: dict[int, dict[tuple, torch.Tensor]] = {}  # id(slot) -> its staging copies
+        self._launches: dict[int, tuple] = {}  # id(slot) -> (slot, layer, queued update, copy-back list)
         self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
@@ -224,9 +224,11 @@ class StreamingExecutor:
             # plans at different steps (sequence-length buckets), so no collective here; stale layers stay stale.
             self._flush_local()
             self.streamer = None
+            self._stage.clear()  # keyed by slot: the new streamer's slots get their own
             self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
             self.streamer.before_load = self._before_load
             self.streamer.after_load = self._after_load
+            self.streamer.before_compute = self._before_compute
             self.streamer.skip_h2d = self.shard.receives if self.shard is not None else None
         self.schedule = schedule
         self._ops = plan_ops(schedule)
@@ -266,6 +268,7 @@ class StreamingExecutor:
             self.shard.resolve(self.store)
 
     def _flush_local(self) -> None:
+        self._run_pending_launches()
         if self.streamer is not None and self.device.type == "cuda":
             for ev in self.streamer.host_written.values():  # GPU-side updates copying back to host memory
                 ev.synchronize()
@@ -285,8 +288,15 @@ class StreamingExecutor:
             yield
 
     def _after_load(self, slot: Slot, layer: int) -> None:
-        """After a layer's weights were enqueued into `slot`: its GPU-side update, then (sharded) its broadcast."""
+        """After a layer's weights were enqueued into `slot` (H2D stream): stage its GPU-side update's inputs."""
         self._device_update(slot, layer)
+
+    def _before_compute(self, slot: Slot, layer: int) -> None:
+        """Compute is about to use `slot` (current stream, after its weights and staged inputs arrived): run its
+        queued GPU-side update and copy the results back, then (sharded) broadcast the layer from its owner."""
+        pending = self._launches.pop(id(slot), None)
+        if pending is not None:
+            self._finish_device_update(*pending)
         if self.shard is None:
             return
         cuda = self.device.type == "cuda"
@@ -296,24 +306,32 @@ class StreamingExecutor:
             self.streamer.host_written[layer] = done
             self.streamer.slot_read[id(slot)] = done
 
+    def _run_pending_launches(self) -> None:
+        """Queued GPU-side updates of loads compute never reached (before the slots are forgotten or read)."""
+        for slot, layer, launches, back in list(self._launches.values()):
+            if slot.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            self._finish_device_update(slot, layer, launches, back)
+        self._launches.clear()
+
     def _device_update(self, slot: Slot, layer: int) -> None:
-        """Run `layer`'s deferred optimizer update on the compute device, next to the weights just streamed in
-        (schedule: optimizer_device "gpu"; DESIGN.md §3 optimizer placement). Its host gradient and optimizer
-        states go H2D into staging copies (one set per layer structure), the update runs on the slot's weights
-        (bitsandbytes' 8-bit kernel on CUDA), then weights and states go D2H to the host store while forward
-        computes. CUDA: everything before the copy-back runs on the H2D stream, so the slot is ready only once
-        updated; later loads of the layer wait for the copy-back (`WeightStreamer.host_written`)."""
+        """Stage `layer`'s deferred optimizer update for the compute device, next to the weights just streamed in
+        (schedule: optimizer_device "gpu"; DESIGN.md §3 optimizer placement): its host gradient and optimizer
+        states go H2D into the slot's staging copies on the H2D stream; the update itself is queued
+        (`functional.deferred_launches`) and runs in `_before_compute`.
+
+        Note [GPU-side update ordering]: the update runs on the compute stream right before the layer's forward,
+        not on the H2D stream. bitsandbytes launches its optimizer kernel on the legacy default stream whatever the
+        current stream is; launched from the H2D stream it ran unordered with the staging copies and with its own
+        write-back (non-finite gradient norms on the H200, benchmarks/NOTES.md session 4). On the compute stream,
+        which is the default stream, it runs in order: after `slot.ready` (staged inputs arrived), before the
+        forward that reads the updated weights. The staging set belongs to the slot: the next load into the slot
+        waits for the copy-back (`WeightStreamer.slot_read`), so a set is never overwritten while in use."""
         snapshot = self.updater.take_device(layer) if self.updater is not None else None
         if snapshot is None:
             return
         cuda = self.device.type == "cuda"
-        turn = self._stage_turn.get(self.keys[layer], 0)
-        self._stage_turn[self.keys[layer]] = 1 - turn
-        key = (self.keys[layer], turn)
-        stream = torch.cuda.current_stream(self.device) if cuda else None  # the H2D stream (WeightStreamer._load)
-        if cuda and key in self._stage_free:
-            stream.wait_event(self._stage_free[key])  # the previous user of this staging set has copied back
-        bufs = self._stage.setdefault(key, {})
+        bufs = self._stage.setdefault(id(slot), {})
         names = {id(p): n for n, p in self.layers[layer].named_parameters()}
         specs = {sp.name: sp for sp in self.store.buffers[layer].specs}
         back: list[tuple[torch.Tensor, torch.Tensor, dict, dict]] = []
@@ -334,12 +352,21 @@ class StreamingExecutor:
             return on_device, staged(name, "grad", g), dev_state
 
         try:
-            self.updater.optimizer.step_deferred(self.updater.layer_params[layer], snapshot, stage)
+            with F.deferred_launches() as launches:
+                self.updater.optimizer.step_deferred(self.updater.layer_params[layer], snapshot, stage)
         finally:
             self.updater.device_done(layer)
         self.device_updates += 1
-        if not back:
-            return  # skipped step (non-finite norm) or no gradients
+        if back:  # else: skipped step (non-finite norm) or no gradients
+            self._launches[id(slot)] = (slot, layer, launches, back)
+
+    def _finish_device_update(self, slot: Slot, layer: int, launches: list, back: list) -> None:
+        """Run a staged GPU-side update on the current stream, then copy weights and states back to the host store
+        (CUDA: on the D2H stream, idle in forward, while compute goes on); later loads of the layer and into the
+        slot wait for the copy-back (`WeightStreamer.host_written` / `slot_read`)."""
+        for launch in launches:
+            launch()
+        cuda = self.device.type == "cuda"
 
         def copy_back() -> None:
             for p, on_device, state, dev_state in back:
@@ -351,15 +378,14 @@ class StreamingExecutor:
         if not cuda:
             copy_back()
             return
-        d2h = self.grads.d2h_stream  # idle in forward: gradient copies happen in backward
-        d2h.wait_stream(stream)
+        d2h = self.grads.d2h_stream
+        d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(d2h):
             copy_back()
             done = torch.cuda.Event()
             done.record(d2h)
         self.streamer.host_written[layer] = done
         self.streamer.slot_read[id(slot)] = done
-        self._stage_free[key] = done
 
     # ---- parameters and gradients ------------------------------------------------------------------------
     def is_streamed(self, p: torch.Tensor) -> bool:
@@ -535,6 +561,7 @@ class StreamingExecutor:
         train = self.model.training
         for s in self.streamer.slots:
             s.module.train(train)
+        self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
@@ -656,6 +683,7 @@ class StreamingExecutor:
         is divided by `denominator` (default: the valid shifted labels, a mean)."""
         for s in self.streamer.slots:
             s.module.train(self.model.training)
+        self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
         self.streamer.begin(list(range(self.num_layers)))
         h, calls = self._capture(input_ids.to(self.device),

@@ -95,6 +95,9 @@ class WeightStreamer:
         # callable(layer) -> True: this load takes the weights from elsewhere (sharded data parallel: a broadcast
         # from the layer's owner in `after_load`), so the H2D copy from the host store is skipped
         self.skip_h2d = None
+        # callable(slot, layer): on the compute stream once the slot is ready, before compute uses it (the executor
+        # runs a staged GPU-side update there, then a sharded layer's broadcast)
+        self.before_compute = None
         self.host_written: dict[int, torch.cuda.Event] = {}  # layer -> D2H of its updated host weights
         self.slot_read: dict[int, torch.cuda.Event] = {}  # id(slot) -> that D2H, which reads the slot
         self.instrument = False
@@ -144,6 +147,8 @@ class WeightStreamer:
             self._issue(self._pos + self.depth)
         if self.cuda:
             wait_on(self.device, slot.ready, self.stalls if self.instrument else None)
+        if self.before_compute is not None:
+            self.before_compute(slot, layer)
         self._pos += 1
         return slot
 

@@ -138,3 +138,36 @@ def test_cuda_block_size_other_than_256_uses_torch_path(bnb_cuda):
     p.grad = torch.randn_like(p)
     opt.step()
     assert opt.state[p]["absmax1"].numel() == 16
+
+
+def test_bnb_update_under_a_side_stream_waits_for_its_inputs(bnb_cuda):
+    """bitsandbytes launches its optimizer kernel on the legacy default stream whatever the current stream is.
+    Under a side stream whose producer of the gradient is still running (a long sleep queued first), the update
+    must still see the finished gradient and finish before the side stream reads the result: the same values as
+    on the default stream. Without `functional._on_default_stream` the kernel read the stale gradient (the
+    non-finite norms of benchmarks/NOTES.md, session 4)."""
+    n = 1 << 20
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1)
+    p = torch.nn.Parameter((torch.randn(n, device=dev, generator=gen) * 0.05).to(torch.bfloat16))
+    opt = Hybrid8bitOptimizer([p], lr=1e-3, weight_decay=0.1, master_weights="kahan")
+    books = opt._books_for(dev)
+    opt._init_state(p, opt.param_groups[0])
+    grad = torch.randn(n, device=dev, generator=gen)
+    hyper = F.AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 1)
+    ref_p, ref_s = p.detach().clone(), copy.deepcopy(opt.state[p])
+    F.adamw_step(ref_p, grad, ref_s, hyper, books, block_size=256, kernel="bnb")
+    torch.cuda.synchronize()
+    q, s = p.detach().clone(), copy.deepcopy(opt.state[p])
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        g = torch.zeros(n, device=dev)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the gradient exists on this stream
+        g.copy_(grad)
+        F.adamw_step(q, g, s, hyper, books, block_size=256, kernel="bnb")
+        out = q.float().clone()  # read on the side stream, right after the update
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref_p.float())
+    for key in ("state1", "state2", "absmax1", "absmax2", "kahan"):
+        assert torch.equal(s[key], ref_s[key]), key

@@ -61,8 +61,9 @@ def test_cuda_bf16_close_to_autograd():
         assert rel_err(ex.grad_source(p).cpu(), ref_grads[name].float()) < 5e-2, name
 
 
+@pytest.mark.parametrize("delay", ["none", "late-h2d", "late-compute"])
 @pytest.mark.parametrize("state_dtype, model_dtype, tol", [("fp32", "float32", 1e-4), ("8bit", "bfloat16", 2e-2)])
-def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, tol):
+def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, tol, delay, monkeypatch):
     """Layers whose schedule says optimizer_device "gpu" are updated on the GPU at their next load (staged host
     states and gradient, bitsandbytes' kernel for 8-bit states, copy-back on the D2H stream); the weights after
     3 steps equal every update on the CPU (fp32 states: rounding only; 8-bit: the two kernels' quantization).
@@ -74,6 +75,29 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
     decay would differ by lr x wd x 3 = 3e-4, a wrong bias correction by far more."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
     from lazytrain_hf.planning.fixed import fixed_schedule
+    from lazytrain_hf.streaming.weights import WeightStreamer
+
+    # Note [GPU-side update ordering]: a tiny model's copies finish long before the next Python launch, which hid
+    # a kernel that ran unordered with them; a GPU sleep queued ahead of every load (late H2D) or of every compute
+    # access (late compute) makes any missing wait show as wrong values
+    if delay == "late-h2d":
+        load = WeightStreamer._load
+
+        def late_load(self, slot, layer):
+            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.h2d_stream):
+                torch.cuda._sleep(20_000_000)
+            load(self, slot, layer)
+
+        monkeypatch.setattr(WeightStreamer, "_load", late_load)
+    elif delay == "late-compute":
+        acquire = WeightStreamer.acquire
+
+        def late_acquire(self, layer):
+            torch.cuda._sleep(20_000_000)
+            return acquire(self, layer)
+
+        monkeypatch.setattr(WeightStreamer, "acquire", late_acquire)
 
     base = load_model("qwen3-tiny", model_dtype, seed=6)
     weights = {}
