@@ -238,12 +238,15 @@ def memory_terms(cm: CostModel, prefetch_depth: int) -> MemoryTerms:
         head:       base + Q_{L-1} + A_{L-1} + head_work + 2 W_opt ygo + d A_max yoff
         backward j: base + Q_j + m_j + (1 - r_j) S_j + max(fwd_work_j, bwd_work_j) + 2 G_j + d A_max yoff
     where base = resident + reserve + (d + 1) slots per kind, W_opt the largest on-GPU optimizer workspace,
-    ygo = any on-GPU update (two workspaces), yoff = any offloaded boundary (d of them may be prefetched at once).
+    ygo = any on-GPU update ((d + 1) workspaces per layer kind, counted as 2 W_opt above for d = 1 and one kind),
+    yoff = any offloaded boundary (d of them may be prefetched at once).
     Conservative where the timeline would free earlier (the simulator measures the real peak).
     """
     L = cm.num_layers
     a_max = max(cm.act_bytes)
-    w_opt = 2 * max(cm.gpu_optim_work_bytes)  # two on-GPU update workspaces (double-buffered)
+    # on-GPU update workspaces: the executor stages each update in its slot's set (streaming/executor.py), so up to
+    # depth + 1 sets per layer structure exist during forward (2 for one structure at depth 1: double-buffered)
+    w_opt = (prefetch_depth + 1) * len(set(cm.layer_kind)) * max(cm.gpu_optim_work_bytes)
     base = cm.resident_bytes + cm.gpu_reserve_bytes + cm.slot_bytes(prefetch_depth)
     stored = [Lin().add(cm.act_bytes[i], ("g", i)).add(cm.retained(i), ("r", i)) for i in range(L)]
     fetched = [Lin().add(cm.act_bytes[i], ("k", i)).add(cm.act_bytes[i], ("n", i)) for i in range(L)]

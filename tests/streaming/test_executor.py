@@ -234,3 +234,44 @@ def test_streamed_optimizer_states_live_in_the_arena():
     resident = [p for p in model.parameters() if not ex.is_streamed(p)]
     assert all(not any(lo <= opt.state[p]["state1"].data_ptr() < hi for lo, hi in chunks) for p in resident)
     assert ex.pinned_bytes["planned"] >= ex.state_arena.used_bytes
+
+
+@pytest.mark.parametrize("placed, retain", [((0, 1, 3), ()), ((0, 1, 3), (1, 2)), ((0, 1, 2, 3), (0, 1, 2, 3))])
+def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain):
+    """The GPU-side update path (schedule optimizer_device "gpu": staged at the layer's load, run at its first
+    compute access, copied back; Note [GPU-side update ordering]) with retained layers, a CPU-tier boundary and
+    row chunks, run on the CPU: bit-identical to updating every layer in the host worker, over 4 steps with
+    clipping; its staging copies are freed at the end of each forward."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    base = load_model("qwen2-tiny", "bfloat16", seed=6)
+    L = base.config.num_hidden_layers
+    weights, norms = {}, {}
+    for dev_layers, kept in (((), ()), (placed, retain)):
+        lays = [LayerPlan(checkpoint=i % 2 == 0, tier="cpu" if i == 2 else "gpu", retain=i in kept,
+                          optimizer_device="gpu" if i in dev_layers else "cpu") for i in range(L)]
+        model = copy.deepcopy(base)
+        ex = StreamingExecutor(model, LazyTrainConfig(max_rows_per_pass=1), "cpu", Schedule("milp", lays),
+                               host_grad_dtype="param")
+        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, min_8bit_size=256,
+                                  block_size=256, master_weights="kahan")
+        opt.set_grad_source(ex.grad_source)
+        opt.set_state_allocator(ex.state_alloc)
+        ex.attach_optimizer(opt)
+        norms[dev_layers] = []
+        for step in range(4):
+            ids, mask, labels = random_batch(model.config.vocab_size, seed=10 + step)
+            ex.zero_grad()
+            ex.forward_backward(ids, labels, mask)
+            assert not ex._stage and not ex._launches  # staged copies freed once forward ran the updates
+            n = ex.grad_norm()
+            norms[dev_layers].append(float(n))
+            opt.clip_grad_norm(0.5, n)
+            opt.step()
+        ex.flush_updates()
+        assert ex.device_updates == 3 * len(dev_layers)  # steps 1-3 met a next load; step 4 flushed on the host
+        weights[dev_layers] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ex.close()
+    assert norms[()] == norms[placed]
+    for name, w in weights[()].items():
+        assert torch.equal(weights[placed][name], w), name
