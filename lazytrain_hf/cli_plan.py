@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)
 
     from .models import check_supported, resolve_config
-    from .planning.milp import InfeasiblePlanError
+    from .planning.milp import InfeasiblePlanError, with_margin
     from .planning.planner import largest_feasible_batch, make_schedule
     from .planning.schedule import fingerprint
     from .profiling.analytic import analytic_cost_model, model_shape
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                                   mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer,
                                   fingerprint=fp)
         except InfeasiblePlanError as e:
-            print(f"\nNo plan: {e}")
+            print(f"\nNo plan: {with_margin(e, args.gpu_memory_margin)}")
             return 1
     for w in caught:
         print(f"warning: {w.message}")

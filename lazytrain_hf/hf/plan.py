@@ -10,7 +10,7 @@ import torch
 
 from ..config import GIB
 from ..planning.buckets import BucketSchedules, seq_len_buckets
-from ..planning.milp import solve_milp
+from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
 from ..planning.schedule import Schedule, fingerprint
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
@@ -85,8 +85,11 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
     # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
     # device they would only move the update from the worker thread into the forward's critical path
     gpu_optimizer = cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda"
-    schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
-                          mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
+    try:
+        schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
+                              mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
+    except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
+        raise with_margin(e, cfg.gpu_memory_margin) from None
     schedule.solver["seq_len_bucket"] = T
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
     return schedule

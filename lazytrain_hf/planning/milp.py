@@ -1017,6 +1017,18 @@ def _round_budget_up(nbytes: float) -> int:
     return int(math.ceil((nbytes + 1) / _BUDGET_ROUND) * _BUDGET_ROUND)
 
 
+def with_margin(e: InfeasiblePlanError, margin: float) -> InfeasiblePlanError:
+    """`e` restated for a caller that planned with `(1 - margin)` of the GPU budget it was given: the smallest
+    budget to pass (--gpu-memory / gpu_memory_budget) is the planner's figure / (1 - margin)."""
+    if not margin or e.min_gpu_bytes is None:
+        return e
+    need = _round_budget_up(e.min_gpu_bytes / (1 - margin))
+    msg = (f"{e} These planner budgets are after the {margin:.0%} GPU memory margin (gpu_memory_margin): pass "
+           f"--gpu-memory / lazytrain_config.gpu_memory_budget of at least {need / GIB:.2f} GiB.")
+    return InfeasiblePlanError(msg, min_gpu_bytes=need, min_host_bytes=e.min_host_bytes,
+                               min_gpu_bytes_any_host=e.min_gpu_bytes_any_host)
+
+
 def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
     """The error for `cm`'s budgets, naming the smallest feasible GPU budget (at its host budget, and with
     unlimited host memory) and the smallest host budget."""

@@ -102,6 +102,7 @@ class Schedule:
             try:
                 with os.fdopen(fd, "w") as f:
                     f.write(text)
+                os.chmod(tmp, 0o644)  # mkstemp creates 0600; a plan is meant to be shared
                 os.replace(tmp, path)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)

@@ -162,6 +162,9 @@ class StreamingExecutor:
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
         sharded = self.dp is not None and self.config.dp_updates == "sharded"
+        if self.config.dp_updates == "sharded" and self.dp is None:
+            logger.warning("lazytrain_config.dp_updates='sharded' has no effect in a single process (launch >= 2 "
+                           "ranks with torchrun or accelerate launch --multi_gpu)")
         self.shard = ShardedUpdates(self.dp, self.num_layers) if sharded else None
         self.grads = GradSink(self.store, self.device, self.dp, pin=pin, shard=self.shard)
         self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)

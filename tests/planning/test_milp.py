@@ -261,3 +261,18 @@ def test_milp_optimum_equals_brute_force(retain, optimizer, gpu_gib):
     assert exact.predicted["step_ms"] == pytest.approx(brute, abs=0.05)  # ties: 1e-3 ms per decision
     ordered = solve_milp(cm, prefetch_depths=(1,), mip_rel_gap=0.0, gpu_optimizer=optimizer)
     assert brute - 0.05 <= ordered.predicted["step_ms"] <= brute * 1.01
+
+
+def test_infeasible_error_names_the_budget_to_pass_before_the_margin():
+    """The planner sees (1 - gpu_memory_margin) of the budget the user passes; its smallest feasible figure must be
+    restated as the --gpu-memory value to pass (a user given 18.18 GiB passed it and was still infeasible)."""
+    from lazytrain_hf.planning.milp import GIB as MGIB
+    from lazytrain_hf.planning.milp import InfeasiblePlanError, with_margin
+
+    e = InfeasiblePlanError("No schedule fits.", min_gpu_bytes=int(15.3 * MGIB), min_host_bytes=1,
+                            min_gpu_bytes_any_host=None)
+    out = with_margin(e, 0.12)
+    assert isinstance(out, InfeasiblePlanError)
+    assert out.min_gpu_bytes * 0.88 >= e.min_gpu_bytes and out.min_gpu_bytes < 17.40 * MGIB
+    assert "at least 17.39 GiB" in str(out) and "12% GPU memory margin" in str(out)
+    assert with_margin(e, 0.0) is e
