@@ -97,6 +97,29 @@ def _type_ok(value: Any, hint: str) -> bool:
     return isinstance(value, tuple(allowed))
 
 
+def _number(v: Any, integer: bool) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int if integer else (int, float))
+
+
+# TrainingArguments values checked before the heavy imports (transformers checks some only deep in train():
+# max_steps="abc" was a TypeError, gradient_accumulation_steps=0 a ZeroDivisionError): key -> (integer, ok, wanted)
+_TRAINING_CHECKS: dict[str, tuple[bool, Any, str]] = {
+    "max_steps": (True, lambda v: v == -1 or v > 0, "a positive integer (or -1: run num_train_epochs)"),
+    "per_device_train_batch_size": (True, lambda v: v >= 1, "a positive integer"),
+    "per_device_eval_batch_size": (True, lambda v: v >= 1, "a positive integer"),
+    "gradient_accumulation_steps": (True, lambda v: v >= 1, "a positive integer"),
+    "seed": (True, lambda v: v >= 0, "an integer >= 0"),
+    "learning_rate": (False, lambda v: v > 0, "a positive number"),
+    "num_train_epochs": (False, lambda v: v > 0, "a positive number"),
+    "max_grad_norm": (False, lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
+    "weight_decay": (False, lambda v: v >= 0, "a number >= 0"),
+    "warmup_steps": (False, lambda v: v >= 0, "a number >= 0 (a count, or a fraction < 1 of the steps)"),
+}
+# sections' integer fields and their lower bounds (None stays allowed where the annotation allows it)
+_MIN_VALUES = {("data", "max_length"): 1, ("data", "train_limit"): 1, ("data", "test_limit"): 0,
+               ("eval", "max_new_tokens"): 1, ("eval", "batch_size"): 1, ("eval", "limit"): 0}
+
+
 def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ValueError(f"--set expects section.key=value, but got {text!r}")
@@ -170,6 +193,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
             v = getattr(parts[sec], f.name)
             if not _type_ok(v, f.type):
                 problems.append(f"{sec}.{f.name} must be {f.type}, but got {v!r}")
+            elif (sec, f.name) in _MIN_VALUES and v is not None and v < _MIN_VALUES[(sec, f.name)]:
+                problems.append(f"{sec}.{f.name} must be >= {_MIN_VALUES[(sec, f.name)]}, but got {v!r}")
     if parts["model"].dtype not in ("bfloat16", "float32", "float16"):
         problems.append(f"model.dtype must be one of ['bfloat16', 'float32', 'float16'], but got {parts['model'].dtype!r}")
 
@@ -178,6 +203,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     bad = sorted(set(training) - ta_fields)
     if bad:
         problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields")
+    for k, (integer, ok, wanted) in _TRAINING_CHECKS.items():
+        if k in training and not (_number(training[k], integer) and ok(training[k])):
+            problems.append(f"training.{k} must be {wanted}, but got {training[k]!r}")
     if "output_dir" not in training:
         problems.append("training.output_dir is required (where checkpoints and metrics are written)")
     lazy = raw.get("lazytrain") or {}
