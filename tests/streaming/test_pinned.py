@@ -152,13 +152,19 @@ def test_executor_two_steps_reuse_buffers_and_stay_exact(sched_name, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_pinned_bytes_parts_add_up_on_cpu():
+def _arena_run(schedule):
+    """A tiny model on a CPU executor whose optimizer takes its states from the executor's arena."""
     model = load_model("qwen3-tiny", "float32", seed=2)
     ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
-    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", fixed_schedule(4, 1, "cpu", 2))
+    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", schedule)
     opt = Hybrid8bitOptimizer(model.parameters(), lr=1e-3, block_size=64)
     opt.set_state_allocator(ex.state_alloc)
     opt.set_grad_source(ex.grad_source)
+    return model, (ids, labels, mask), ex, opt
+
+
+def test_pinned_bytes_parts_add_up_on_cpu():
+    model, (ids, labels, mask), ex, opt = _arena_run(fixed_schedule(4, 1, "cpu", 2))
     before = ex.pinned_bytes
     assert before["activations"] == before["optimizer_states"] == 0
     for _ in range(2):
@@ -242,12 +248,7 @@ def test_pin_tensor_registers_only_page_exclusive_memory_and_checks_the_return_c
 def test_optimizer_checkpoint_is_compact_with_arena_states(tmp_path):
     """States carved from the executor's 512 MiB arena chunks are views; torch.save writes a view's whole storage, so
     a tiny model's optimizer.pt was 1.15 GB. The state dict copies them out compactly and still loads back."""
-    model = load_model("qwen3-tiny", "float32", seed=2)
-    ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
-    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", fixed_schedule(4, 1, "gpu", 1))
-    opt = Hybrid8bitOptimizer(model.parameters(), lr=1e-3, block_size=64)
-    opt.set_state_allocator(ex.state_alloc)
-    opt.set_grad_source(ex.grad_source)
+    _, (ids, labels, mask), ex, opt = _arena_run(fixed_schedule(4, 1, "gpu", 1))
     ex.zero_grad()
     ex.forward_backward(ids, labels, mask)
     opt.step()
