@@ -214,9 +214,6 @@ class GradSink:
         self.sq.zero_()
         self.microbatches = 0
 
-    def __del__(self) -> None:
-        self.release()  # Note [host registration lifetime] (host_store.py)
-
     def release(self) -> None:
         """Unregister the page-locked staging buffers (after `flush`; they stay valid as ordinary memory)."""
         if hasattr(self, "_registered"):

@@ -166,8 +166,10 @@ class Registrations:
         self.bytes = 0
 
     def __del__(self) -> None:
-        # memory freed while still registered would come back from a later allocation that the driver believes
-        # is page-locked; an owner that was never closed unregisters here, before its buffers are freed
+        # Note [host registration lifetime]: memory freed while still registered stays registered in the driver,
+        # and a later allocation at the same address then fails cudaHostRegister ("already mapped") or is taken
+        # for page-locked. Every owner keeps its buffers here, so an owner never closed unregisters them when it
+        # goes, while this object still holds them (views in the model may keep them alive, as pageable memory).
         if self._held:
             try:
                 self.release()
@@ -236,9 +238,6 @@ class PinnedArena:
 
     def chunks(self) -> list[torch.Tensor]:
         return [c[0] for pool in self._chunks.values() for c in pool]
-
-    def __del__(self) -> None:
-        self.release()  # Note [host registration lifetime]
 
     def release(self) -> None:
         """Unregister the page-locked chunks (tensors stay valid as ordinary memory)."""
@@ -417,12 +416,6 @@ class HostParamStore:
     @property
     def grad_bytes(self) -> int:
         return sum(b.grad_bytes for b in self.buffers)
-
-    def __del__(self) -> None:
-        # Note [host registration lifetime]: memory freed while still registered stays registered in the driver,
-        # and a later allocation at the same address then fails cudaHostRegister ("already mapped"); unregister
-        # while this store still holds the tensors (views in the model may keep them alive, as pageable memory).
-        self.release()
 
     def release(self) -> None:
         """Unregister page-locked memory (the tensors stay valid as ordinary memory)."""
