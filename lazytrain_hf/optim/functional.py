@@ -203,8 +203,9 @@ def cpp_kernel_self_check(threads: int) -> tuple[bool, str]:
     8-bit states, bf16 gradients) and with fp32 master weights: finite results, parameters within one bf16 ulp,
     masters within fp32 rounding (the tolerances of tests/optim/test_functional.py). ~50 ms.
 
-    Why: the native build runs on CPUs CI never sees; a wrong update there would poison training silently (one
-    GPU host gave non-finite gradient norms from the first steps, cause not yet isolated: benchmarks/NOTES.md).
+    Why: the native build runs on CPUs CI never sees; a wrong update there would poison training silently (added
+    while non-finite norms on one GPU host were unexplained; their likely cause was the GPU update's stream
+    ordering, `_on_default_stream`: benchmarks/NOTES.md, session 4).
     """
     if load_cpu_kernel() is None:
         return False, cpu_kernel_status()[1]
