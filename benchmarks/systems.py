@@ -58,7 +58,9 @@ def unsupported_reason(system: str, device: str, check_imports: bool = True) -> 
 class StepTimer(TrainerCallback):
     """Times every optimizer step between on_step_begin and on_step_end (device-synchronized at both ends), the
     optimizer call between on_pre_optimizer_step and on_optimizer_step, the peak resident host memory at step ends,
-    and LazyTrain's exposed transfer stalls when the trainer has an executor."""
+    LazyTrain's exposed transfer stalls when the trainer has an executor, and (after `watch(model)`) the batch rows
+    that entered the model's input embedding in each step: the rows a step really trained on, so a row whose batch
+    size did not take effect cannot pass as measured."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device == "cuda"
@@ -72,7 +74,18 @@ class StepTimer(TrainerCallback):
         self.d2h_ms: list[float] = []
         self.rss_peak = 0
         self.skipped = 0  # optimizer steps skipped for a non-finite gradient norm (Hybrid8's `last_step_skipped`)
+        self.rows: list[int] = []  # batch rows embedded per optimizer step (needs watch())
+        self._rows = 0
         self._t0 = self._o0 = 0.0
+
+    def watch(self, model: Any) -> None:
+        """Count the rows of every batch entering `model`'s input embedding (a forward pre-hook; the embedding runs
+        outside activation checkpointing, so a recomputed layer does not count twice)."""
+        def count(_module: Any, args: tuple) -> None:
+            if args and isinstance(args[0], torch.Tensor):
+                self._rows += int(args[0].shape[0]) if args[0].dim() > 1 else 1
+
+        model.get_input_embeddings().register_forward_pre_hook(count)
 
     def _now(self) -> float:
         if self.cuda:
@@ -85,6 +98,7 @@ class StepTimer(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
+        self._rows = 0
         self._t0 = self._now()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs: Any):
@@ -98,6 +112,7 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.step_s.append(self._now() - self._t0)
+        self.rows.append(self._rows)
         self.rss_peak = max(self.rss_peak, _rss_bytes())
         ex = getattr(self.trainer, "executor", None)
         if ex is not None:

@@ -12,6 +12,7 @@ reported "oom" without being run.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -89,7 +90,8 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
                                   peak_host_rss_gib=timer.rss_peak / GIB if timer.rss_peak else None)
     if spec["device"] == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
-    extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm}
+    extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm,
+                             "rows_per_step": timer.rows}
     if system != "zero_offload" and timer.optim_s[warm:]:
         fields["optimizer_ms"] = statistics.median(timer.optim_s[warm:]) * 1e3
     elif system == "zero_offload":
@@ -142,6 +144,7 @@ def run(spec: dict[str, Any]) -> None:
     dataset = TokenRows(ids)
     setup_s = time.perf_counter() - t0
     timer = StepTimer(device)
+    timer.watch(model)
     trainer, build_extra, oom_at = None, {}, None
     for B in spec["batch_sizes"]:
         r = row(**base, params=facts["params"], batch_size=B, status="ok")
@@ -157,13 +160,17 @@ def run(spec: dict[str, Any]) -> None:
                 trainer = build_trainer(system, spec, model, args, dataset, timer)
                 if getattr(trainer, "executor", None) is not None and device == "cuda":
                     trainer.executor.instrument(True)
-            else:  # same Trainer, new batch size (LazyTrain's MILP replans at train begin)
+            else:  # LazyTrain: same Trainer and executor, new batch size (the MILP replans at train begin)
                 trainer.args.per_device_train_batch_size = B
                 trainer._train_batch_size = B
                 trainer.args.max_steps = steps
             trainer.train()
             r.update(_measure(spec, system, B, trainer, timer, facts, model.config))
-            if timer.skipped:  # a skipped update costs nothing: its timings would flatter a broken run
+            wrong = sorted({n for n in timer.rows if n != B * trainer.args.gradient_accumulation_steps})
+            if wrong:  # the timings would be of another batch size
+                r.update(status="error", reason=f"steps trained on {wrong} rows, not batch {B}: the batch size did "
+                         "not take effect; timings not comparable")
+            elif timer.skipped:  # a skipped update costs nothing: its timings would flatter a broken run
                 r.update(status="error", reason=f"non-finite gradient norm: {timer.skipped} optimizer steps "
                          "skipped; timings not comparable")
             r["extra"].update(build_extra, setup_s=round(setup_s, 2), train_call_s=round(time.perf_counter() - t1, 2))
@@ -184,6 +191,14 @@ def run(spec: dict[str, Any]) -> None:
         _emit(out, r)
         if system in ONE_BATCH_PER_PROCESS:
             trainer = None
+        elif not system.startswith("lazytrain") and trainer is not None:
+            # stock: a fresh Trainer per batch size (only LazyTrain's executor is worth keeping); free the old
+            # optimizer states before the next one allocates its own
+            trainer.optimizer = trainer.lr_scheduler = None
+            trainer = None
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:

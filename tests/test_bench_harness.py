@@ -54,6 +54,21 @@ def test_smoke_suite_and_report(tmp_path, monkeypatch):
     assert md == out.with_suffix(".md") and png == out.with_suffix(".png") and md.exists() and png.exists()
 
 
+@requires_gsm8k
+@pytest.mark.parametrize("system", ["stock_trainer", "lazytrain_fixed"])
+def test_each_batch_size_of_one_process_trains_on_its_own_rows(tmp_path, system):
+    """Several batch sizes in one worker (stock: a fresh Trainer each; LazyTrain: the same one): every step's rows,
+    counted where batches enter the model, are that row's batch size (a GPU run once showed batch 16 at batch 8's
+    step time and peak memory)."""
+    from benchmarks import run
+
+    args = run.parse_args(["--suite", "smoke", "--out", str(tmp_path / "x.json")])
+    spec = run._spec(args, run.SUITES["smoke"], system, "qwen3-tiny", None, [1, 3])
+    rows = run.run_process(spec, timeout_s=300, deadline=time.time() + 600, workdir=tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r["reason"] for r in rows]
+    assert [r["extra"]["rows_per_step"] for r in rows] == [[1, 1, 1], [3, 3, 3]]
+
+
 def test_worker_timeout_is_recorded(tmp_path):
     from benchmarks import run
 
