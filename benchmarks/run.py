@@ -144,6 +144,10 @@ def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir
     spec_path = workdir / f"{tag}.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    # one GPU per system: a single-process Trainer seeing several GPUs wraps the model in torch DataParallel and
+    # trains on per_device_train_batch_size x n_gpu rows (the stock rows of a 2-GPU host once did)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]
     if spec["system"] in OFFLOAD:
         env.update(distributed_env(_free_port()))
     log = workdir / f"{tag}.log"
