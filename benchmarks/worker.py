@@ -192,10 +192,12 @@ def run(spec: dict[str, Any]) -> None:
         if system in ONE_BATCH_PER_PROCESS:
             trainer = None
         elif not system.startswith("lazytrain") and trainer is not None:
-            # stock: a fresh Trainer per batch size (only LazyTrain's executor is worth keeping); free the old
-            # optimizer states before the next one allocates its own
+            # stock: a fresh Trainer per batch size (only LazyTrain's executor is worth keeping). Drop every reference
+            # to the old optimizer states (accelerate's prepared objects, the timer's trainer) before the next
+            # Trainer allocates its own
+            trainer.accelerator.free_memory()
             trainer.optimizer = trainer.lr_scheduler = None
-            trainer = None
+            trainer = timer.trainer = None
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
