@@ -107,7 +107,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
         r = row(system=f"lazytrain_{policy}", model=args.model, params=n_params, gpu_cap_gib=args.gpu_cap_gib,
                 batch_size=B, seq_len=args.seq_len, status="ok")
         r["extra"].update(world_size=world, optimizer_cpu_threads=cpu_threads(), cpu_kernel=_cpu_kernel_facts(),
-                          dp_updates=args.dp_updates if ex.dp is not None else None)
+                          dp_updates=ex.config.resolved_dp_updates() if ex.dp is not None else None)
         try:
             cm = _cost_model(model, cfg, B, args)
             if policy == "fixed":
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-overlap", action="store_true", help="optimizer updates serial after backward")
     p.add_argument("--gpu-optimizer", action="store_true",
                    help="MILP may place layers' updates on the GPU (lazytrain_config.gpu_layer_updates)")
-    p.add_argument("--dp-updates", default="replicated", choices=["replicated", "sharded"],
+    p.add_argument("--dp-updates", default="auto", choices=["auto", "replicated", "sharded"],
                    help="data parallel (torchrun): every rank updates every layer, or each its share (dp_updates)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (CI) on a tiny shape")
     p.add_argument("--out", required=True)

@@ -65,7 +65,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "activation_tier": ("gpu", "cpu", "nvme"),
     "state_dtype": ("8bit", "fp32"),
     "master_weights": ("auto", "fp32", "kahan", "none"),
-    "dp_updates": ("replicated", "sharded"),
+    "dp_updates": ("auto", "replicated", "sharded"),
 }
 
 
@@ -108,13 +108,14 @@ class LazyTrainConfig:
             GPU (run at the layer's next load, streamed states; needs overlap_optimizer and a CUDA device); the
             plan moves a layer only where the cost model predicts a shorter step. Measured on an H200 (Qwen2.5-7B shape, 24 GiB
             cap, 16 cores): 1.5x the CPU-only MILP plan at batch 8, 1.14x at batch 64 (benchmarks/NOTES.md).
-        dp_updates (str, defaults to "replicated"): data parallel only (>= 2 ranks; ignored in one process).
+        dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
             "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
             states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is
             reduced to that rank, other ranks skip its D2H copy and never allocate its optimizer states: ~1/world
             of the states' host memory and of the gradient D2H bytes per rank); the updated weights are broadcast
-            from the owner at the layer's next load. Needs overlap_optimizer. Default "replicated" until the two
-            are measured against each other on GPUs (streaming/shard.py).
+            from the owner at the layer's next load. Needs overlap_optimizer. "auto": sharded when overlap_optimizer
+            is on, else replicated. Measured on 2 H200s (Qwen2.5-7B shape, 24 GiB cap, batch 32 per GPU): sharded
+            4.17 s per step, replicated 4.63 s, 1 GPU 4.41 s (benchmarks/NOTES.md, session 5).
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
@@ -147,7 +148,7 @@ class LazyTrainConfig:
     max_rows_per_pass: int | None = None
     overlap_optimizer: bool = True
     gpu_layer_updates: bool = True
-    dp_updates: str = "replicated"
+    dp_updates: str = "auto"
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None
     plan_buckets: int = 4
@@ -242,6 +243,13 @@ class LazyTrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def resolved_dp_updates(self) -> str:
+        """"replicated" or "sharded": what `dp_updates` means with >= 2 ranks ("auto": sharded when the overlapped
+        optimizer is on, the measured faster of the two)."""
+        if self.dp_updates != "auto":
+            return self.dp_updates
+        return "sharded" if self.overlap_optimizer else "replicated"
 
     def resolved_device(self) -> str:
         """The compute device string ("cuda" or "cpu") after resolving "auto"."""

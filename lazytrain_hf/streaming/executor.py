@@ -138,7 +138,8 @@ class StreamingExecutor:
             (keep the autograd gradient in the parameter dtype; one micro-batch per optimizer step).
         data_parallel: "auto" (all-reduce gradients over the torch.distributed world when it has >= 2 ranks),
             a DataParallel, or None (this process trains alone). See streaming/comm.py; with
-            `config.dp_updates == "sharded"` each rank updates only its share of the layers (streaming/shard.py).
+            sharded updates (`config.dp_updates`, "auto" = sharded with the overlapped optimizer) each rank updates
+            only its share of the layers (streaming/shard.py).
 
     Raises:
         ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
@@ -161,7 +162,7 @@ class StreamingExecutor:
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
-        sharded = self.dp is not None and self.config.dp_updates == "sharded"
+        sharded = self.dp is not None and self.config.resolved_dp_updates() == "sharded"
         if self.config.dp_updates == "sharded" and self.dp is None:
             logger.warning("lazytrain_config.dp_updates='sharded' has no effect in a single process (launch >= 2 "
                            "ranks with torchrun or accelerate launch --multi_gpu)")
@@ -570,9 +571,10 @@ class StreamingExecutor:
             The micro-batch loss, an fp32 scalar on the compute device (detached).
         """
         if self.shard is not None and self.updater is None:
-            raise RuntimeError("dp_updates='sharded' needs the optimizer attached (attach_optimizer; LazyTrainer "
-                               "does it when overlap_optimizer=True): each rank holds only its owned layers' "
-                               "gradients and the owners broadcast the updates")
+            raise RuntimeError("sharded data-parallel updates (lazytrain_config.dp_updates 'sharded', or 'auto' "
+                               "with overlap_optimizer) need the optimizer attached (attach_optimizer; LazyTrainer "
+                               "does it): each rank holds only its owned layers' gradients and the owners broadcast "
+                               "the updates. Attach it, or set dp_updates='replicated'")
         t0 = time.perf_counter()
         lay = self.schedule.layers
         targets = shift_labels(labels.to(self.device))

@@ -167,9 +167,11 @@ def test_sharded_hybrid_gpu_updates_accumulation_save_resume(sharded: Path) -> N
 def test_dp_updates_config() -> None:
     from lazytrain_hf.config import LazyTrainConfig
 
-    assert LazyTrainConfig().dp_updates == "replicated"
+    assert LazyTrainConfig().dp_updates == "auto" and LazyTrainConfig().resolved_dp_updates() == "sharded"
+    assert LazyTrainConfig(overlap_optimizer=False).resolved_dp_updates() == "replicated"
+    assert LazyTrainConfig(dp_updates="replicated").resolved_dp_updates() == "replicated"
     assert LazyTrainConfig(dp_updates="Sharded").dp_updates == "sharded"
-    with pytest.raises(ValueError, match=r"dp_updates must be one of \['replicated', 'sharded'\]"):
+    with pytest.raises(ValueError, match=r"dp_updates must be one of \['auto', 'replicated', 'sharded'\]"):
         LazyTrainConfig(dp_updates="zero")
     with pytest.raises(ValueError, match="needs overlap_optimizer=True"):
         LazyTrainConfig(dp_updates="sharded", overlap_optimizer=False)
