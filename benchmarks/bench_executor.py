@@ -110,6 +110,11 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                           dp_updates=ex.config.resolved_dp_updates() if ex.dp is not None else None)
         try:
             cm = _cost_model(model, cfg, B, args)
+            if policy == "milp":  # as the LazyTrainer plans: layer times measured at one row pass on CUDA
+                from lazytrain_hf.hf.plan import measured_layer_costs
+
+                cm, layer_costs = measured_layer_costs(cm, model.config, cfg, ex.device, B, args.seq_len)
+                r["extra"]["layer_costs"] = layer_costs
             if policy == "fixed":
                 sched = fixed_schedule(ex.num_layers, args.checkpoint_every, args.tier, args.prefetch_depth)
             else:

@@ -116,6 +116,10 @@ class LazyTrainConfig:
             from the owner at the layer's next load. Needs overlap_optimizer. "auto": sharded when overlap_optimizer
             is on, else replicated. Measured on 2 H200s (Qwen2.5-7B shape, 24 GiB cap, batch 32 per GPU): sharded
             4.17 s per step, replicated 4.63 s, 1 GPU 4.41 s (benchmarks/NOTES.md, session 5).
+        profile_layers (bool, defaults to True): policy "milp" on CUDA: before each solve, time one decoder layer
+            of each kind at the planned (rows per pass, seq) on the GPU (profiling/layer_costs.py, ~1-2 s) and plan
+            with those forward / backward times instead of the analytic ones (which under-predicted the measured
+            7B step by 7-17% on an H200, benchmarks/NOTES.md session 5). Memory figures stay analytic.
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
@@ -153,6 +157,7 @@ class LazyTrainConfig:
     schedule_path: str | None = None
     plan_buckets: int = 4
     solver_time_limit_s: float = 10.0
+    profile_layers: bool = True
     solver_mip_rel_gap: float = 0.01
     state_dtype: str = "8bit"
     master_weights: str = "auto"

@@ -14,6 +14,7 @@ from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
 from ..planning.schedule import Schedule, fingerprint
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
+from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
 
 __all__ = ["plan_for_trainer", "plan_buckets_for_trainer", "run_shape"]
 
@@ -81,6 +82,7 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
                              loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
                              block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
+    cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, T)
     fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
     # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
     # device they would only move the update from the worker thread into the forward's critical path
@@ -91,8 +93,32 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
     except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
         raise with_margin(e, cfg.gpu_memory_margin) from None
     schedule.solver["seq_len_bucket"] = T
+    schedule.solver["layer_costs"] = layer_costs
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
     return schedule
+
+
+def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.device, B: int,
+                         T: int) -> tuple[Any, str]:
+    """`cm` with forward / backward times of one decoder layer per kind measured on the CUDA `device` at one row
+    pass (min(B, cfg.max_rows_per_pass) rows x T), scaled to the micro-batch's passes, and what was used:
+    "measured" or "analytic" (`cfg.profile_layers` off, not CUDA, or the measurement ran out of memory: a
+    warning)."""
+    if not cfg.profile_layers or device.type != "cuda":
+        return cm, "analytic"
+    rows = min(B, cfg.max_rows_per_pass or B)
+    try:
+        measured = measure_layer_costs(model_config, rows, T, device)
+    except torch.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        logger.warning("layer profiling ran out of GPU memory (%s); planning with analytic layer costs",
+                       str(e).splitlines()[0][:200])
+        return cm, "analytic"
+    if not measured:
+        return cm, "analytic"
+    logger.info("measured layer costs at %d x %d: %s", rows, T,
+                {k: (round(m.fwd_ms, 2), round(m.bwd_ms, 2)) for k, m in measured.items()})
+    return apply_layer_measurements(cm, measured, time_scale=B / rows, memory=False), "measured"
 
 
 def plan_buckets_for_trainer(trainer: Any) -> BucketSchedules:

@@ -166,19 +166,25 @@ def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H
     return LayerMeasurement(kind, idx, f, max(0.0, fb - f), saved, fwd_work, bwd_work, str(dev))
 
 
-def apply_layer_measurements(cm: CostModel, measured: dict[str, LayerMeasurement]) -> CostModel:
-    """A copy of `cm` whose per-layer fwd_ms, bwd_ms (and memory figures, when measured) come from `measured`,
-    by layer kind. Kinds not measured keep their analytic values."""
+def apply_layer_measurements(cm: CostModel, measured: dict[str, LayerMeasurement], *, time_scale: float = 1.0,
+                             memory: bool = True) -> CostModel:
+    """A copy of `cm` whose per-layer fwd_ms, bwd_ms (and memory figures, when measured and `memory`) come from
+    `measured`, by layer kind. Kinds not measured keep their analytic values.
+
+    Args:
+        time_scale: multiplies the measured times: a layer measured over one row pass of r rows and run over a
+            micro-batch of B rows in passes takes B / r times as long (its GEMMs are linear in rows).
+        memory: take the measured memory figures too (one pass's, as the cost model counts them)."""
     fields: dict[str, list[Any]] = {k: list(getattr(cm, k)) for k in
                                     ("fwd_ms", "bwd_ms", "saved_bytes", "fwd_work_bytes", "bwd_work_bytes")}
     for i, kind in enumerate(cm.layer_kind):
         m = measured.get(kind)
         if m is None:
             continue
-        fields["fwd_ms"][i] = m.fwd_ms
-        fields["bwd_ms"][i] = m.bwd_ms
+        fields["fwd_ms"][i] = m.fwd_ms * time_scale
+        fields["bwd_ms"][i] = m.bwd_ms * time_scale
         for name in ("saved_bytes", "fwd_work_bytes", "bwd_work_bytes"):
-            if getattr(m, name) is not None:
+            if memory and getattr(m, name) is not None:
                 fields[name][i] = int(getattr(m, name))
     meta = dict(cm.meta, estimate="measured layers" if measured else cm.meta.get("estimate", ""))
     return dataclasses.replace(cm, **fields, meta=meta)

@@ -95,6 +95,7 @@ def test_milp_policy_plans_per_length_bucket_and_equals_stock(tmp_path, monkeypa
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp"})
     assert lazy.bucket_plans.buckets == [8, 16, 24]  # data up to 20 tokens, rounded up to 24
     assert all(s.policy == "milp" for s in lazy.bucket_plans.schedules.values())
+    assert all(s.solver["layer_costs"] == "analytic" for s in lazy.bucket_plans.schedules.values())  # CPU
     assert len({b for b in used if b is not None}) >= 2, used  # batches of different lengths, different plans
     for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
