@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | s5 | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | s5 | s6 | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -42,6 +42,18 @@ for stage in "$@"; do
              --batch-sizes 8,64 --steps 5 $S 2>&1 | grep -v Warning
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
            timeout 150 python3 -m pytest -q -m gpu tests/hf/test_ddp.py -rfE -p no:cacheprovider 2>&1 | tail -6 ;;
+    s6)    # 1 GPU (~8 min; CPUSET=0-15 on x2): the session-6 plan of benchmarks/NOTES.md: GPU tests (the measured-layer
+           # plan test included), MILP + GPU updates at 24 GiB B=8 and 64 planned with measured layer times (rows
+           # record layer_costs), then B=64 with two cores left to the launching thread (is the +11% compute the CPU
+           # update starving the kernel launches?), then the optimizer rates (Kahan kernel)
+           TESTS_TIMEOUT=${TESTS_TIMEOUT:-150} bash "$0" tests
+           S="--gpu-cap-gib 24 --rows-per-pass 8 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
+           timeout 200 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer \
+             --batch-sizes 8,64 --steps 4 $S 2>&1 | grep -v Warning
+           T=${LAZYTRAIN_CPU_THREADS:-$(nproc)}
+           LAZYTRAIN_CPU_THREADS=$(( T - 2 )) timeout 130 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp \
+             --gpu-optimizer --batch-sizes 64 --steps 4 $S 2>&1 | grep -v Warning
+           bash "$0" optim ;;
     milp24gpu) # 1 GPU (~4 min): 24 GiB, fixed B=8 (the same-run reference) and MILP + GPU-side updates B=8 and 64
            S="--gpu-cap-gib 24 --rows-per-pass 8 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
            timeout 110 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \
