@@ -128,6 +128,13 @@ class LazyTrainerMixin:
                 self.executor.attach_optimizer(inner)
         return opt
 
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """The stock warning, less tied aliases: a checkpoint of a tied model has no `lm_head.weight` (save drops
+        the alias; the embedding it shares storage with was loaded), which the Trainer reports as missing."""
+        tied = tied_aliases(self.model)
+        missing = [k for k in load_result.missing_keys if k not in tied or tied[k] in load_result.missing_keys]
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
         ex = self.executor
         if ex is not None and ex.shard is None:
@@ -218,6 +225,18 @@ class LazyTrainerMixin:
         if self.executor is not None and "loss" in logs and self.meter.last:
             logs = {**logs, **self.meter.last}
         super().log(logs, *args, **kwargs)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{name: the first name of the same Parameter} for every parameter reachable under two names (tied weights)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 class LazyTrainer(LazyTrainerMixin, Trainer):
