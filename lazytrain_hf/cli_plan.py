@@ -5,7 +5,7 @@ Example::
     lazytrain-hf plan --model qwen2.5-7b --gpu-memory 24GiB --host-memory 100GiB --batch-size 16 --seq-len 1024 \\
         --out-dir plans/
 
-prints the per-layer plan (boundary tier, recompute, retain, optimizer placement), the predicted step time,
+prints the per-layer plan (boundary tier, backward: kept / re-forward / rebuilt, optimizer placement), the predicted step time,
 tokens/s, peak GPU and host memory, exposed transfer time, the solver's status / gap / time and the largest
 feasible batch, and writes the schedule JSON, the cost model JSON and a timeline PNG to --out-dir.
 
@@ -216,21 +216,27 @@ def _print_table(sched: Any, cm: Any) -> None:
     from .planning.estimate import recompute_flags
 
     x = recompute_flags(sched)
-    print(f"\n{'layer':>5}  {'kind':<16} {'boundary':<8} {'recompute':<9} {'retain':<6} {'optimizer':<9}")
+    # backward: "kept" = activations retained from the forward (no second forward); "re-forward" = rerun once from
+    # its own stored boundary input; "rebuilt" = no boundary of its own: rerun from an earlier boundary first
+    print(f"\n{'layer':>5}  {'kind':<16} {'boundary':<8} {'backward':<10} {'optimizer':<9}")
     for i, lp in enumerate(sched.layers):
         tier = lp.tier if lp.checkpoint else "-"
-        print(f"{i:>5}  {cm.layer_kind[i]:<16} {tier:<8} {'yes' if x[i] else '-':<9} "
-              f"{'yes' if lp.retain else '-':<6} {lp.optimizer_device:<9}")
+        how = "kept" if lp.retain else ("rebuilt" if x[i] else "re-forward")
+        print(f"{i:>5}  {cm.layer_kind[i]:<16} {tier:<8} {how:<10} {lp.optimizer_device:<9}")
+    print("(boundary: where the layer's input is stored for backward; backward: kept = activations retained, "
+          "re-forward = forward rerun from its boundary, rebuilt = rerun from an earlier boundary)")
 
 
 def _print_prediction(sched: Any, cm: Any) -> None:
     p, s = sched.predicted, sched.solver
     flops = 6 * cm.num_params_total() * cm.tokens_per_step / (p["step_ms"] / 1e3) / 1e12
-    print(f"\npolicy {sched.policy}, prefetch depth {sched.prefetch_depth}, {len(sched.segments())} segments, "
-          f"{p.get('recomputed_layers', 0)} layers rebuilt in backward")
+    kept = sum(lp.retain for lp in sched.layers)
+    rebuilt = p.get("recomputed_layers", 0)
+    print(f"\npolicy {sched.policy}, prefetch depth {sched.prefetch_depth}, {len(sched.segments())} segments; in "
+          f"backward {kept} layers kept, {len(sched.layers) - kept - rebuilt} re-forwarded, {rebuilt} rebuilt")
     print(f"predicted step {p['step_ms']:.1f} ms (simulated {p.get('simulated_step_ms', float('nan')):.1f} ms), "
           f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS (6ND)")
-    print(f"  compute {p['compute_ms']:.1f} ms + recompute {p['recompute_ms']:.1f} ms + GPU optimizer "
+    print(f"  compute {p['compute_ms']:.1f} ms + re-forward / rebuild {p['recompute_ms']:.1f} ms + GPU optimizer "
           f"{p['gpu_optim_ms']:.1f} ms + exposed transfer {p['exposed_transfer_ms']:.1f} ms + exposed CPU optimizer "
           f"{p['exposed_optimizer_ms']:.1f} ms")
     print(f"peak GPU {_gib(p['peak_gpu_bytes'])} (simulated {_gib(p.get('simulated_peak_gpu_bytes'))}) of "
