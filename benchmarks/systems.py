@@ -203,7 +203,10 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                "activation_tier": "gpu", "max_rows_per_pass": spec.get("rows_per_pass", 8),
                "master_weights": spec.get("master_weights", "kahan"),
                "loss_chunk_tokens": spec.get("loss_chunk_tokens", 2048),
-               "gpu_memory_budget": f"{cap}GiB" if cap else None, "cap_gpu_memory": bool(cap)}
+               "gpu_memory_budget": f"{cap}GiB" if cap else None, "cap_gpu_memory": bool(cap),
+               # calibrate the MILP plan on the warm-up steps (the first is never used), so the timed steps run
+               # one plan and its prediction is made before them
+               "calibrate_steps": max(0, int(spec.get("warmup", 0)) - 1)}
         kw.update(lazytrain_config=cfg, bf16=True)
         extra.update(optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)", lazytrain_config=cfg,
                      embedding_states=spec.get("embedding_states", "8bit"))
@@ -264,6 +267,10 @@ def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     extra = {"schedule_policy": sched.policy, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
              "retained": sum(lp.retain for lp in sched.layers), "prefetch_depth": sched.prefetch_depth,
              "recomputed_layers": ex.stats.recomputed_layers, "weight_loads": ex.stats.weight_loads}
+    cal = getattr(trainer, "calibration", None)
+    if cal is not None and cal.samples:  # measured warm-up steps vs the plan (hf/calibrate.py)
+        extra["calibration"] = {"k": cal.samples, "compute_scale": cal.scale,
+                                "predicted_step_s_before": cal.predicted_before_ms and cal.predicted_before_ms / 1e3}
     return row, extra
 
 

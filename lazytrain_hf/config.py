@@ -120,6 +120,10 @@ class LazyTrainConfig:
             of each kind at the planned (rows per pass, seq) on the GPU (profiling/layer_costs.py, ~1-2 s) and plan
             with those forward / backward times instead of the analytic ones (which under-predicted the measured
             7B step by 7-17% on an H200, benchmarks/NOTES.md session 5). Memory figures stay analytic.
+        calibrate_steps (int, defaults to None): policy "milp": after this many measured optimizer steps (the
+            first step is not counted) compare the measured step time with the plan's prediction and, when they
+            differ by more than 5%, scale the plan's GPU compute costs to match and solve again (hf/calibrate.py);
+            once per run. None: 3 on CUDA, off elsewhere; 0: off.
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
@@ -158,6 +162,7 @@ class LazyTrainConfig:
     plan_buckets: int = 4
     solver_time_limit_s: float = 10.0
     profile_layers: bool = True
+    calibrate_steps: int | None = None
     solver_mip_rel_gap: float = 0.01
     state_dtype: str = "8bit"
     master_weights: str = "auto"
@@ -199,6 +204,8 @@ class LazyTrainConfig:
             problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), e.g. 0.12 (the "
                             f"default), but got {margin!r}")
         _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
+        if self.calibrate_steps is not None:
+            _check_int(problems, "calibrate_steps", self.calibrate_steps, 0, 1000)
         if self.max_rows_per_pass is not None:
             _check_int(problems, "max_rows_per_pass", self.max_rows_per_pass, 1, 1 << 20)
         _check_int(problems, "block_size", self.block_size, 64, 1 << 16)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from ..planning.schedule import Schedule
+from .calibrate import Calibration
 
 if TYPE_CHECKING:
     from .trainer import LazyTrainer
@@ -40,6 +41,8 @@ class LazyTrainCallback(TrainerCallback):
 
             plans = self.trainer.bucket_plans = plan_buckets_for_trainer(self.trainer)
             ex.set_schedule(plans.schedules[plans.buckets[-1]])
+            steps = cfg.calibrate_steps if cfg.calibrate_steps is not None else (3 if ex.device.type == "cuda" else 0)
+            self.trainer.calibration = Calibration(steps)
             if len(plans.buckets) > 1:
                 logger.info("LazyTrain: %d sequence-length buckets %s, one plan each", len(plans.buckets),
                             plans.buckets)
@@ -54,9 +57,32 @@ class LazyTrainCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.trainer.meter.stop(self.trainer.executor_metrics())
+        cal = self.trainer.calibration
+        if cal is not None and "step_time_s" in self.trainer.meter.last:
+            k = cal.end_step(self.trainer.meter.last["step_time_s"])
+            if k is not None:
+                self._recalibrate(k)
         if control.should_save or control.should_evaluate or control.should_training_stop or \
                 state.global_step >= state.max_steps:
             self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
+
+    def _recalibrate(self, k: float) -> None:
+        """Solve the bucket plans again with the GPU compute costs scaled by k (hf/calibrate.py). Each rank
+        decides on its own measurements: ranks may run different plans (set_schedule issues no collective)."""
+        from .plan import plan_buckets_for_trainer
+
+        tr = self.trainer
+        old = tr.bucket_plans.schedules[tr.bucket_plans.buckets[-1]]
+        scale = float(old.solver.get("compute_scale", 1.0)) * k
+        tr.bucket_plans = plan_buckets_for_trainer(tr, compute_scale=scale)
+        new = tr.bucket_plans.schedules[tr.bucket_plans.buckets[-1]]
+        tr.executor.set_schedule(new)
+        tr.calibration.scale = scale
+        tr.calibration.predicted_before_ms = old.predicted.get("step_ms")
+        tr.calibration.predicted_after_ms = new.predicted.get("step_ms")
+        logger.info("LazyTrain calibration: measured steps ran %.2fx the predicted GPU compute; re-planned with "
+                    "compute costs x%.2f: predicted step %.1f ms (was %.1f ms under the old costs)", k, scale,
+                    new.predicted.get("step_ms", float("nan")), old.predicted.get("step_ms", float("nan")))
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.trainer.executor.flush_updates()

@@ -59,12 +59,13 @@ def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
 
 
 def plan_for_trainer(trainer: Any, seq_len: int | None = None,
-                     prefetch_depths: tuple[int, ...] = (1, 2, 3)) -> Schedule:
+                     prefetch_depths: tuple[int, ...] = (1, 2, 3), compute_scale: float = 1.0) -> Schedule:
     """Solve the MILP (lazytrain_hf.planning.milp) for this trainer's model, batch shape and budgets.
 
     Args:
         seq_len: tokens per sequence to plan for (default: the longest in the training data, `run_shape`).
         prefetch_depths: prefetch depths the MILP may choose from.
+        compute_scale: multiplies the GPU compute costs (calibration from measured steps, hf/calibrate.py).
 
     Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
     `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM / data-parallel ranks on this host), `nvme_budget`
@@ -83,6 +84,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
                              block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, T)
+    if compute_scale != 1.0:
+        cm = cm.scaled_compute(compute_scale)
     fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
     # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
     # device they would only move the update from the worker thread into the forward's critical path
@@ -94,6 +97,7 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
         raise with_margin(e, cfg.gpu_memory_margin) from None
     schedule.solver["seq_len_bucket"] = T
     schedule.solver["layer_costs"] = layer_costs
+    schedule.solver["compute_scale"] = compute_scale
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
     return schedule
 
@@ -121,18 +125,19 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
     return apply_layer_measurements(cm, measured, time_scale=B / rows, memory=False), "measured"
 
 
-def plan_buckets_for_trainer(trainer: Any) -> BucketSchedules:
+def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0) -> BucketSchedules:
     """One MILP plan per sequence-length bucket (`lazytrain_config.plan_buckets` of them, powers of two up to the
     longest sequence; lazytrain_hf/planning/buckets.py). Every bucket uses the prefetch depth of the longest
-    bucket's plan, so switching plans between batches never reallocates weight slots.
+    bucket's plan, so switching plans between batches never reallocates weight slots. `compute_scale`: as in
+    `plan_for_trainer`.
 
     Raises:
         InfeasiblePlanError: the longest bucket has no schedule within the budgets.
     """
     _, T = run_shape(trainer)
     buckets = seq_len_buckets(T, min_seq_len=min(128, max(8, T // 8)), max_buckets=trainer.lazy_config.plan_buckets)
-    longest = plan_for_trainer(trainer, buckets[-1])
+    longest = plan_for_trainer(trainer, buckets[-1], compute_scale=compute_scale)
     plans = {buckets[-1]: longest}
     for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is
-        plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,))
+        plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,), compute_scale=compute_scale)
     return BucketSchedules(plans)

@@ -25,6 +25,7 @@ from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
 from .args import LazyTrainingArguments
+from .calibrate import Calibration
 from .callback import LazyTrainCallback
 from .metrics import StepMeter
 
@@ -54,6 +55,7 @@ class LazyTrainerMixin:
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
         self.bucket_plans: BucketSchedules | None = None  # policy "milp": one plan per sequence-length bucket
+        self.calibration: Calibration | None = None  # policy "milp": set at train begin (hf/calibrate.py)
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -189,6 +191,8 @@ class LazyTrainerMixin:
         else:  # per-micro-batch mean, scaled for accumulation as the Trainer does
             denominator = shift_labels(labels).ne(-100).sum().clamp(min=1) * self.current_gradient_accumulation_steps
             denominator = denominator * world
+        if self.calibration is not None:
+            self.calibration.add_microbatch(self.executor.schedule.predicted)
         loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
                                               inputs.get("position_ids"), denominator=denominator,
                                               sync_gradients=self.accelerator.sync_gradients)

@@ -190,6 +190,19 @@ class CostModel:
             largest[kind] = max(largest.get(kind, 0), int(p))
         return (prefetch_depth + 1) * sum(largest.values())
 
+    def scaled_compute(self, k: float) -> CostModel:
+        """A copy whose GPU compute takes k times as long: layer forward / backward and head times x k, the GPU
+        optimizer rate / k (calibration from measured steps, hf/calibrate.py). Transfers, memory and the CPU
+        optimizer are unchanged.
+
+        Raises:
+            ValueError: k <= 0."""
+        if not k > 0:
+            raise ValueError(f"compute scale must be > 0, but got {k}")
+        return dataclasses.replace(self, fwd_ms=[t * k for t in self.fwd_ms], bwd_ms=[t * k for t in self.bwd_ms],
+                                   head_ms=self.head_ms * k, gpu_optim_params_per_s=self.gpu_optim_params_per_s / k,
+                                   meta=dict(self.meta, compute_scale=k))
+
     def compute_ms(self) -> float:
         """Compute that every plan runs once: forward + backward of all layers + head (ms), no recompute."""
         return sum(self.fwd_ms) + sum(self.bwd_ms) + self.head_ms
