@@ -223,3 +223,48 @@ def test_cpp_self_check_passes_here_and_catches_a_wrong_kernel(monkeypatch):
             F.select_kernel(p, g, st, 256)
     finally:
         F.cpp_kernel_self_check.cache_clear()
+
+
+@pytest.mark.parametrize("master", ["kahan", "fp32"])
+@pytest.mark.parametrize("gdtype", [torch.bfloat16, torch.float32], ids=["bf16grad", "fp32grad"])
+def test_cpp_vector_lanes_equal_scalar_tail_bitwise(master, gdtype):
+    """In one block of 15 elements, lanes 0-7 take the AVX2 path and 8-14 the scalar tail (`update_one`); with
+    elements 8-14 copies of 0-6 (same block scale), both must give the same bits: parameter, master / compensation,
+    codes. Pins the vectorized parameter write (Kahan: pipelined after the divisions, both roundings, the NaN
+    fix-up taken only for non-finite lanes) to the scalar reference, non-finite and huge values included."""
+    from lazytrain_hf.optim import _cpu_kernel as K
+    from lazytrain_hf.optim.quant import dynamic_map
+
+    lib = requires_cpu_kernel()
+    tables = K.CpuTables.build(dynamic_map(True), dynamic_map(False))
+    g = torch.Generator().manual_seed(7)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3e38, -1e30, 1e-40, 0.0, -0.0])
+
+    def dup(x):  # elements 8..14 = 0..6
+        x = x.clone()
+        x[8:15] = x[0:7]
+        return x
+
+    for trial in range(300):
+        p = (torch.randn(15, generator=g) * 0.05).bfloat16()
+        grad = torch.randn(15, generator=g) * torch.exp(torch.randn(15, generator=g) * 2) * 1e-3
+        comp = (torch.randn(15, generator=g) * 1e-4).bfloat16()
+        mst = p.float() + torch.randn(15, generator=g) * 1e-4
+        if trial % 3:
+            for t in (p, grad, comp, mst):
+                k = int(torch.randint(0, 7, (1,), generator=g))
+                t[k] = specials[int(torch.randint(0, len(specials), (1,), generator=g))].to(t.dtype)
+        p, grad, comp, mst = dup(p), dup(grad).to(gdtype), dup(comp), dup(mst)
+        s1 = dup(torch.randint(0, 256, (15,), dtype=torch.uint8, generator=g))
+        s2 = dup(torch.randint(0, 256, (15,), dtype=torch.uint8, generator=g))
+        a1, a2 = torch.rand(1, generator=g) * 1e-2, torch.rand(1, generator=g) * 1e-4
+        K.cpu_adamw_step(lib, tables, p, grad, s1, s2, a1, a2, mst if master == "fp32" else None,
+                         comp if master == "kahan" else None, block_size=16, clip_coef=0.37, beta1=0.9, beta2=0.999,
+                         eps=1e-8, decay=1 - 2e-4, step_size=2e-3, bc2_sqrt=0.05, threads=1)
+        outs = [p, s1, s2] + ([comp] if master == "kahan" else [])
+        for t in outs:
+            assert torch.equal(t[0:7].view(torch.uint8), t[8:15].view(torch.uint8)), (trial, t)
+        if master == "fp32":   # the master keeps NaN payloads: only where at most one operand was NaN
+            finite = torch.isfinite(mst[0:7]) | torch.isfinite(mst[8:15])
+            assert torch.equal(mst[0:7][finite].view(torch.int32), mst[8:15][finite].view(torch.int32)), trial
+            assert torch.equal(torch.isnan(mst[0:7]), torch.isnan(mst[8:15])), trial
