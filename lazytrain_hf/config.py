@@ -196,6 +196,9 @@ class LazyTrainConfig:
         for key, allowed in _CHOICES.items():
             if getattr(self, key) not in allowed:
                 problems.append(f"lazytrain_config.{key} must be one of {list(allowed)}, but got {getattr(self, key)!r}")
+        for f in dataclasses.fields(self):  # a YAML / --set "maybe" or "false" string would read as true
+            if str(f.type) == "bool" and not isinstance(getattr(self, f.name), bool):
+                problems.append(f"lazytrain_config.{f.name} must be true or false, but got {getattr(self, f.name)!r}")
         _check_int(problems, "checkpoint_every", self.checkpoint_every, 1, 10_000)
         _check_int(problems, "prefetch_depth", self.prefetch_depth, 1, 3)
         _check_int(problems, "plan_buckets", self.plan_buckets, 1, 16)
@@ -249,8 +252,14 @@ class LazyTrainConfig:
             raise ValueError(f"lazytrain_config must be a dict or a YAML path, but got {type(value).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}")
+        if unknown:  # one error: the unknown keys and whatever else is wrong with the known ones
+            msg = f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}"
+            try:
+                cls(**{k: v for k, v in value.items() if k in known})
+            except ValueError as e:
+                msg += "\nAlso:" + str(e).split("\n", 1)[-1].replace("\n  - ", "\n  - ").rstrip()
+                msg = msg.replace("\nAlso:  - ", "\nAlso:\n  - ")
+            raise ValueError(msg)
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:

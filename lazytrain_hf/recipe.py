@@ -124,7 +124,11 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ValueError(f"--set expects section.key=value, but got {text!r}")
     key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value)
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:  # e.g. "[1": the text as written; the key's own check then says what it expects
+        parsed = value
+    return key.strip().split("."), parsed
 
 
 def training_argument_fields() -> set[str]:
@@ -161,7 +165,12 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     if not p.is_file():
         raise FileNotFoundError(f"no recipe at {str(p)!r}; the shipped recipes are in recipes/ "
                                 "(e.g. recipes/cpu_default.yaml)")
-    raw = yaml.safe_load(p.read_text()) or {}
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{p}: a recipe is a YAML mapping of sections, but got {type(raw).__name__}")
     if isinstance(raw.get("tokenizer"), str):  # short form `tokenizer: NAME`

@@ -110,3 +110,29 @@ def test_training_argument_fields_without_importing_transformers():
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
+
+
+def test_recipe_errors_bools_yaml_and_unknown_keys_all_at_once(tmp_path):
+    """True/false settings take only booleans ("false" would read as true); an unknown lazytrain key is reported
+    with the other lazytrain problems; broken YAML (file or --set value) is one error, not a traceback."""
+    import pytest
+
+    from lazytrain_hf.config import LazyTrainConfig
+    from lazytrain_hf.recipe import load_recipe
+
+    with pytest.raises(ValueError) as e:
+        LazyTrainConfig(profile_layers="maybe", overlap_optimizer="false", pin_memory=1)
+    for key in ("profile_layers", "overlap_optimizer", "pin_memory"):
+        assert f"lazytrain_config.{key} must be true or false" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        LazyTrainConfig.from_any({"bogus": 1, "dp_updates": "zero", "profile_layers": "maybe"})
+    assert "['bogus']" in str(e.value) and "dp_updates must be one of" in str(e.value)
+    assert "profile_layers must be true or false" in str(e.value)
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [qwen3-tiny\ntraining:\n  max_steps: 2\n")
+    with pytest.raises(ValueError, match=r"broken.yaml: not valid YAML at line 2"):
+        load_recipe(broken)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "cpu_default.yaml"
+    with pytest.raises(ValueError, match=r"data.train_limit must be int \| None, but got '\[1'"):
+        load_recipe(recipe, ["data.train_limit=[1"])

@@ -86,8 +86,10 @@ class LazyTrainerMixin:
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         dp = self.executor.dp
+        mode = "sharded" if self.executor.shard is not None else "replicated"
         logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "
-                    f"({dp.backend})" if dp is not None else "one process (no data parallelism)")
+                    f"({dp.backend}), {mode} optimizer updates" if dp is not None
+                    else "one process (no data parallelism)")
         self.streaming_model = StreamingModel(self.executor)
         n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
         self.meter = StepMeter(n_params, device)
