@@ -128,6 +128,8 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:  # e.g. "[1": the text as written; the key's own check then says what it expects
         parsed = value
+    if isinstance(parsed, bool) and value.strip().lower() not in ("true", "false"):
+        parsed = value.strip()  # YAML 1.1 reads no / yes / on / off as booleans: save_strategy=no means "no"
     return key.strip().split("."), parsed
 
 

@@ -136,3 +136,5 @@ def test_recipe_errors_bools_yaml_and_unknown_keys_all_at_once(tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "cpu_default.yaml"
     with pytest.raises(ValueError, match=r"data.train_limit must be int \| None, but got '\[1'"):
         load_recipe(recipe, ["data.train_limit=[1"])
+    r = load_recipe(recipe, ["training.save_strategy=no", "lazytrain.pin_memory=false"])  # "no" stays a string
+    assert r.training["save_strategy"] == "no" and r.lazytrain["pin_memory"] is False
