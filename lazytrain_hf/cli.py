@@ -55,7 +55,7 @@ def train(args: argparse.Namespace) -> int:
     d = recipe.data
     train_raw = load_math_dataset(d.source, d.train_split, limit=d.train_limit, seed=d.seed, name=d.hub_config)
     test_raw = None
-    if recipe.eval.enabled and d.test_split:
+    if recipe.eval.enabled and d.test_split and d.test_limit != 0:  # test_limit 0: no test evaluation
         test_raw = load_math_dataset(d.source, d.test_split, limit=d.test_limit, seed=d.seed, name=d.hub_config)
     tokenizer = load_tokenizer(recipe.tokenizer.name_or_path)
     if config.vocab_size < len(tokenizer):

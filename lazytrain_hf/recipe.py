@@ -50,7 +50,8 @@ class TokenizerSection:
 class DataSection:
     """source: directory with {split}.jsonl, a JSONL file, or a Hub id (e.g. "openai/gsm8k" with
     hub_config "main", or "meta-math/MetaMathQA"). GSM8K (question/answer) or MetaMathQA (query/response).
-    max_length: tokens per example (prompt + answer), truncated on the right."""
+    max_length: tokens per example (prompt + answer), truncated on the right.
+    train_limit / test_limit: rows to use (None: all); test_limit 0 skips the test-set evaluation."""
 
     source: str = "../shared/data/gsm8k"
     hub_config: str | None = None
