@@ -86,7 +86,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[str]:
     if ref is None:
         return [f"No measured {REF} row here: no ratios."]
     mine = {r["batch_size"]: r["tflops_6nd"] for r in rows if r["system"] == REF and r["status"] == "ok"}
-    out = [f"Ratios {REF} / system (TFLOPS 6ND). {REF} best: {ref['tflops_6nd']:.1f} at batch {ref['batch_size']}.",
+    out = [f"Ratios {REF} / system (TFLOPS 6ND). {REF} best: {ref['tflops_6nd']:.3g} at batch {ref['batch_size']}.",
            "", "| system | its best TFLOPS 6ND (batch) | best / best | same batch |", "| --- | --- | ---: | --- |"]
     for system in sorted({r["system"] for r in rows} - {REF}, key=lambda s: ORDER.index(s) if s in ORDER else 99):
         b = _best(rows, system)
