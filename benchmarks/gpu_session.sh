@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | s5 | s6 | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -82,6 +82,16 @@ for stage in "$@"; do
              --batch-sizes 32,64 --rows-per-pass 8 --checkpoint-every 4 --tier gpu $COMMON 2>&1 | grep -v Warning ;;
     milp)  timeout 330 python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-cap-gib 24 \
              --batch-sizes 16,32,64 --rows-per-pass 8 $COMMON 2>&1 | grep -v Warning ;;
+    s6harness) # 1 GPU (~9.5 min): issue 3's same-run comparison (stock Trainer uncapped vs LazyTrain MILP at 24 GiB,
+           # B=8/16/32; the MILP plan calibrated on the warm-up steps), then the fixed policy at 24 and 80 GiB (issue 5's
+           # MILP vs fixed, issue 6's table) into one resumable file ($HARNESS_OUT, default 7b-s6-<date>.json).
+           HRES=${HARNESS_OUT:-benchmarks/results/7b-s6-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --out $HRES --min-start-s 40"
+           timeout 130 $PIN $H --systems stock_trainer --caps none --batch-sizes 8,16,32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 200 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 8,16,32 --budget-s 195 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 105 $PIN $H --systems lazytrain_fixed --caps 24 --batch-sizes 8 --budget-s 100 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 140 $PIN $H --systems lazytrain_fixed --caps 80 --batch-sizes 64 --budget-s 135 2>&1 | grep -v -i warning | grep -v train_runtime
+           cp "$HRES" "$OUT/" ;;
     harness7b|harness7b-maxbatch)
            export PYTHONPATH=$PWD/.dssite:$PYTHONPATH
            HRES=${HARNESS_OUT:-benchmarks/results/7b-$(date +%Y%m%d).json}
