@@ -65,14 +65,37 @@ def _tensors(n: int, count: int, dtype: torch.dtype, seed: int = 0) -> list[torc
     return [(torch.randn(s, generator=g) * 0.02).to(dtype) for s in sizes]
 
 
+def _at_page_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of `t` whose first byte sits `offset` bytes (mod 4096, a multiple of 64) into a page."""
+    nbytes = t.numel() * t.element_size()
+    raw = torch.empty(nbytes + 8192, dtype=torch.uint8)
+    start = ((-raw.data_ptr()) % 4096 + offset) % 4096
+    return raw[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
 def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[Callable[[], None], int]:
+    """--stagger K: the parameter, its gradient and each optimizer state buffer start at distinct page offsets
+    (0, K, 2K, ... mod 4096): Intel cores stall a load that follows a store to an address with the same low 12
+    bits (4K aliasing), and the executor's page-aligned buffers of one layer all share their low 12 bits."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     os.environ["LAZYTRAIN_CPU_KERNEL"] = kernel
-    params = [torch.nn.Parameter(t) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
+    k = args.stagger
+    tensors = _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])
+    params = [torch.nn.Parameter(_at_page_offset(t, 0) if k else t) for t in tensors]
     grads = {id(p): (torch.randn(p.numel()) * 1e-3).to(_DTYPES[args.grad_dtype]) for p in params}   # host gradients
+    if k:
+        grads = {key: _at_page_offset(g, k) for key, g in grads.items()}
     opt = Hybrid8bitOptimizer(params, lr=1e-5, weight_decay=0.01, state_dtype=state_dtype,
                               master_weights=args.master_weights)
+    if k:
+        calls = [1]
+
+        def alloc(p: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            calls[0] += 1
+            return _at_page_offset(torch.empty(shape, dtype=dtype), (calls[0] * k) % 4096)
+
+        opt.set_state_allocator(alloc)
     opt.set_grad_source(lambda p: grads[id(p)])
     norm = torch.tensor(2.0)
 
@@ -116,7 +139,7 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
     if system.startswith("hybrid8"):
         from lazytrain_hf.optim import cpu_kernel_status
 
-        row["extra"].update(master_weights=args.master_weights, grad_dtype=args.grad_dtype)
+        row["extra"].update(master_weights=args.master_weights, grad_dtype=args.grad_dtype, stagger_bytes=args.stagger)
         if system != "hybrid8_torch":
             row["extra"]["cpu_kernel"] = cpu_kernel_status()[1]
     try:
@@ -159,9 +182,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument("--stagger", type=int, default=0,
+                    help="hybrid8: put parameter, gradient and state buffers at page offsets 0, K, 2K, ... bytes "
+                         "(a multiple of 64; 0: as allocated)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                     help="JSON file, or a directory for hybrid8-<YYYYMMDD>.json")
     args = ap.parse_args(argv)
+    if args.stagger % 64 or args.stagger < 0:
+        ap.error(f"--stagger must be a non-negative multiple of 64 bytes, but got {args.stagger}")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.steps = max(5, args.steps)

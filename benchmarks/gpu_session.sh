@@ -71,7 +71,10 @@ for stage in "$@"; do
                LAZYTRAIN_CPU_LOOKUP=$lk timeout 120 $PIN python3 -m benchmarks.bench_optim --threads "$T" --params 67108864 \
                  --master-weights $mw --grad-dtype $gd --systems $sys --out "$OUT/hybrid8-$mw-$lk.json" 2>&1 | grep -v Warning
              done
-           done ;;
+           done
+           # 4K aliasing probe: the Kahan path with its buffers at distinct page offsets (bench_optim --stagger)
+           timeout 60 $PIN python3 -m benchmarks.bench_optim --threads "$T" --params 67108864 --master-weights kahan \
+             --grad-dtype bf16 --systems hybrid8_cpp --stagger 1088 --out "$OUT/hybrid8-kahan-stagger.json" 2>&1 | grep -v Warning ;;
     gputests) # nvidia-h200-x2 (~3.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
            timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \

@@ -55,3 +55,20 @@ def test_bench_executor_data_parallel_cpu_smoke(tmp_path, system, dp_updates):
     assert row["extra"]["dp_updates"] == dp_updates
     if dp_updates == "sharded":
         assert row["extra"]["shard_broadcasts"] > 0 and row["extra"]["device_updates"] > 0
+
+
+def test_bench_optim_staggered_buffers(tmp_path):
+    """--stagger places each buffer at its own page offset (a 4K-aliasing probe); a copy keeps every value."""
+    import torch
+
+    from benchmarks import bench_optim
+
+    t = torch.randn(1000).to(torch.bfloat16)
+    for off in (0, 64, 1088, 4032):
+        c = bench_optim._at_page_offset(t, off)
+        assert c.data_ptr() % 4096 == off and torch.equal(c, t)
+    doc = bench_optim.main(["--params", "4096", "--systems", "hybrid8_torch", "--master-weights", "kahan",
+                            "--grad-dtype", "bf16", "--stagger", "1088", "--steps", "5", "--warmup", "1",
+                            "--out", str(tmp_path / "o.json")])
+    (row,) = doc["rows"]
+    assert row["status"] == "ok" and row["extra"]["stagger_bytes"] == 1088, row
