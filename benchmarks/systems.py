@@ -204,9 +204,9 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                "master_weights": spec.get("master_weights", "kahan"),
                "loss_chunk_tokens": spec.get("loss_chunk_tokens", 2048),
                "gpu_memory_budget": f"{cap}GiB" if cap else None, "cap_gpu_memory": bool(cap),
-               # calibrate the MILP plan on the warm-up steps (the first is never used), so the timed steps run
-               # one plan and its prediction is made before them
-               "calibrate_steps": max(0, int(spec.get("warmup", 0)) - 1)}
+               # calibrate the MILP plan on the warm-up steps (the first two are never used: the overlapped
+               # optimizer allocates its states in step 2), so the timed steps run one plan, predicted before them
+               "calibrate_steps": max(0, int(spec.get("warmup", 0)) - 2)}
         kw.update(lazytrain_config=cfg, bf16=True)
         extra.update(optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)", lazytrain_config=cfg,
                      embedding_states=spec.get("embedding_states", "8bit"))

@@ -256,7 +256,7 @@ class LazyTrainConfig:
             msg = f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}"
             try:
                 cls(**{k: v for k, v in value.items() if k in known})
-            except ValueError as e:
+            except (ValueError, TypeError) as e:
                 msg += "\nAlso:" + str(e).split("\n", 1)[-1].replace("\n  - ", "\n  - ").rstrip()
                 msg = msg.replace("\nAlso:  - ", "\nAlso:\n  - ")
             raise ValueError(msg)

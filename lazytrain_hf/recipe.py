@@ -121,6 +121,9 @@ _MIN_VALUES = {("data", "max_length"): 1, ("data", "train_limit"): 1, ("data", "
                ("eval", "max_new_tokens"): 1, ("eval", "batch_size"): 1, ("eval", "limit"): 0}
 
 
+_YAML11_BOOLS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
+
+
 def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ValueError(f"--set expects section.key=value, but got {text!r}")
@@ -135,7 +138,12 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def training_argument_fields() -> set[str]:
-    """The field names of transformers' `TrainingArguments`, read from its source when transformers is not
+    """The field names of transformers' `TrainingArguments` (see `training_argument_annotations`)."""
+    return set(training_argument_annotations())
+
+
+def training_argument_annotations() -> dict[str, str]:
+    """{field: annotation text} of transformers' `TrainingArguments`, read from its source when transformers is not
     imported yet (importing `transformers.training_args` costs ~13 s with torch; parsing the file ~0.1 s), so a
     misspelt training key fails before the heavy imports."""
     module = sys.modules.get("transformers.training_args")
@@ -145,7 +153,8 @@ def training_argument_fields() -> set[str]:
             source = Path(next(iter(spec.submodule_search_locations)), "training_args.py").read_text()
             cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments")
             if not cls.bases:  # a plain dataclass: its fields are the annotated names of its body
-                names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                names = {n.target.id: ast.unparse(n.annotation) for n in cls.body
+                         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
                          and "ClassVar" not in ast.unparse(n.annotation)}
                 if names:
                     return names
@@ -153,7 +162,8 @@ def training_argument_fields() -> set[str]:
             pass
     from transformers import TrainingArguments
 
-    return {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            for f in dataclasses.fields(TrainingArguments)}
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
@@ -211,7 +221,16 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         problems.append(f"model.dtype must be one of ['bfloat16', 'float32', 'float16'], but got {parts['model'].dtype!r}")
 
     training = dict(raw.get("training") or {})
-    ta_fields = training_argument_fields()
+    annotations = training_argument_annotations()
+    ta_fields = set(annotations)
+    for k, v in training.items():  # --set keeps yes/no/on/off as text (save_strategy=no); a bool field reads them
+        if not annotations.get(k, "").replace("Optional[", "").startswith("bool") or isinstance(v, bool) or v is None:
+            continue
+        word = v.strip().lower() if isinstance(v, str) else None
+        if word in _YAML11_BOOLS:
+            training[k] = _YAML11_BOOLS[word]
+        else:  # TrainingArguments would take "maybe" (or 0) and read it as true
+            problems.append(f"training.{k} must be true or false, but got {v!r}")
     bad = sorted(set(training) - ta_fields)
     if bad:
         problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields")
@@ -221,6 +240,10 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     if "output_dir" not in training:
         problems.append("training.output_dir is required (where checkpoints and metrics are written)")
     lazy = raw.get("lazytrain") or {}
+    if isinstance(lazy, dict):
+        bools = {f.name for f in dataclasses.fields(LazyTrainConfig) if str(f.type) == "bool"}
+        lazy = {k: _YAML11_BOOLS.get(v.strip().lower(), v) if k in bools and isinstance(v, str) else v
+                for k, v in lazy.items()}
     try:
         if isinstance(lazy, str):  # a LazyTrainConfig YAML path
             lazy = LazyTrainConfig.from_any(lazy).to_dict()

@@ -136,5 +136,10 @@ def test_recipe_errors_bools_yaml_and_unknown_keys_all_at_once(tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "cpu_default.yaml"
     with pytest.raises(ValueError, match=r"data.train_limit must be int \| None, but got '\[1'"):
         load_recipe(recipe, ["data.train_limit=[1"])
-    r = load_recipe(recipe, ["training.save_strategy=no", "lazytrain.pin_memory=false"])  # "no" stays a string
+    # YAML 1.1 words: text for a string / enum field (save_strategy=no), a boolean for a bool field
+    r = load_recipe(recipe, ["training.save_strategy=no", "lazytrain.pin_memory=off", "training.disable_tqdm=yes",
+                             "training.remove_unused_columns=off"])
     assert r.training["save_strategy"] == "no" and r.lazytrain["pin_memory"] is False
+    assert r.training["disable_tqdm"] is True and r.training["remove_unused_columns"] is False
+    with pytest.raises(ValueError, match=r"training.disable_tqdm must be true or false, but got 'maybe'"):
+        load_recipe(recipe, ["training.disable_tqdm=maybe"])

@@ -3,8 +3,8 @@
 The planner predicts a step from per-layer costs (analytic, or one layer timed in isolation: profiling/
 layer_costs.py). The executor runs those layers with its own overheads (row passes, stream waits, kernel launches
 competing with the CPU optimizer threads): on an H200 the 7B step ran 7-17% over the prediction (benchmarks/NOTES.md,
-session 5). After `calibrate_steps` measured steps (the first step is not used: it allocates and touches the
-optimizer states) the GPU-compute part of the prediction is scaled so the prediction matches the measurement, and
+session 5). After `calibrate_steps` measured steps (the first `skip` are not used: they allocate and touch the
+optimizer states, during step 2's forward when the updates overlap it) the GPU-compute part of the prediction is scaled so the prediction matches the measurement, and
 the plan is solved again with that scale (CostModel.scaled_compute): the costs come from warm-up steps on the real executor (issue 5).
 
     k_i   = 1 + (measured_i - predicted_i) / predicted_compute_i     (per step; compute = layers, re-forward, head,
@@ -28,10 +28,13 @@ class Calibration:
     """Collects (measured, predicted, predicted compute) per optimizer step and gives the compute scale once.
 
     Args:
-        steps: measured steps to use (after the first); 0 disables calibration.
+        steps: measured steps to use (after the skipped ones); 0 disables calibration.
+        skip: first optimizer steps not used (1, or 2 with the overlapped optimizer: the states are allocated in
+            step 2's forward).
     """
 
     steps: int
+    skip: int = 1
     samples: list[float] = field(default_factory=list)  # k_i
     done: bool = False
     #: set by the re-plan (hf/callback.py): the resulting compute scale and the longest bucket's predicted step
@@ -44,9 +47,16 @@ class Calibration:
     _seen: int = 0
 
     def add_microbatch(self, predicted: dict[str, Any]) -> None:
-        """Account one micro-batch run under a schedule whose `predicted` dict is given (ms)."""
-        self._predicted_ms += float(predicted.get("step_ms") or 0.0)
-        self._compute_ms += sum(float(predicted.get(k) or 0.0) for k in ("compute_ms", "recompute_ms", "gpu_optim_ms"))
+        """Account one micro-batch run under a schedule whose `predicted` dict is given (ms). A schedule predicts
+        one micro-batch plus the optimizer step; with gradient accumulation the optimizer terms (GPU-side updates,
+        exposed CPU update) count once per optimizer step, on its first micro-batch."""
+        def ms(key: str) -> float:
+            return float(predicted.get(key) or 0.0)
+
+        once = ms("gpu_optim_ms") + ms("exposed_optimizer_ms")
+        first = self._predicted_ms == 0.0
+        self._predicted_ms += ms("step_ms") - (0.0 if first else once)
+        self._compute_ms += ms("compute_ms") + ms("recompute_ms") + (ms("gpu_optim_ms") if first else 0.0)
 
     def end_step(self, measured_s: float) -> float | None:
         """Close one optimizer step (its wall time, s). Returns the compute scale factor k (median over the
@@ -55,7 +65,7 @@ class Calibration:
         p, c = self._predicted_ms, self._compute_ms
         self._predicted_ms = self._compute_ms = 0.0
         self._seen += 1
-        if self.done or self.steps <= 0 or self._seen == 1 or p <= 0 or c <= 0:
+        if self.done or self.steps <= 0 or self._seen <= self.skip or p <= 0 or c <= 0:
             return None
         self.samples.append(1.0 + (measured_s * 1e3 - p) / c)
         if len(self.samples) < self.steps:

@@ -42,7 +42,7 @@ class LazyTrainCallback(TrainerCallback):
             plans = self.trainer.bucket_plans = plan_buckets_for_trainer(self.trainer)
             ex.set_schedule(plans.schedules[plans.buckets[-1]])
             steps = cfg.calibrate_steps if cfg.calibrate_steps is not None else (3 if ex.device.type == "cuda" else 0)
-            self.trainer.calibration = Calibration(steps)
+            self.trainer.calibration = Calibration(steps, skip=2 if cfg.overlap_optimizer else 1)
             if len(plans.buckets) > 1:
                 logger.info("LazyTrain: %d sequence-length buckets %s, one plan each", len(plans.buckets),
                             plans.buckets)
@@ -61,7 +61,11 @@ class LazyTrainCallback(TrainerCallback):
         if cal is not None and "step_time_s" in self.trainer.meter.last:
             k = cal.end_step(self.trainer.meter.last["step_time_s"])
             if k is not None:
-                self._recalibrate(k)
+                try:
+                    self._recalibrate(k)
+                except Exception as e:  # an optimization only: never end a run over it
+                    logger.warning("LazyTrain calibration: re-planning failed (%s: %s); keeping the current plan",
+                                   type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         if control.should_save or control.should_evaluate or control.should_training_stop or \
                 state.global_step >= state.max_steps:
             self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
@@ -74,8 +78,9 @@ class LazyTrainCallback(TrainerCallback):
         tr = self.trainer
         old = tr.bucket_plans.schedules[tr.bucket_plans.buckets[-1]]
         scale = float(old.solver.get("compute_scale", 1.0)) * k
-        tr.bucket_plans = plan_buckets_for_trainer(tr, compute_scale=scale)
-        new = tr.bucket_plans.schedules[tr.bucket_plans.buckets[-1]]
+        plans = plan_buckets_for_trainer(tr, compute_scale=scale)  # raises before anything changes
+        tr.bucket_plans = plans
+        new = plans.schedules[plans.buckets[-1]]
         tr.executor.set_schedule(new)
         tr.calibration.scale = scale
         tr.calibration.predicted_before_ms = old.predicted.get("step_ms")

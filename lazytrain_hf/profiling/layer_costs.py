@@ -48,7 +48,8 @@ class LayerMeasurement:
 
 
 def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any = "cuda", *, warmup: int = 2,
-                        iters: int = 5, allow_cpu: bool = False, seed: int = 0) -> dict[str, LayerMeasurement] | None:
+                        iters: int = 5, allow_cpu: bool = False, seed: int = 0,
+                        memory: bool = True) -> dict[str, LayerMeasurement] | None:
     """Measure the first decoder layer of each kind; {kind: LayerMeasurement}, or None without CUDA.
 
     Args:
@@ -57,17 +58,26 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
         device: the CUDA device.
         warmup, iters: untimed and timed repetitions.
         allow_cpu: measure on the CPU anyway (wall clock, no memory figures): for tests of this code path.
-        seed: random seed of weights and inputs.
+        seed: random seed of weights and inputs (the caller's random state is restored afterwards).
+        memory: also measure the memory figures (resets the device's peak-memory statistics); False: times only.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         return None
     if dev.type != "cuda" and not allow_cpu:
         return None
-    torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # mid-training: keep the run's RNG
+        torch.manual_seed(seed)
+        return _measure_kinds(config, batch_size, seq_len, dev, warmup, iters, memory)
+
+
+def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup: int, iters: int,
+                   memory: bool) -> dict[str, LayerMeasurement]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
     body = meta_model.model
@@ -92,7 +102,7 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
                     p.normal_(0.0, 0.02)
         layer = layer.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
         out[kind] = _measure_one(layer, rotary, kind, idx, batch_size, seq_len, config.hidden_size, dev, warmup,
-                                 iters)
+                                 iters, memory)
         del layer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -100,7 +110,7 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
 
 
 def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H: int, dev: Any, warmup: int,
-                 iters: int) -> LayerMeasurement:
+                 iters: int, memory: bool = True) -> LayerMeasurement:
     import torch
 
     cuda = dev.type == "cuda"
@@ -141,7 +151,7 @@ def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H
     f = statistics.median(timed(no_grad_fwd) for _ in range(iters))
     fb = statistics.median(timed(fwd_bwd) for _ in range(iters))
     saved = fwd_work = bwd_work = None
-    if cuda:
+    if cuda and memory:
         act = x.numel() * x.element_size()
         grads = sum(p.numel() * p.element_size() for p in layer.parameters())
         torch.cuda.synchronize()

@@ -26,13 +26,27 @@ def test_scale_comes_from_the_measured_steps_after_the_first():
     assert cal.end_step(2.0) is None  # once per run
 
 
-def test_micro_batches_of_one_step_add_up_and_small_misses_do_not_replan():
-    cal = Calibration(steps=1)
+def test_gradient_accumulation_counts_the_optimizer_once_per_step():
+    """A step of 4 micro-batches predicted exactly gives k = 1: the GPU-side update and the exposed CPU update
+    happen once per optimizer step, not once per micro-batch (they are in every micro-batch's step_ms)."""
+    pred = {"step_ms": 1000.0, "compute_ms": 600.0, "recompute_ms": 150.0, "gpu_optim_ms": 50.0,
+            "exposed_transfer_ms": 50.0, "exposed_optimizer_ms": 150.0}
+    cal = Calibration(steps=1, skip=2)
+    for measured_s in (9.0, 5.0, 3.4):  # two skipped steps (allocation), then 1000 + 3 x 800 ms
+        for _ in range(4):
+            cal.add_microbatch(pred)
+        k = cal.end_step(measured_s)
+    assert k is None and cal.samples == [pytest.approx(1.0)]  # exact: no re-plan
+    cal = Calibration(steps=1, skip=0)
+    for _ in range(4):
+        cal.add_microbatch(pred)
+    assert cal.end_step(3.4 + 0.2 * 3050 / 1e3) == pytest.approx(1.2)  # 20% slower GPU compute (4 x 750 + 50 ms)
+
+
+def test_small_misses_do_not_replan_and_zero_steps_is_off():
+    cal = Calibration(steps=1, skip=0)
     cal.add_microbatch(PRED)
-    cal.end_step(5.0)
-    for _ in range(2):  # gradient accumulation 2: predicted 2000 ms, compute 1600 ms
-        cal.add_microbatch(PRED)
-    assert cal.end_step(2.04) is None and cal.samples == [pytest.approx(1.025)]  # within 5%: keep the plan
+    assert cal.end_step(1.02) is None and cal.samples == [pytest.approx(1.025)]  # within 5%: keep the plan
     off = Calibration(steps=0)
     for s in (1.0, 3.0, 3.0):
         off.add_microbatch(PRED)

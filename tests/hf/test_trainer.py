@@ -119,6 +119,26 @@ def test_milp_plan_is_recalibrated_from_measured_steps_and_still_equals_stock(tm
         assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
 
 
+def test_a_failed_recalibration_keeps_the_plan_and_the_run(tmp_path, monkeypatch):
+    from lazytrain_hf.hf import plan
+
+    original, calls = plan.plan_buckets_for_trainer, []
+
+    def first_only(trainer, compute_scale=1.0):
+        calls.append(compute_scale)
+        if len(calls) > 1:
+            raise plan.InfeasiblePlanError("no schedule fits (test)")
+        return original(trainer, compute_scale)
+
+    monkeypatch.setattr(plan, "plan_buckets_for_trainer", first_only)
+    stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1,
+                                                                 "overlap_optimizer": False})
+    assert len(calls) == 2 and lazy.calibration.scale is None and lazy.state.global_step == 3
+    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.bucket_plans.schedules.values())
+    for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
+        assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+
+
 def test_unequal_micro_batches_equal_one_full_batch(tmp_path):
     """Token-weighted loss across the accumulation window: GA=2 x 2 rows == GA=1 x 4 rows (different padding)."""
     model = load_model("qwen3-tiny", "float32", seed=5)

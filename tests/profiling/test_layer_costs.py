@@ -72,7 +72,7 @@ def test_planning_uses_layers_measured_at_one_row_pass(monkeypatch):
 
     calls = []
 
-    def fake(config, rows, T, dev):
+    def fake(config, rows, T, dev, **kw):
         calls.append((rows, T, dev.type))
         return {"full_attention": LayerMeasurement("full_attention", 3, 2.0, 5.0, None, None, None, str(dev))}
 
@@ -82,12 +82,23 @@ def test_planning_uses_layers_measured_at_one_row_pass(monkeypatch):
     assert out.fwd_ms[3] == 8.0 and out.bwd_ms[3] == 20.0  # 4 passes of 2 rows
     assert out.fwd_ms[0] == cm.fwd_ms[0] and out.saved_bytes == cm.saved_bytes
 
+    # a cache (the trainer's, kept across re-plans) measures once per (rows, T, device)
+    from lazytrain_hf.config import LazyTrainConfig
+
+    cache: dict = {}
+    for _ in range(2):
+        again, used = plan.measured_layer_costs(cm, resolve_config("qwen3.5-tiny"),
+                                                LazyTrainConfig(max_rows_per_pass=2), torch.device("cuda"), 8, 16, cache)
+        assert used == "measured" and again.fwd_ms == out.fwd_ms
+    assert len(calls) == 2 and list(cache) == [(2, 16, "cuda")]
+    calls.pop()
+
     for device, cfg in (("cpu", {"max_rows_per_pass": 2}), ("cuda", {"profile_layers": False})):
         cm, got = _measured(device, **cfg)
         assert got == (cm, "analytic")
     assert len(calls) == 1
 
-    def oom(*a):
+    def oom(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(plan, "measure_layer_costs", oom)
