@@ -104,15 +104,17 @@ def _preflight(recipe: Any, resume: str | None) -> None:
     Raises:
         ValueError: the problems, one per line, each naming its fix.
     """
-    from .sources import check_tokenizer_path, local_data_file, locate_model
+    from .sources import check_data_columns, check_tokenizer_path, local_data_file, locate_model
 
     problems = []
     d = recipe.data
-    splits = [d.train_split] + ([d.test_split] if recipe.eval.enabled and d.test_split else [])
+    splits = [d.train_split] + ([d.test_split] if recipe.eval.enabled and d.test_split and d.test_limit != 0 else [])
     for split in splits:
         try:
-            local_data_file(d.source, split)
-        except FileNotFoundError as e:
+            local = local_data_file(d.source, split)
+            if local is not None:
+                check_data_columns(local)
+        except (FileNotFoundError, ValueError) as e:
             problems.append(f"data.source: {e}")
             break
     try:

@@ -16,9 +16,17 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["SCHEMA_HELP", "looks_like_local_path", "local_data_file", "missing_data_error", "check_tokenizer_path",
+__all__ = ["SCHEMAS", "SCHEMA_HELP", "looks_like_local_path", "local_data_file", "check_data_columns",
+           "missing_data_error", "check_tokenizer_path",
            "locate_model",
            "hub_timeout_s"]
+
+SCHEMAS: dict[str, tuple[str, str]] = {
+    # schema name -> (question column, solution column); checked in this order
+    "gsm8k": ("question", "answer"),
+    "metamathqa": ("query", "response"),
+}
+"""Accepted source schemas: name -> (question column, solution column)."""
 
 SCHEMA_HELP = (
     "GSM8K {'question', 'answer' (ending in '#### <number>')} or "
@@ -45,8 +53,33 @@ def missing_data_error(path: Path, split: str) -> FileNotFoundError:
         f"math data set not found: '{path}' does not exist. Fix: point `source` (CLI: --set data.source=PATH) at a "
         f"JSONL file, or at a directory "
         f"containing '{split}.jsonl' ({SCHEMA_HELP}); or pass a Hugging Face Hub id instead, such as "
-        "'meta-math/MetaMathQA', or 'openai/gsm8k' with name='main' (loading from the Hub needs network access)."
+        "'meta-math/MetaMathQA', or 'openai/gsm8k' with the config 'main' (recipe: --set data.hub_config=main; "
+        "loading from the Hub needs network access)."
     )
+
+
+def check_data_columns(path: Path) -> None:
+    """The first row of local JSONL data file `path` has the columns of an accepted schema (`SCHEMAS`): read
+    without `datasets`, so a wrong file fails before the heavy imports. An empty file is the loader's to report.
+
+    Raises:
+        ValueError: the first row is not a JSON object, or lacks both schemas' columns.
+    """
+    import json
+
+    with path.open("rb") as handle:
+        line = next((ln for ln in handle if ln.strip()), None)
+    if line is None:
+        return
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"'{path}' is not JSON Lines (first row: {e}). Fix: one JSON object per line "
+                         f"({SCHEMA_HELP}).") from None
+    if not isinstance(row, dict) or not any(q in row and a in row for q, a in SCHEMAS.values()):
+        found = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(f"'{path}': rows have columns {found}, but a math data set needs {SCHEMA_HELP}. Fix: "
+                         "point data.source at such a file, or rename the columns.")
 
 
 def local_data_file(source: str, split: str) -> Path | None:

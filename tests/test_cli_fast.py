@@ -143,3 +143,19 @@ def test_recipe_errors_bools_yaml_and_unknown_keys_all_at_once(tmp_path):
     assert r.training["disable_tqdm"] is True and r.training["remove_unused_columns"] is False
     with pytest.raises(ValueError, match=r"training.disable_tqdm must be true or false, but got 'maybe'"):
         load_recipe(recipe, ["training.disable_tqdm=maybe"])
+
+
+def test_data_files_with_other_columns_fail_before_the_imports(tmp_path):
+    import pytest
+
+    from lazytrain_hf.sources import check_data_columns
+
+    good, bad, broken = tmp_path / "good.jsonl", tmp_path / "bad.jsonl", tmp_path / "broken.jsonl"
+    good.write_text('\n{"query": "1+1?", "response": "The answer is: 2"}\n')
+    bad.write_text('{"q": "1+1?", "a": "2"}\n')
+    broken.write_text("{not json\n")
+    check_data_columns(good)
+    with pytest.raises(ValueError, match=r"rows have columns \['a', 'q'\].*Fix"):
+        check_data_columns(bad)
+    with pytest.raises(ValueError, match="is not JSON Lines"):
+        check_data_columns(broken)

@@ -23,7 +23,7 @@ from typing import Any
 import datasets
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
-from ..sources import SCHEMA_HELP, local_data_file
+from ..sources import SCHEMA_HELP, SCHEMAS, local_data_file
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,6 @@ DEFAULT_PROMPT_TEMPLATE = "Question: {prompt}\nAnswer: "
 IGNORE_INDEX = -100
 """Label value that ``torch.nn.CrossEntropyLoss`` (and HF models' loss) ignores: prompt tokens and padding."""
 
-SCHEMAS: dict[str, tuple[str, str]] = {
-    # schema name -> (question column, solution column); checked in this order
-    "gsm8k": ("question", "answer"),
-    "metamathqa": ("query", "response"),
-}
-"""Accepted source schemas: name -> (question column, solution column)."""
 
 _SCHEMA_HELP = SCHEMA_HELP
 _NORMALIZED_COLUMNS = ("prompt", "response", "reference")
