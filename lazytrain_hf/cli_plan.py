@@ -201,15 +201,21 @@ def _gib(n: float | None) -> str:
 def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any) -> None:
     print(f"model {args.model} ({shape.model_type}): {shape.num_params / 1e9:.2f} B params, {cm.num_layers} decoder "
           f"layers ({', '.join(f'{shape.layer_kinds.count(k)} {k}' for k in sorted(set(shape.layer_kinds)))})")
+    margin = getattr(args, "gpu_memory_margin", 0.0) or 0.0
+    kept = f" ({margin:.0%} of the GPU budget kept free: --gpu-memory-margin)" if margin else ""
     print(f"batch {args.batch_size} x seq {args.seq_len} = {cm.tokens_per_step} tokens/step; budgets: GPU "
-          f"{_gib(cm.gpu_bytes)}, host {_gib(cm.pinned_host_bytes)} (fixed part {_gib(cm.host_fixed_bytes)}), "
+          f"{_gib(cm.gpu_bytes)}{kept}, host {_gib(cm.pinned_host_bytes)} (fixed part {_gib(cm.host_fixed_bytes)}), "
           f"NVMe {_gib(cm.nvme_bytes)}")
     print(f"hardware: {hardware.source}{'' if hardware.measured else ' (not measured here)'}; H2D "
           f"{hardware.h2d_gbps:.1f} / D2H {hardware.d2h_gbps:.1f} / both {hardware.bidir_gbps:.1f} GB/s, "
           f"{hardware.gpu_tflops:.0f} TFLOPS bf16, CPU optimizer {hardware.cpu_optim_params_per_s / 1e9:.2f} G params/s")
-    print(f"per layer (analytic): fwd {min(cm.fwd_ms):.2f}-{max(cm.fwd_ms):.2f} ms, bwd {min(cm.bwd_ms):.2f}-"
-          f"{max(cm.bwd_ms):.2f} ms, weights {_gib(max(cm.param_bytes))}, boundary {_gib(max(cm.act_bytes))}, "
-          f"saved activations {_gib(max(cm.saved_bytes))}")
+    def span(xs: list[float]) -> str:
+        lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    print(f"per layer (analytic): fwd {span(cm.fwd_ms)} ms, bwd {span(cm.bwd_ms)} ms, weights "
+          f"{_gib(max(cm.param_bytes))}, boundary {_gib(max(cm.act_bytes))}, saved activations "
+          f"{_gib(max(cm.saved_bytes))}")
 
 
 def _print_table(sched: Any, cm: Any) -> None:
@@ -224,7 +230,8 @@ def _print_table(sched: Any, cm: Any) -> None:
         how = "kept" if lp.retain else ("rebuilt" if x[i] else "re-forward")
         print(f"{i:>5}  {cm.layer_kind[i]:<16} {tier:<8} {how:<10} {lp.optimizer_device:<9}")
     print("(boundary: where the layer's input is stored for backward; backward: kept = activations retained, "
-          "re-forward = forward rerun from its boundary, rebuilt = rerun from an earlier boundary)")
+          "re-forward = forward rerun from its boundary, rebuilt = rerun from an earlier boundary; optimizer: "
+          "where the layer's update runs, gpu = at its next load in the forward, cpu = host worker threads)")
 
 
 def _print_prediction(sched: Any, cm: Any) -> None:
