@@ -250,8 +250,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         elif not isinstance(lazy, dict):
             raise ValueError(f"the lazytrain section must be a mapping or a YAML path, but got {lazy!r}")
         LazyTrainConfig.from_any(dict(lazy))
-    except (ValueError, FileNotFoundError) as e:
-        problems.append(str(e).replace("\n", "\n    "))
+    except (ValueError, FileNotFoundError) as e:  # named as the recipe names them: lazytrain.<key>
+        text = str(e).replace("lazytrain_config.", "lazytrain.").replace("lazytrain_config key", "lazytrain key")
+        problems.append(text.replace("\n", "\n    "))
     if problems:
         raise ValueError(f"Invalid recipe {p}:\n  - " + "\n  - ".join(problems))
     return Recipe(training=training, lazytrain=lazy, path=str(p), **parts)

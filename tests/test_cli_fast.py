@@ -143,6 +143,10 @@ def test_recipe_errors_bools_yaml_and_unknown_keys_all_at_once(tmp_path):
     assert r.training["disable_tqdm"] is True and r.training["remove_unused_columns"] is False
     with pytest.raises(ValueError, match=r"training.disable_tqdm must be true or false, but got 'maybe'"):
         load_recipe(recipe, ["training.disable_tqdm=maybe"])
+    with pytest.raises(ValueError) as e:  # a recipe's errors use the recipe's names (lazytrain.<key>)
+        load_recipe(recipe, ["lazytrain.bogus=1", "lazytrain.profile_layers=maybe"])
+    assert "Unknown lazytrain key(s) ['bogus']" in str(e.value) and "lazytrain.profile_layers must be" in str(e.value)
+    assert "lazytrain_config" not in str(e.value)
 
 
 def test_data_files_with_other_columns_fail_before_the_imports(tmp_path):
