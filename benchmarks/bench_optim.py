@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import shlex
@@ -89,11 +90,10 @@ def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[C
     opt = Hybrid8bitOptimizer(params, lr=1e-5, weight_decay=0.01, state_dtype=state_dtype,
                               master_weights=args.master_weights)
     if k:
-        calls = [1]
+        nth = itertools.count(2)  # offsets 0 and K are the parameter's and the gradient's
 
         def alloc(p: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-            calls[0] += 1
-            return _at_page_offset(torch.empty(shape, dtype=dtype), (calls[0] * k) % 4096)
+            return _at_page_offset(torch.empty(shape, dtype=dtype), (next(nth) * k) % 4096)
 
         opt.set_state_allocator(alloc)
     opt.set_grad_source(lambda p: grads[id(p)])

@@ -55,8 +55,8 @@ def train(args: argparse.Namespace) -> int:
     d = recipe.data
     train_raw = load_math_dataset(d.source, d.train_split, limit=d.train_limit, seed=d.seed, name=d.hub_config)
     test_raw = None
-    if recipe.eval.enabled and d.test_split and d.test_limit != 0:  # test_limit 0: no test evaluation
-        test_raw = load_math_dataset(d.source, d.test_split, limit=d.test_limit, seed=d.seed, name=d.hub_config)
+    if recipe.eval_split:
+        test_raw = load_math_dataset(d.source, recipe.eval_split, limit=d.test_limit, seed=d.seed, name=d.hub_config)
     tokenizer = load_tokenizer(recipe.tokenizer.name_or_path)
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model {recipe.model.name_or_path!r} has "
@@ -108,7 +108,7 @@ def _preflight(recipe: Any, resume: str | None) -> None:
 
     problems = []
     d = recipe.data
-    splits = [d.train_split] + ([d.test_split] if recipe.eval.enabled and d.test_split and d.test_limit != 0 else [])
+    splits = [d.train_split] + ([recipe.eval_split] if recipe.eval_split else [])
     for split in splits:
         try:
             local = local_data_file(d.source, split)

@@ -201,7 +201,7 @@ def _gib(n: float | None) -> str:
 def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any) -> None:
     print(f"model {args.model} ({shape.model_type}): {shape.num_params / 1e9:.2f} B params, {cm.num_layers} decoder "
           f"layers ({', '.join(f'{shape.layer_kinds.count(k)} {k}' for k in sorted(set(shape.layer_kinds)))})")
-    margin = getattr(args, "gpu_memory_margin", 0.0) or 0.0
+    margin = args.gpu_memory_margin
     kept = f" ({margin:.0%} of the GPU budget kept free: --gpu-memory-margin)" if margin else ""
     print(f"batch {args.batch_size} x seq {args.seq_len} = {cm.tokens_per_step} tokens/step; budgets: GPU "
           f"{_gib(cm.gpu_bytes)}{kept}, host {_gib(cm.pinned_host_bytes)} (fixed part {_gib(cm.host_fixed_bytes)}), "

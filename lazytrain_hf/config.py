@@ -256,9 +256,8 @@ class LazyTrainConfig:
             msg = f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}"
             try:
                 cls(**{k: v for k, v in value.items() if k in known})
-            except (ValueError, TypeError) as e:
-                msg += "\nAlso:" + str(e).split("\n", 1)[-1].replace("\n  - ", "\n  - ").rstrip()
-                msg = msg.replace("\nAlso:  - ", "\nAlso:\n  - ")
+            except (ValueError, TypeError) as e:  # its problem lines, without its own heading
+                msg += "\nAlso:\n" + str(e).split("\n", 1)[-1].rstrip()
             raise ValueError(msg)
         return cls(**value)
 

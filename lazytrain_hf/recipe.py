@@ -83,6 +83,12 @@ class Recipe:
     lazytrain: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
 
+    @property
+    def eval_split(self) -> str | None:
+        """The test split evaluated after training, or None (eval disabled, no test split, or test_limit 0)."""
+        d = self.data
+        return d.test_split if self.eval.enabled and d.test_split and d.test_limit != 0 else None
+
 
 _SECTIONS = {"model": ModelSection, "tokenizer": TokenizerSection, "data": DataSection, "eval": EvalSection}
 
@@ -122,6 +128,13 @@ _MIN_VALUES = {("data", "max_length"): 1, ("data", "train_limit"): 1, ("data", "
 
 
 _YAML11_BOOLS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
+
+
+def _read_bool_words(values: dict[str, Any], bool_fields: set[str]) -> dict[str, Any]:
+    """`values` with YAML 1.1's yes/no/on/off words (kept as text by `_parse_override`) read as booleans in
+    `bool_fields`; other fields keep the text (save_strategy=no means "no")."""
+    return {k: _YAML11_BOOLS.get(v.strip().lower(), v) if k in bool_fields and isinstance(v, str) else v
+            for k, v in values.items()}
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -223,14 +236,11 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     training = dict(raw.get("training") or {})
     annotations = training_argument_annotations()
     ta_fields = set(annotations)
-    for k, v in training.items():  # --set keeps yes/no/on/off as text (save_strategy=no); a bool field reads them
-        if not annotations.get(k, "").replace("Optional[", "").startswith("bool") or isinstance(v, bool) or v is None:
-            continue
-        word = v.strip().lower() if isinstance(v, str) else None
-        if word in _YAML11_BOOLS:
-            training[k] = _YAML11_BOOLS[word]
-        else:  # TrainingArguments would take "maybe" (or 0) and read it as true
-            problems.append(f"training.{k} must be true or false, but got {v!r}")
+    bool_fields = {k for k, a in annotations.items() if a.replace("Optional[", "").startswith("bool")}
+    training = _read_bool_words(training, bool_fields)
+    for k in sorted(bool_fields & set(training)):  # TrainingArguments would take "maybe" (or 0) and read it as true
+        if training[k] is not None and not isinstance(training[k], bool):
+            problems.append(f"training.{k} must be true or false, but got {training[k]!r}")
     bad = sorted(set(training) - ta_fields)
     if bad:
         problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields")
@@ -240,10 +250,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     if "output_dir" not in training:
         problems.append("training.output_dir is required (where checkpoints and metrics are written)")
     lazy = raw.get("lazytrain") or {}
-    if isinstance(lazy, dict):
-        bools = {f.name for f in dataclasses.fields(LazyTrainConfig) if str(f.type) == "bool"}
-        lazy = {k: _YAML11_BOOLS.get(v.strip().lower(), v) if k in bools and isinstance(v, str) else v
-                for k, v in lazy.items()}
+    if isinstance(lazy, dict):  # LazyTrainConfig checks its own bool fields
+        lazy = _read_bool_words(lazy, {f.name for f in dataclasses.fields(LazyTrainConfig) if str(f.type) == "bool"})
     try:
         if isinstance(lazy, str):  # a LazyTrainConfig YAML path
             lazy = LazyTrainConfig.from_any(lazy).to_dict()

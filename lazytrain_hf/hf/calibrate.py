@@ -4,8 +4,9 @@ The planner predicts a step from per-layer costs (analytic, or one layer timed i
 layer_costs.py). The executor runs those layers with its own overheads (row passes, stream waits, kernel launches
 competing with the CPU optimizer threads): on an H200 the 7B step ran 7-17% over the prediction (benchmarks/NOTES.md,
 session 5). After `calibrate_steps` measured steps (the first `skip` are not used: they allocate and touch the
-optimizer states, during step 2's forward when the updates overlap it) the GPU-compute part of the prediction is scaled so the prediction matches the measurement, and
-the plan is solved again with that scale (CostModel.scaled_compute): the costs come from warm-up steps on the real executor (issue 5).
+optimizer states, during step 2's forward when the updates overlap it) the GPU-compute part of the prediction is
+scaled so the prediction matches the measurement, and the plan is solved again with that scale
+(CostModel.scaled_compute): the costs come from warm-up steps on the real executor (issue 5).
 
     k_i   = 1 + (measured_i - predicted_i) / predicted_compute_i     (per step; compute = layers, re-forward, head,
     scale = scale_before x median(k_i)                                 GPU-side updates: what runs on the GPU)
@@ -37,11 +38,10 @@ class Calibration:
     skip: int = 1
     samples: list[float] = field(default_factory=list)  # k_i
     done: bool = False
-    #: set by the re-plan (hf/callback.py): the resulting compute scale and the longest bucket's predicted step
-    #: before and after (ms)
+    #: set by the re-plan (hf/callback.py): the resulting compute scale, and the longest bucket's predicted step
+    #: before it (ms)
     scale: float | None = None
     predicted_before_ms: float | None = None
-    predicted_after_ms: float | None = None
     _predicted_ms: float = 0.0
     _compute_ms: float = 0.0
     _seen: int = 0

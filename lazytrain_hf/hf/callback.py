@@ -84,7 +84,6 @@ class LazyTrainCallback(TrainerCallback):
         tr.executor.set_schedule(new)
         tr.calibration.scale = scale
         tr.calibration.predicted_before_ms = old.predicted.get("step_ms")
-        tr.calibration.predicted_after_ms = new.predicted.get("step_ms")
         logger.info("LazyTrain calibration: measured steps ran %.2fx the predicted GPU compute; re-planned with "
                     "compute costs x%.2f: predicted step %.1f ms (was %.1f ms under the old costs)", k, scale,
                     new.predicted.get("step_ms", float("nan")), old.predicted.get("step_ms", float("nan")))

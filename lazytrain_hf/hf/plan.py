@@ -41,10 +41,9 @@ def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
         hardware = probe(ex.device, nvme_dir=cfg.nvme_dir)
         # free memory when this trainer first planned: later (a re-plan after calibration, a second train()) the
         # caching allocator holds the running plan's buffers and "free" would be little more than the margin
-        free = getattr(trainer, "_lazytrain_free_gpu_bytes", None)
-        if free is None:
-            free = trainer._lazytrain_free_gpu_bytes = torch.cuda.mem_get_info(ex.device)[0]
-        gpu = cfg.gpu_memory_budget or free
+        if trainer.plan_free_gpu_bytes is None:
+            trainer.plan_free_gpu_bytes = torch.cuda.mem_get_info(ex.device)[0]
+        gpu = cfg.gpu_memory_budget or trainer.plan_free_gpu_bytes
     else:
         hardware, gpu = H200_DEFAULTS, cfg.gpu_memory_budget or 80 * GIB
     # data parallel: every rank on this host keeps its own host store and stash (streaming/comm.py)
@@ -87,8 +86,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
                              loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
                              block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
-    cache = trainer.__dict__.setdefault("_lazytrain_layer_costs", {})
-    cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, T, cache)
+    cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, T,
+                                           trainer.plan_layer_costs)
     if compute_scale != 1.0:
         cm = cm.scaled_compute(compute_scale)
     fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
@@ -117,23 +116,22 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
         return cm, "analytic"
     rows = min(B, cfg.max_rows_per_pass or B)
     key = (rows, T, str(device))
-    if cache is not None and key in cache:  # a re-plan mid-training reuses the first measurement
-        measured = cache[key]
-        return apply_layer_measurements(cm, measured, time_scale=B / rows, memory=False), "measured"
-    try:
-        measured = measure_layer_costs(model_config, rows, T, device, memory=False)
-    except torch.OutOfMemoryError as e:
-        torch.cuda.empty_cache()
-        logger.warning("layer profiling ran out of GPU memory (%s); planning with analytic layer costs",
-                       str(e).splitlines()[0][:200])
-        return cm, "analytic"
-    if not measured:
-        return cm, "analytic"
-    if cache is not None:
-        cache[key] = measured
-    logger.info("measured layer costs at %d x %d: %s", rows, T,
-                {k: (round(m.fwd_ms, 2), round(m.bwd_ms, 2)) for k, m in measured.items()})
-    return apply_layer_measurements(cm, measured, time_scale=B / rows, memory=False), "measured"
+    measured = (cache or {}).get(key)  # a re-plan mid-training reuses the first measurement
+    if measured is None:
+        try:
+            measured = measure_layer_costs(model_config, rows, T, device, memory=False)
+        except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            logger.warning("layer profiling ran out of GPU memory (%s); planning with analytic layer costs",
+                           str(e).splitlines()[0][:200])
+            return cm, "analytic"
+        if not measured:
+            return cm, "analytic"
+        if cache is not None:
+            cache[key] = measured
+        logger.info("measured layer costs at %d x %d: %s", rows, T,
+                    {k: (round(m.fwd_ms, 2), round(m.bwd_ms, 2)) for k, m in measured.items()})
+    return apply_layer_measurements(cm, measured, time_scale=B / rows), "measured"
 
 
 def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0) -> BucketSchedules:

@@ -56,6 +56,10 @@ class LazyTrainerMixin:
         self.executor: StreamingExecutor | None = None
         self.bucket_plans: BucketSchedules | None = None  # policy "milp": one plan per sequence-length bucket
         self.calibration: Calibration | None = None  # policy "milp": set at train begin (hf/calibrate.py)
+        # planning inputs kept for re-plans (hf/plan.py): free GPU bytes when first planned (later the running
+        # plan's buffers hold it), and layer timings by (rows, seq, device)
+        self.plan_free_gpu_bytes: int | None = None
+        self.plan_layer_costs: dict[tuple, Any] = {}
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")

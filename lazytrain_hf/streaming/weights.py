@@ -93,7 +93,7 @@ class WeightStreamer:
         # the slot is marked ready: the executor's GPU-side optimizer update of a freshly loaded layer
         self.after_load = None
         # callable(layer) -> True: this load takes the weights from elsewhere (sharded data parallel: a broadcast
-        # from the layer's owner in `after_load`), so the H2D copy from the host store is skipped
+        # from the layer's owner in `before_compute`), so the H2D copy from the host store is skipped
         self.skip_h2d = None
         # callable(slot, layer): on the compute stream once the slot is ready, before compute uses it (the executor
         # runs a staged GPU-side update there, then a sharded layer's broadcast)
