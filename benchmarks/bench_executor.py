@@ -134,6 +134,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             ex.instrument(True)
             _reset_peak(args)
             times, fb, optim, h2d, d2h = [], [], [], [], []
+            waits: dict[str, list[float]] = {"optimizer_wait_ms": [], "cpu_update_ms": []}
             trace: list[tuple] = []  # (loss, grad norm, step skipped) per step, read after the timed loop
             mem: dict[str, float] = {}
             for step in range(args.steps + warm):
@@ -160,6 +161,8 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                     optim.append(t2 - t1)
                     h2d.append(ex.stats.extra.get("exposed_h2d_ms", 0.0))
                     d2h.append(ex.stats.extra.get("exposed_d2h_ms", 0.0))
+                    for k, v in waits.items():  # deferred CPU updates: blocked time, worker time
+                        v.append(ex.stats.extra.get(k, 0.0))
             med = statistics.median(times)
             tokens = B * args.seq_len  # per GPU
             pinned = ex.pinned_bytes
@@ -177,6 +180,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                      pinned_locked_gib=(pinned["registered"] + pinned["host_allocator"]) / GIB,
                      exposed_h2d_ms=statistics.median(h2d), exposed_d2h_ms=statistics.median(d2h),
                      optimizer_ms=statistics.median(optim) * 1e3)
+            r["extra"].update({k: statistics.median(v) for k, v in waits.items()})
             r["extra"].update(fwd_bwd_ms=statistics.median(fb) * 1e3, setup_s=setup_s, **mem,
                               pinned_gib={k: v / GIB for k, v in pinned.items()},
                               weight_loads=ex.stats.weight_loads, recomputed_layers=ex.stats.recomputed_layers,
@@ -315,7 +319,8 @@ def _fmt(r: dict[str, Any]) -> str:
     return (f"{r['system']:16s} B={r['batch_size']:3d} step {r['step_s_median']:.2f}s "
             f"tok/s {r['tokens_per_s']:.0f} TFLOPS6ND {r['tflops_6nd']:.1f} peakGPU {r['peak_gpu_gib'] or 0:.1f}GiB "
             f"h2d_exp {r['exposed_h2d_ms'] or 0:.0f}ms d2h_exp {r['exposed_d2h_ms'] or 0:.0f}ms "
-            f"opt {r['optimizer_ms'] or 0:.0f}ms fb {r['extra'].get('fwd_bwd_ms', 0):.0f}ms")
+            f"opt {r['optimizer_ms'] or 0:.0f}ms fb {r['extra'].get('fwd_bwd_ms', 0):.0f}ms "
+            f"cpu_upd {r['extra'].get('cpu_update_ms', 0):.0f}ms wait {r['extra'].get('optimizer_wait_ms', 0):.0f}ms")
 
 
 def main(argv: list[str] | None = None) -> None:

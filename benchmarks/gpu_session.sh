@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -54,6 +54,18 @@ for stage in "$@"; do
            LAZYTRAIN_CPU_THREADS=$(( T - 2 )) timeout 130 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp \
              --gpu-optimizer --batch-sizes 64 --steps 4 $S 2>&1 | grep -v Warning
            bash "$0" optim ;;
+    s6b)   # 1 GPU (~8.5 min): the Qwen3.5 layer-measure test (3-D rotary positions), the deferred CPU updates' worker
+           # and blocked times at 24 GiB B=8 (bench_executor: cpu_upd / wait), then issue 3 at 64 x 1024 tokens/step
+           # (stock uncapped vs MILP 24 GiB, same run) and the calibrated MILP at 80 GiB B=64 (issue 5)
+           timeout 60 python3 -m pytest -q -m gpu tests/profiling -rfE -p no:cacheprovider 2>&1 | tail -3
+           S="--gpu-cap-gib 24 --rows-per-pass 8 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
+           timeout 100 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp --gpu-optimizer \
+             --batch-sizes 8 --steps 4 $S 2>&1 | grep -v Warning
+           HRES=${HARNESS_OUT:-benchmarks/results/7b-s6b-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --out $HRES --min-start-s 40"
+           timeout 120 $PIN $H --systems stock_trainer --caps none --batch-sizes 64 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 300 $PIN $H --systems lazytrain_milp --caps 24,80 --batch-sizes 64 --budget-s 295 2>&1 | grep -v -i warning | grep -v train_runtime
+           cp "$HRES" "$OUT/" ;;
     milp24gpu) # 1 GPU (~4 min): 24 GiB, fixed B=8 (the same-run reference) and MILP + GPU-side updates B=8 and 64
            S="--gpu-cap-gib 24 --rows-per-pass 8 --model qwen2.5-7b --seq-len 1024 --loss-chunk-tokens 2048 --out $RES"
            timeout 110 $PIN python3 -m benchmarks.bench_executor --system lazytrain_fixed --checkpoint-every 4 --tier gpu \

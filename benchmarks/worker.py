@@ -68,7 +68,10 @@ def fmt_row(r: dict[str, Any]) -> str:
         return f"{head} {r['status']}: {r['reason']}"
     return (f"{head} step {r['step_s_median']:.3f}s tok/s {r['tokens_per_s']:.0f} TFLOPS6ND {r['tflops_6nd']:.1f} "
             f"peakGPU {r['peak_gpu_gib'] or 0:.1f}GiB RSS {r['peak_host_rss_gib'] or 0:.1f}GiB "
-            f"opt {r['optimizer_ms'] or 0:.0f}ms")
+            f"opt {r['optimizer_ms'] or 0:.0f}ms"
+            + (f" pred {r['predicted_step_s']:.3f}s" if r.get("predicted_step_s") else "")
+            + (f" cpu_upd {r['extra']['cpu_update_ms']:.0f}ms wait {r['extra'].get('optimizer_wait_ms', 0):.0f}ms"
+               if "cpu_update_ms" in r.get("extra", {}) else ""))
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -104,6 +107,7 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         if timer.h2d_ms[warm:]:
             fields.update(exposed_h2d_ms=statistics.median(timer.h2d_ms[warm:]),
                           exposed_d2h_ms=statistics.median(timer.d2h_ms[warm:]))
+        extra.update({k: statistics.median(v[warm:]) for k, v in timer.update_ms.items() if v[warm:]})
         fwd = (L + (L - lt_extra["retained"]) + lt_extra["recomputed_layers"]) / L
         extra["optimizer_note"] = "exposed part only: streamed layers' updates overlap the next forward"
     else:

@@ -102,7 +102,7 @@ def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup:
                     p.normal_(0.0, 0.02)
         layer = layer.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
         out[kind] = _measure_one(layer, rotary, kind, idx, batch_size, seq_len, config.hidden_size, dev, warmup,
-                                 iters, memory)
+                                 iters, memory, mrope="qwen3_5" in config.model_type)
         del layer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -110,14 +110,15 @@ def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup:
 
 
 def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H: int, dev: Any, warmup: int,
-                 iters: int, memory: bool = True) -> LayerMeasurement:
+                 iters: int, memory: bool = True, mrope: bool = False) -> LayerMeasurement:
     import torch
 
     cuda = dev.type == "cuda"
     dtype = next(layer.parameters()).dtype
     x = torch.randn(B, T, H, device=dev, dtype=dtype)
     pos = torch.arange(T, device=dev).unsqueeze(0).expand(B, -1)
-    cos, sin = rotary(x, pos)
+    # Qwen3.5's multimodal rotary takes (3, B, T) position ids (transformers <= 5.17 indexes them as 3-D)
+    cos, sin = rotary(x, pos[None].expand(3, -1, -1) if mrope else pos)
 
     def fwd(inp: Any) -> Any:
         out = layer(inp, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)

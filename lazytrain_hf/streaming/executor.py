@@ -187,6 +187,7 @@ class StreamingExecutor:
                                [p.data for p in self._resident])
         self.streamer: WeightStreamer | None = None
         self.updater: LayerUpdater | None = None
+        self._update_wait_s = 0.0  # this micro-batch's time blocked on deferred CPU updates (stats.extra)
         self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
         # GPU-side updates: one staging set per slot (depth + 1 per structure), so the next layer's states go H2D
         # while the previous layer's copy back D2H (one shared set serialized both directions: 2.08 s measured vs
@@ -263,7 +264,9 @@ class StreamingExecutor:
 
     def _before_load(self, layer: int) -> None:
         if self.updater is not None:
+            t = time.perf_counter()
             self.updater.wait(layer)
+            self._update_wait_s += time.perf_counter() - t
 
     def flush_updates(self) -> None:
         """Apply every deferred optimizer update now (before weights or optimizer states are read or saved).
@@ -586,6 +589,7 @@ class StreamingExecutor:
         self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
+        self._update_wait_s = 0.0
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
         self.stash.d2h_bytes = self.stash.h2d_bytes = 0
         self.grads.begin_microbatch()
@@ -658,7 +662,11 @@ class StreamingExecutor:
             self._reduce_resident()
         self.grads.flush()
         self.stash.clear()
-        extra = {}
+        # the training thread blocked on deferred CPU updates (an upper bound of their exposed time: the GPU may
+        # still run queued work meanwhile), and how long the CPU worker took for the last step's updates
+        extra = {"optimizer_wait_ms": self._update_wait_s * 1e3}
+        if self.updater is not None and self.updater.last_run_s is not None:
+            extra["cpu_update_ms"] = self.updater.last_run_s * 1e3
         if self.device.type == "cuda" and self.streamer.instrument:
             torch.cuda.synchronize(self.device)
             for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):

@@ -21,6 +21,7 @@ of each step so the other layers are broadcast from their owners at their next l
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ class LayerUpdater:
             e.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.last_run_s: float | None = None  # wall time of the last step's CPU updates (s)
         optimizer.set_deferred([p for ps in layer_params for p in ps], self._start)
 
     def set_device_layers(self, layers: set[int]) -> None:
@@ -77,12 +79,14 @@ class LayerUpdater:
         self.device_pending.pop(layer, None)
 
     def _run(self, snapshot: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         try:
             for i, params in enumerate(self.layer_params):
                 if i in self.device_layers or i not in self.owned:
                     continue
                 self.optimizer.step_deferred(params, snapshot)
                 self._done[i].set()
+            self.last_run_s = time.perf_counter() - t0
         except BaseException as e:  # surfaced in the training thread by wait()
             self._error = e
             for ev in self._done:

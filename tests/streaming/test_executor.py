@@ -264,6 +264,8 @@ def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain):
             ex.zero_grad()
             ex.forward_backward(ids, labels, mask)
             assert not ex._stage and not ex._launches  # staged copies freed once forward ran the updates
+            if step and not dev_layers:  # the last step's host-worker updates were timed, and the wait on them
+                assert ex.stats.extra["cpu_update_ms"] > 0 and ex.stats.extra["optimizer_wait_ms"] >= 0
             n = ex.grad_norm()
             norms[dev_layers].append(float(n))
             opt.clip_grad_norm(0.5, n)
