@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lazytrain_hf.streaming.executor import UPDATE_COUNTERS
+
 from .common import GIB, append_results, fast_random_model, gsm8k_token_rows, percentiles, row
 
 
@@ -134,7 +136,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
             ex.instrument(True)
             _reset_peak(args)
             times, fb, optim, h2d, d2h = [], [], [], [], []
-            waits: dict[str, list[float]] = {"optimizer_wait_ms": [], "cpu_update_ms": []}
+            waits: dict[str, list[float]] = {k: [] for k in UPDATE_COUNTERS}
             trace: list[tuple] = []  # (loss, grad norm, step skipped) per step, read after the timed loop
             mem: dict[str, float] = {}
             for step in range(args.steps + warm):
@@ -320,7 +322,8 @@ def _fmt(r: dict[str, Any]) -> str:
             f"tok/s {r['tokens_per_s']:.0f} TFLOPS6ND {r['tflops_6nd']:.1f} peakGPU {r['peak_gpu_gib'] or 0:.1f}GiB "
             f"h2d_exp {r['exposed_h2d_ms'] or 0:.0f}ms d2h_exp {r['exposed_d2h_ms'] or 0:.0f}ms "
             f"opt {r['optimizer_ms'] or 0:.0f}ms fb {r['extra'].get('fwd_bwd_ms', 0):.0f}ms "
-            f"cpu_upd {r['extra'].get('cpu_update_ms', 0):.0f}ms wait {r['extra'].get('optimizer_wait_ms', 0):.0f}ms")
+            f"cpu_upd {r['extra'].get('cpu_update_ms', 0):.0f}ms wait {r['extra'].get('optimizer_wait_ms', 0):.0f}ms "
+            f"(GPU idle {r['extra'].get('exposed_update_wait_ms', 0):.0f}ms)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,7 +44,7 @@ ORDER = (*LT, *STOCK, *OFFLOAD)
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                   batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
-    "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=3,
+    "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=4,
                batch={24: {**{s: [8, 16, 32, 64] for s in LT}, **{s: [1, 8] for s in STOCK},
                            **{s: [8] for s in OFFLOAD}},
                       80: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16], "stock_trainer_bnb8": [8, 16, 32],

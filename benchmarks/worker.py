@@ -71,6 +71,7 @@ def fmt_row(r: dict[str, Any]) -> str:
             f"opt {r['optimizer_ms'] or 0:.0f}ms"
             + (f" pred {r['predicted_step_s']:.3f}s" if r.get("predicted_step_s") else "")
             + (f" cpu_upd {r['extra']['cpu_update_ms']:.0f}ms wait {r['extra'].get('optimizer_wait_ms', 0):.0f}ms"
+               f" (GPU idle {r['extra'].get('exposed_update_wait_ms', 0):.0f}ms)"
                if "cpu_update_ms" in r.get("extra", {}) else ""))
 
 

@@ -121,9 +121,10 @@ class LazyTrainConfig:
             with those forward / backward times instead of the analytic ones (which under-predicted the measured
             7B step by 7-17% on an H200, benchmarks/NOTES.md session 5). Memory figures stay analytic.
         calibrate_steps (int, defaults to None): policy "milp": after this many measured optimizer steps (the
-            first step is not counted) compare the measured step time with the plan's prediction and, when they
-            differ by more than 5%, scale the plan's GPU compute costs to match and solve again (hf/calibrate.py);
-            once per run. None: 3 on CUDA, off elsewhere; 0: off.
+            first one or two are not counted) compare the measured step time with the plan's prediction and the
+            CPU update worker's measured rate (parameters/s) with the planned one; when the GPU compute is off by
+            more than 5% or the rate by more than 10%, solve again with the compute costs scaled to match and the
+            measured rate (hf/calibrate.py); once per run. None: 3 on CUDA, off elsewhere; 0: off.
         loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
             [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
         schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.

@@ -1,15 +1,22 @@
 """Calibrate the MILP plan from the first measured optimizer steps.
 
 The planner predicts a step from per-layer costs (analytic, or one layer timed in isolation: profiling/
-layer_costs.py). The executor runs those layers with its own overheads (row passes, stream waits, kernel launches
-competing with the CPU optimizer threads): on an H200 the 7B step ran 7-17% over the prediction (benchmarks/NOTES.md,
-session 5). After `calibrate_steps` measured steps (the first `skip` are not used: they allocate and touch the
-optimizer states, during step 2's forward when the updates overlap it) the GPU-compute part of the prediction is
-scaled so the prediction matches the measurement, and the plan is solved again with that scale
-(CostModel.scaled_compute): the costs come from warm-up steps on the real executor (issue 5).
+layer_costs.py) and the probed CPU optimizer rate. The executor runs those layers with its own overheads (row passes,
+stream waits, kernel launches competing with the CPU optimizer threads), and its update worker shares the host's
+memory with 50 GB/s of H2D copies: on an H200 the 7B step ran 7-17% over the prediction (benchmarks/NOTES.md,
+session 5), and at 80 GiB, batch 64 the training thread waited 0.9 s per step for CPU updates the plan counted as
+hidden (session 6). After `calibrate_steps` measured steps (the first `skip` are not used: they allocate and touch
+the optimizer states, during step 2's forward when the updates overlap it) two costs are replaced by measured ones
+and the plan is solved again with them (issue 5):
 
-    k_i   = 1 + (measured_i - predicted_i) / predicted_compute_i     (per step; compute = layers, re-forward, head,
-    scale = scale_before x median(k_i)                                 GPU-side updates: what runs on the GPU)
+    rate  = median over the steps of (parameters the update worker updated / its wall time)      (CostModel
+                                                                                                   .with_cpu_optim_rate)
+    k_i   = 1 + (measured_i - predicted_i - delta) / predicted_compute_i                         (per step)
+    scale = scale_before x median(k_i)                                                            (.scaled_compute)
+
+delta is how much the running plan's predicted step grows when its CPU updates run at the measured rate (0 when
+no layer updates on the CPU), so the compute scale k takes only what the measured rate does not explain; compute =
+layers, re-forward, head, GPU-side updates: what runs on the GPU.
 """
 
 from __future__ import annotations
@@ -18,15 +25,17 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Calibration"]
+__all__ = ["Calibration", "THRESHOLD", "RATE_THRESHOLD"]
 
-#: re-plan only when the measured step is off the prediction by more than this (relative)
+#: re-plan when the GPU compute is off the prediction by more than this (relative) ...
 THRESHOLD = 0.05
+#: ... or the measured CPU optimizer rate is off the planned one by more than this (relative)
+RATE_THRESHOLD = 0.10
 
 
 @dataclass
 class Calibration:
-    """Collects (measured, predicted, predicted compute) per optimizer step and gives the compute scale once.
+    """Collects per optimizer step (measured, predicted, predicted compute) and the CPU update rate measured in it.
 
     Args:
         steps: measured steps to use (after the skipped ones); 0 disables calibration.
@@ -36,14 +45,20 @@ class Calibration:
 
     steps: int
     skip: int = 1
-    samples: list[float] = field(default_factory=list)  # k_i
+    #: (measured, predicted, predicted GPU compute) per used step (ms)
+    step_ms: list[tuple[float, float, float]] = field(default_factory=list)
+    #: parameters/s of the deferred CPU updates that ran during each used step (steps with none left out)
+    cpu_rates: list[float] = field(default_factory=list)
     done: bool = False
-    #: set by the re-plan (hf/callback.py): the resulting compute scale, and the longest bucket's predicted step
-    #: before it (ms)
+    #: set by the re-plan (hf/callback.py): k per step, the resulting compute scale and CPU rate, and the
+    #: longest bucket's predicted step before it (ms)
+    k: list[float] = field(default_factory=list)
     scale: float | None = None
+    cpu_rate: float | None = None
     predicted_before_ms: float | None = None
     _predicted_ms: float = 0.0
     _compute_ms: float = 0.0
+    _rate: float | None = None
     _seen: int = 0
 
     def add_microbatch(self, predicted: dict[str, Any]) -> None:
@@ -58,19 +73,39 @@ class Calibration:
         self._predicted_ms += ms("step_ms") - (0.0 if first else once)
         self._compute_ms += ms("compute_ms") + ms("recompute_ms") + (ms("gpu_optim_ms") if first else 0.0)
 
-    def end_step(self, measured_s: float) -> float | None:
-        """Close one optimizer step (its wall time, s). Returns the compute scale factor k (median over the
-        calibration steps) once, when enough steps were seen and k differs from 1 by more than THRESHOLD; else
-        None."""
-        p, c = self._predicted_ms, self._compute_ms
+    def note_cpu_update(self, ms: float | None, params: float | None) -> None:
+        """The executor's last deferred CPU update run (its wall time, ms, and parameters; `stats.extra`
+        cpu_update_ms / cpu_update_params): the run that overlapped this step's forward."""
+        self._rate = params / (ms / 1e3) if ms and params and ms > 0 and params > 0 else None
+
+    def end_step(self, measured_s: float) -> bool:
+        """Close one optimizer step (its wall time, s). True once, when enough steps were seen: then
+        `compute_factors` and `measured_cpu_rate` give the calibration."""
+        p, c, rate = self._predicted_ms, self._compute_ms, self._rate
         self._predicted_ms = self._compute_ms = 0.0
+        self._rate = None
         self._seen += 1
         if self.done or self.steps <= 0 or self._seen <= self.skip or p <= 0 or c <= 0:
-            return None
-        self.samples.append(1.0 + (measured_s * 1e3 - p) / c)
-        if len(self.samples) < self.steps:
-            return None
+            return False
+        self.step_ms.append((measured_s * 1e3, p, c))
+        if rate is not None:
+            self.cpu_rates.append(rate)
+        if len(self.step_ms) < self.steps:
+            return False
         self.done = True
-        k = statistics.median(self.samples)
-        return k if k > 0 and abs(k - 1.0) > THRESHOLD else None
+        return True
 
+    def compute_factors(self, delta_ms: float = 0.0) -> list[float]:
+        """k_i per used step, with the predictions raised by `delta_ms` (the measured CPU rate's effect)."""
+        return [1.0 + (m - p - delta_ms) / c for m, p, c in self.step_ms]
+
+    def measured_cpu_rate(self) -> float | None:
+        """Median parameters/s of the deferred CPU updates over the used steps; None when none ran."""
+        return statistics.median(self.cpu_rates) if self.cpu_rates else None
+
+    @staticmethod
+    def needs_replan(k: float, rate: float | None, planned_rate: float | None) -> bool:
+        """Whether the measured compute factor `k` or CPU rate is far enough off the plan to solve it again."""
+        if k > 0 and abs(k - 1.0) > THRESHOLD:
+            return True
+        return bool(rate and planned_rate and abs(rate / planned_rate - 1.0) > RATE_THRESHOLD)

@@ -59,10 +59,9 @@ class LazyTrainCallback(TrainerCallback):
         self.trainer.meter.stop(self.trainer.executor_metrics())
         cal = self.trainer.calibration
         if cal is not None and "step_time_s" in self.trainer.meter.last:
-            k = cal.end_step(self.trainer.meter.last["step_time_s"])
-            if k is not None:
+            if cal.end_step(self.trainer.meter.last["step_time_s"]):
                 try:
-                    self._recalibrate(k)
+                    self._recalibrate()
                 except Exception as e:  # an optimization only: never end a run over it
                     logger.warning("LazyTrain calibration: re-planning failed (%s: %s); keeping the current plan",
                                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
@@ -70,22 +69,43 @@ class LazyTrainCallback(TrainerCallback):
                 state.global_step >= state.max_steps:
             self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
 
-    def _recalibrate(self, k: float) -> None:
-        """Solve the bucket plans again with the GPU compute costs scaled by k (hf/calibrate.py). Each rank
-        decides on its own measurements: ranks may run different plans (set_schedule issues no collective)."""
-        from .plan import plan_buckets_for_trainer
+    def _recalibrate(self) -> None:
+        """Solve the bucket plans again with the measured CPU optimizer rate and the GPU compute costs scaled by
+        the measured factor (hf/calibrate.py). Each rank decides on its own measurements: ranks may run different
+        plans (set_schedule issues no collective)."""
+        import statistics
 
-        tr = self.trainer
+        from ..planning.estimate import evaluate
+        from .plan import cost_model_for_trainer, plan_buckets_for_trainer
+
+        tr, cal = self.trainer, self.trainer.calibration
         old = tr.bucket_plans.schedules[tr.bucket_plans.buckets[-1]]
-        scale = float(old.solver.get("compute_scale", 1.0)) * k
-        plans = plan_buckets_for_trainer(tr, compute_scale=scale)  # raises before anything changes
+        old_scale = float(old.solver.get("compute_scale", 1.0))
+        planned_rate = old.solver.get("cpu_optim_params_per_s")
+        rate = cal.measured_cpu_rate()
+        delta = 0.0
+        if rate is not None and planned_rate:  # the running plan under the measured rate, compute unchanged
+            T = old.solver.get("seq_len_bucket")
+            cm = cost_model_for_trainer(tr, T, old_scale)[0]
+            delta = evaluate(cm.with_cpu_optim_rate(rate), old).step_ms - evaluate(cm, old).step_ms
+        cal.k = cal.compute_factors(delta)
+        k = statistics.median(cal.k)
+        k = k if k > 0 else 1.0
+        if not cal.needs_replan(k, rate, planned_rate):
+            logger.info("LazyTrain calibration: measured steps match the plan (compute x%.3f, CPU optimizer %s); "
+                        "keeping it", k, "not used" if rate is None else f"{rate / 1e9:.2f} G params/s")
+            return
+        scale = old_scale * k
+        plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate)  # raises first
         tr.bucket_plans = plans
         new = plans.schedules[plans.buckets[-1]]
         tr.executor.set_schedule(new)
-        tr.calibration.scale = scale
-        tr.calibration.predicted_before_ms = old.predicted.get("step_ms")
-        logger.info("LazyTrain calibration: measured steps ran %.2fx the predicted GPU compute; re-planned with "
-                    "compute costs x%.2f: predicted step %.1f ms (was %.1f ms under the old costs)", k, scale,
+        cal.scale, cal.cpu_rate = scale, rate
+        cal.predicted_before_ms = old.predicted.get("step_ms")
+        logger.info("LazyTrain calibration: GPU compute ran %.2fx the prediction, CPU optimizer %s (planned %s); "
+                    "re-planned: predicted step %.1f ms (was %.1f ms)", k,
+                    "-" if rate is None else f"{rate / 1e9:.2f} G params/s",
+                    "-" if not planned_rate else f"{planned_rate / 1e9:.2f}",
                     new.predicted.get("step_ms", float("nan")), old.predicted.get("step_ms", float("nan")))
 
     def on_train_end(self, args, state, control, **kwargs: Any):

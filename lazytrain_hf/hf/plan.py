@@ -16,7 +16,7 @@ from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
 
-__all__ = ["plan_for_trainer", "plan_buckets_for_trainer", "run_shape"]
+__all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "run_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +61,39 @@ def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
     return hardware, gpu, host, nvme
 
 
-def plan_for_trainer(trainer: Any, seq_len: int | None = None,
-                     prefetch_depths: tuple[int, ...] = (1, 2, 3), compute_scale: float = 1.0) -> Schedule:
+def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.0,
+                           cpu_optim_params_per_s: float | None = None) -> tuple[Any, str, str]:
+    """The cost model `plan_for_trainer` solves on, for `seq_len` tokens per sequence: (cost model, "measured" or
+    "analytic" layer costs, fingerprint). `compute_scale` multiplies the GPU compute costs and
+    `cpu_optim_params_per_s` replaces the probed CPU optimizer rate (calibration from measured steps,
+    hf/calibrate.py)."""
+    cfg = trainer.lazy_config
+    B = trainer.args.per_device_train_batch_size  # as run_shape
+    hardware, gpu, host, nvme = _budgets(trainer)
+    cm = analytic_cost_model(trainer.model.config, B, seq_len, hardware, gpu_bytes=gpu, host_bytes=host,
+                             nvme_bytes=nvme, loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
+                             master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
+                             block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
+    cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
+                                           trainer.plan_layer_costs)
+    if compute_scale != 1.0:
+        cm = cm.scaled_compute(compute_scale)
+    if cpu_optim_params_per_s is not None:
+        cm = cm.with_cpu_optim_rate(cpu_optim_params_per_s)
+    fp = fingerprint(trainer.model.config.to_dict(), B, seq_len, gpu, host, nvme, str(hardware))
+    return cm, layer_costs, fp
+
+
+def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: tuple[int, ...] = (1, 2, 3),
+                     compute_scale: float = 1.0, cpu_optim_params_per_s: float | None = None) -> Schedule:
     """Solve the MILP (lazytrain_hf.planning.milp) for this trainer's model, batch shape and budgets.
 
     Args:
         seq_len: tokens per sequence to plan for (default: the longest in the training data, `run_shape`).
         prefetch_depths: prefetch depths the MILP may choose from.
         compute_scale: multiplies the GPU compute costs (calibration from measured steps, hf/calibrate.py).
+        cpu_optim_params_per_s: the CPU optimizer rate to plan with (parameters/s; default: the hardware probe's);
+            calibration passes the rate the executor measured.
 
     Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
     `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM / data-parallel ranks on this host), `nvme_budget`
@@ -79,18 +104,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
         InfeasiblePlanError: no schedule fits; the message names the smallest feasible budgets.
     """
     cfg = trainer.lazy_config
-    B, T = run_shape(trainer)
-    T = seq_len or T
-    hardware, gpu, host, nvme = _budgets(trainer)
-    cm = analytic_cost_model(trainer.model.config, B, T, hardware, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
-                             loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
-                             master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
-                             block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
-    cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, T,
-                                           trainer.plan_layer_costs)
-    if compute_scale != 1.0:
-        cm = cm.scaled_compute(compute_scale)
-    fp = fingerprint(trainer.model.config.to_dict(), B, T, gpu, host, nvme, str(hardware))
+    T = seq_len or run_shape(trainer)[1]
+    cm, layer_costs, fp = cost_model_for_trainer(trainer, T, compute_scale, cpu_optim_params_per_s)
     # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
     # device they would only move the update from the worker thread into the forward's critical path
     gpu_optimizer = cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda"
@@ -99,10 +114,10 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None,
                               mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
     except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
         raise with_margin(e, cfg.gpu_memory_margin) from None
-    schedule.solver["seq_len_bucket"] = T
-    schedule.solver["layer_costs"] = layer_costs
-    schedule.solver["compute_scale"] = compute_scale
-    logger.info("MILP plan for batch %d x %d: %s, predicted %s", B, T, schedule.solver, schedule.predicted)
+    schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
+                           cpu_optim_params_per_s=cm.cpu_optim_params_per_s)
+    logger.info("MILP plan for batch %d x %d: %s, predicted %s", trainer.args.per_device_train_batch_size, T,
+                schedule.solver, schedule.predicted)
     return schedule
 
 
@@ -134,19 +149,21 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
     return apply_layer_measurements(cm, measured, time_scale=B / rows), "measured"
 
 
-def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0) -> BucketSchedules:
+def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
+                             cpu_optim_params_per_s: float | None = None) -> BucketSchedules:
     """One MILP plan per sequence-length bucket (`lazytrain_config.plan_buckets` of them, powers of two up to the
     longest sequence; lazytrain_hf/planning/buckets.py). Every bucket uses the prefetch depth of the longest
     bucket's plan, so switching plans between batches never reallocates weight slots. `compute_scale`: as in
-    `plan_for_trainer`.
+    `plan_for_trainer`, and so is `cpu_optim_params_per_s`.
 
     Raises:
         InfeasiblePlanError: the longest bucket has no schedule within the budgets.
     """
     _, T = run_shape(trainer)
     buckets = seq_len_buckets(T, min_seq_len=min(128, max(8, T // 8)), max_buckets=trainer.lazy_config.plan_buckets)
-    longest = plan_for_trainer(trainer, buckets[-1], compute_scale=compute_scale)
+    rates = dict(compute_scale=compute_scale, cpu_optim_params_per_s=cpu_optim_params_per_s)
+    longest = plan_for_trainer(trainer, buckets[-1], **rates)
     plans = {buckets[-1]: longest}
     for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is
-        plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,), compute_scale=compute_scale)
+        plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,), **rates)
     return BucketSchedules(plans)

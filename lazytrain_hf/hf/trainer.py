@@ -202,6 +202,9 @@ class LazyTrainerMixin:
         loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
                                               inputs.get("position_ids"), denominator=denominator,
                                               sync_gradients=self.accelerator.sync_gradients)
+        if self.calibration is not None:
+            x = self.executor.stats.extra
+            self.calibration.note_cpu_update(x.get("cpu_update_ms"), x.get("cpu_update_params"))
         self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
         return loss.detach().to(self.args.device) * world  # the logged loss: the mean over ranks, as HF logs it
 

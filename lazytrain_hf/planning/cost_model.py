@@ -203,6 +203,17 @@ class CostModel:
                                    head_ms=self.head_ms * k, gpu_optim_params_per_s=self.gpu_optim_params_per_s / k,
                                    meta=dict(self.meta, compute_scale=k))
 
+    def with_cpu_optim_rate(self, params_per_s: float) -> CostModel:
+        """A copy whose CPU optimizer updates `params_per_s` parameters/s (calibration: the rate the executor's
+        update worker measured next to the running GPU work, hf/calibrate.py).
+
+        Raises:
+            ValueError: params_per_s <= 0."""
+        if not params_per_s > 0:
+            raise ValueError(f"CPU optimizer rate must be > 0 parameters/s, but got {params_per_s}")
+        return dataclasses.replace(self, cpu_optim_params_per_s=float(params_per_s),
+                                   meta=dict(self.meta, cpu_optim_params_per_s=float(params_per_s)))
+
     def compute_ms(self) -> float:
         """Compute that every plan runs once: forward + backward of all layers + head (ms), no recompute."""
         return sum(self.fwd_ms) + sum(self.bwd_ms) + self.head_ms

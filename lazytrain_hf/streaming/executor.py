@@ -36,7 +36,7 @@ from .tiers import ActivationStash
 from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
 
-__all__ = ["StreamingExecutor", "StepStats", "plan_ops", "find_decoder"]
+__all__ = ["StreamingExecutor", "StepStats", "UPDATE_COUNTERS", "plan_ops", "find_decoder"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,11 @@ def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
                 ops.append(("recompute", j))
         ops.extend(("bwd", j) for j in range(e - 1, s - 1, -1))
     return ops
+
+
+#: `StepStats.extra` keys about the deferred CPU updates (ms, ms, count, ms): the training thread's wait on them, the
+#: worker's wall time for the previous step's updates and their parameters, the GPU idle time during the waits
+UPDATE_COUNTERS = ("optimizer_wait_ms", "cpu_update_ms", "cpu_update_params", "exposed_update_wait_ms")
 
 
 @dataclass
@@ -188,6 +193,7 @@ class StreamingExecutor:
         self.streamer: WeightStreamer | None = None
         self.updater: LayerUpdater | None = None
         self._update_wait_s = 0.0  # this micro-batch's time blocked on deferred CPU updates (stats.extra)
+        self._update_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # ... and the GPU's, instrumented
         self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
         # GPU-side updates: one staging set per slot (depth + 1 per structure), so the next layer's states go H2D
         # while the previous layer's copy back D2H (one shared set serialized both directions: 2.08 s measured vs
@@ -204,7 +210,8 @@ class StreamingExecutor:
 
     def instrument(self, on: bool = True) -> None:
         """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
-        `stats.extra` as exposed_h2d_ms / exposed_d2h_ms after each micro-batch (CUDA only; adds events)."""
+        `stats.extra` as exposed_h2d_ms / exposed_d2h_ms after each micro-batch, and the GPU idle time while the
+        training thread waited for a deferred CPU update as exposed_update_wait_ms (CUDA only; adds events)."""
         self.streamer.instrument = self.grads.instrument = on
 
     # ---- setup -------------------------------------------------------------------------------------------
@@ -263,10 +270,20 @@ class StreamingExecutor:
         self.updater.set_device_layers(self._device_layers())
 
     def _before_load(self, layer: int) -> None:
-        if self.updater is not None:
-            t = time.perf_counter()
+        if self.updater is None:
+            return
+        t = time.perf_counter()
+        if self.streamer.instrument and self.device.type == "cuda" and self.updater.cpu_pending(layer):
+            # GPU time lost to this wait: from the end of the compute already queued to the first work queued
+            # after it (0 when the training thread ran far enough ahead that the GPU never drained)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
             self.updater.wait(layer)
-            self._update_wait_s += time.perf_counter() - t
+            after.record()
+            self._update_stalls.append((before, after))
+        else:
+            self.updater.wait(layer)
+        self._update_wait_s += time.perf_counter() - t
 
     def flush_updates(self) -> None:
         """Apply every deferred optimizer update now (before weights or optimizer states are read or saved).
@@ -590,6 +607,7 @@ class StreamingExecutor:
         self.streamer.invalidate()
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
         self._update_wait_s = 0.0
+        self._update_stalls.clear()
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
         self.stash.d2h_bytes = self.stash.h2d_bytes = 0
         self.grads.begin_microbatch()
@@ -667,11 +685,14 @@ class StreamingExecutor:
         extra = {"optimizer_wait_ms": self._update_wait_s * 1e3}
         if self.updater is not None and self.updater.last_run_s is not None:
             extra["cpu_update_ms"] = self.updater.last_run_s * 1e3
+            extra["cpu_update_params"] = float(self.updater.last_run_params)
         if self.device.type == "cuda" and self.streamer.instrument:
             torch.cuda.synchronize(self.device)
             for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):
                 extra[key] = sum(a.elapsed_time(b) for a, b in owner.stalls)
                 owner.stalls.clear()
+            extra["exposed_update_wait_ms"] = sum(a.elapsed_time(b) for a, b in self._update_stalls)
+            self._update_stalls.clear()
         self.stats = StepStats(
             tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
             d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,

@@ -48,6 +48,7 @@ class LayerUpdater:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_run_s: float | None = None  # wall time of the last step's CPU updates (s)
+        self.last_run_params = 0  # parameters those updates covered (count)
         optimizer.set_deferred([p for ps in layer_params for p in ps], self._start)
 
     def set_device_layers(self, layers: set[int]) -> None:
@@ -79,18 +80,25 @@ class LayerUpdater:
         self.device_pending.pop(layer, None)
 
     def _run(self, snapshot: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
+        t0, n = time.perf_counter(), 0
+        todo = [i for i in range(len(self.layer_params)) if i not in self.device_layers and i in self.owned]
         try:
-            for i, params in enumerate(self.layer_params):
-                if i in self.device_layers or i not in self.owned:
-                    continue
-                self.optimizer.step_deferred(params, snapshot)
+            if not todo:
+                self.last_run_s, self.last_run_params = 0.0, 0
+            for j, i in enumerate(todo):
+                self.optimizer.step_deferred(self.layer_params[i], snapshot)
+                n += sum(p.numel() for p in self.layer_params[i])
+                if j == len(todo) - 1:  # before the last layer is released: a waiter then reads this run's figures
+                    self.last_run_s, self.last_run_params = time.perf_counter() - t0, n
                 self._done[i].set()
-            self.last_run_s = time.perf_counter() - t0
         except BaseException as e:  # surfaced in the training thread by wait()
             self._error = e
             for ev in self._done:
                 ev.set()
+
+    def cpu_pending(self, layer: int) -> bool:
+        """Whether `layer`'s update is still queued or running in the CPU worker (`wait` would block)."""
+        return not self._done[layer].is_set()
 
     def is_pending(self, layer: int) -> bool:
         return not self._done[layer].is_set() or layer in self.device_pending

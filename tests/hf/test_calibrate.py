@@ -17,13 +17,16 @@ PRED = {"step_ms": 1000.0, "compute_ms": 600.0, "recompute_ms": 150.0, "gpu_opti
 def test_scale_comes_from_the_measured_steps_after_the_first():
     cal = Calibration(steps=2)
     cal.add_microbatch(PRED)
-    assert cal.end_step(9.0) is None  # step 1: allocations, not used
+    assert cal.end_step(9.0) is False  # step 1: allocations, not used
+    ready = []
     for measured_s in (1.16, 1.24):  # k = 1 + 160/800 = 1.2, 1 + 240/800 = 1.3
         cal.add_microbatch(PRED)
-        k = cal.end_step(measured_s)
-    assert k == pytest.approx(1.25) and cal.done
+        ready.append(cal.end_step(measured_s))
+    assert ready == [False, True] and cal.done
+    assert cal.compute_factors() == [pytest.approx(1.2), pytest.approx(1.3)]
+    assert cal.measured_cpu_rate() is None  # no CPU-side update ran
     cal.add_microbatch(PRED)
-    assert cal.end_step(2.0) is None  # once per run
+    assert cal.end_step(2.0) is False and len(cal.step_ms) == 2  # once per run
 
 
 def test_gradient_accumulation_counts_the_optimizer_once_per_step():
@@ -35,22 +38,57 @@ def test_gradient_accumulation_counts_the_optimizer_once_per_step():
     for measured_s in (9.0, 5.0, 3.4):  # two skipped steps (allocation), then 1000 + 3 x 800 ms
         for _ in range(4):
             cal.add_microbatch(pred)
-        k = cal.end_step(measured_s)
-    assert k is None and cal.samples == [pytest.approx(1.0)]  # exact: no re-plan
+        ready = cal.end_step(measured_s)
+    assert ready and cal.compute_factors() == [pytest.approx(1.0)]  # exact
+    assert not Calibration.needs_replan(1.0, None, 2e9)
     cal = Calibration(steps=1, skip=0)
     for _ in range(4):
         cal.add_microbatch(pred)
-    assert cal.end_step(3.4 + 0.2 * 3050 / 1e3) == pytest.approx(1.2)  # 20% slower GPU compute (4 x 750 + 50 ms)
+    assert cal.end_step(3.4 + 0.2 * 3050 / 1e3)
+    assert cal.compute_factors() == [pytest.approx(1.2)]  # 20% slower GPU compute (4 x 750 + 50 ms)
+
+
+def test_the_measured_cpu_update_rate_takes_its_share_of_the_miss():
+    """The update worker's measured rate (parameters / wall time of the run that overlapped the step) is kept per
+    used step; the compute factor only takes what the slower CPU updates (delta, from re-evaluating the plan at that
+    rate: hf/callback.py) do not explain. A step with no CPU-side update adds no rate."""
+    cal = Calibration(steps=3, skip=1)
+    for measured_s, ms, params in ((9.0, 500.0, 1e9), (1.3, 400.0, 1e9), (1.3, 500.0, 1e9), (1.3, None, None)):
+        cal.add_microbatch(PRED)
+        cal.note_cpu_update(ms, params)
+        cal.end_step(measured_s)
+    assert cal.cpu_rates == [pytest.approx(2.5e9), pytest.approx(2e9)]  # step 1 skipped, step 4 had none
+    assert cal.measured_cpu_rate() == pytest.approx(2.25e9)
+    assert cal.compute_factors() == [pytest.approx(1.375)] * 3  # all of the 300 ms miss on the GPU compute
+    assert cal.compute_factors(delta_ms=300.0) == [pytest.approx(1.0)] * 3  # the CPU rate explains all of it
+    # re-plan when the compute or the CPU rate is off: 5% and 10%
+    assert Calibration.needs_replan(1.06, None, 2e9) and not Calibration.needs_replan(1.04, 2.1e9, 2e9)
+    assert Calibration.needs_replan(1.0, 1.7e9, 2e9) and not Calibration.needs_replan(1.0, None, 2e9)
 
 
 def test_small_misses_do_not_replan_and_zero_steps_is_off():
     cal = Calibration(steps=1, skip=0)
     cal.add_microbatch(PRED)
-    assert cal.end_step(1.02) is None and cal.samples == [pytest.approx(1.025)]  # within 5%: keep the plan
+    assert cal.end_step(1.02) and cal.compute_factors() == [pytest.approx(1.025)]
+    assert not Calibration.needs_replan(1.025, None, None)  # within 5%: keep the plan
     off = Calibration(steps=0)
     for s in (1.0, 3.0, 3.0):
         off.add_microbatch(PRED)
-        assert off.end_step(s) is None
+        assert off.end_step(s) is False
+
+
+def test_cpu_optim_rate_moves_only_the_cpu_updates():
+    cm = analytic_cost_model(resolve_config("qwen3-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB)
+    slow = cm.with_cpu_optim_rate(cm.cpu_optim_params_per_s / 100)
+    assert slow.cpu_optim_ms(1) == pytest.approx(100 * cm.cpu_optim_ms(1))
+    assert (slow.fwd_ms, slow.gpu_optim_params_per_s, slow.h2d_gbps) == (cm.fwd_ms, cm.gpu_optim_params_per_s,
+                                                                         cm.h2d_gbps)
+    sched = fixed_schedule(cm.num_layers, 2, "gpu", 1)  # every layer updates on the CPU
+    before, after = evaluate(cm, sched), evaluate(slow, sched)
+    assert after.compute_ms == before.compute_ms and after.step_ms > before.step_ms
+    assert after.exposed_optimizer_ms > before.exposed_optimizer_ms
+    with pytest.raises(ValueError, match="must be > 0"):
+        cm.with_cpu_optim_rate(0.0)
 
 
 def test_scaled_compute_moves_only_gpu_compute():

@@ -109,9 +109,12 @@ def test_milp_plan_is_recalibrated_from_measured_steps_and_still_equals_stock(tm
     """calibrate_steps=1: step 2's measured time against the plan's prediction (H200 figures: far off on this CPU)
     rescales the compute costs and every bucket is planned again; training still equals the stock Trainer."""
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1})
-    assert lazy.calibration.done and len(lazy.calibration.samples) == 1
+    cal = lazy.calibration
+    assert cal.done and len(cal.k) == 1 and cal.cpu_rate == cal.measured_cpu_rate() > 0
     scales = {s.solver["compute_scale"] for s in lazy.bucket_plans.schedules.values()}
-    assert len(scales) == 1 and scales.pop() == pytest.approx(lazy.calibration.samples[0])
+    assert len(scales) == 1 and scales.pop() == pytest.approx(cal.k[0])
+    # the re-plan used the update worker's measured rate (this CPU: far from the H200 figures planned first)
+    assert {s.solver["cpu_optim_params_per_s"] for s in lazy.bucket_plans.schedules.values()} == {cal.cpu_rate}
     for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
     stock_params = dict(stock.model.named_parameters())
@@ -124,11 +127,11 @@ def test_a_failed_recalibration_keeps_the_plan_and_the_run(tmp_path, monkeypatch
 
     original, calls = plan.plan_buckets_for_trainer, []
 
-    def first_only(trainer, compute_scale=1.0):
+    def first_only(trainer, compute_scale=1.0, cpu_optim_params_per_s=None):
         calls.append(compute_scale)
         if len(calls) > 1:
             raise plan.InfeasiblePlanError("no schedule fits (test)")
-        return original(trainer, compute_scale)
+        return original(trainer, compute_scale, cpu_optim_params_per_s)
 
     monkeypatch.setattr(plan, "plan_buckets_for_trainer", first_only)
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1,

@@ -236,6 +236,41 @@ def test_streamed_optimizer_states_live_in_the_arena():
     assert ex.pinned_bytes["planned"] >= ex.state_arena.used_bytes
 
 
+def test_waits_for_slow_cpu_updates_are_counted(monkeypatch):
+    """The next forward blocks on a layer whose deferred CPU update is still running: stats.extra counts the
+    training thread's wait (optimizer_wait_ms) and the worker's wall time and parameters for the step
+    (cpu_update_ms / cpu_update_params), which calibration turns into a measured CPU update rate."""
+    import time
+
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    model = load_model("qwen3-tiny", "float32", seed=6)
+    L = model.config.num_hidden_layers
+    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", fixed_schedule(L, 2, "gpu", 1), host_grad_dtype="param")
+    opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, state_dtype="fp32", master_weights="none")
+    opt.set_grad_source(ex.grad_source)
+    ex.attach_optimizer(opt)
+    slow = opt.step_deferred
+
+    def step_deferred(params, snapshot):
+        time.sleep(0.03)
+        return slow(params, snapshot)
+
+    monkeypatch.setattr(opt, "step_deferred", step_deferred)
+    for step in range(2):
+        ids, mask, labels = random_batch(model.config.vocab_size, seed=step)
+        ex.zero_grad()
+        ex.forward_backward(ids, labels, mask)
+        if step == 0:
+            assert "cpu_update_ms" not in ex.stats.extra  # no update ran before the first step
+        opt.clip_grad_norm(1.0, ex.grad_norm())
+        opt.step()
+    x = ex.stats.extra
+    assert x["cpu_update_params"] == sum(p.numel() for layer in ex.layers for p in layer.parameters())
+    assert x["cpu_update_ms"] >= 30.0 * L and x["optimizer_wait_ms"] > 10.0  # layer 0 alone waits ~30 ms
+    ex.close()
+
+
 @pytest.mark.parametrize("placed, retain", [((0, 1, 3), ()), ((0, 1, 3), (1, 2)), ((0, 1, 2, 3), (0, 1, 2, 3))])
 def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain):
     """The GPU-side update path (schedule optimizer_device "gpu": staged at the layer's load, run at its first

@@ -126,6 +126,43 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
     assert errs[0][0] < tol, f"largest relative differences: {errs[:6]}"
 
 
+def test_cuda_gpu_idle_while_waiting_for_cpu_updates_is_measured(monkeypatch):
+    """exposed_update_wait_ms: with each layer's deferred CPU update slowed to 40 ms, the next forward finds the
+    worker behind, and the GPU (a tiny model's compute drains in microseconds) idles for most of each wait: the
+    counter is > 0 and at most the training thread's wall-clock wait; the worker's time and parameters are
+    reported too."""
+    import time
+
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+    from lazytrain_hf.planning.fixed import fixed_schedule
+
+    model = load_model("qwen3-tiny", "float32", seed=6)
+    L = model.config.num_hidden_layers
+    ex = StreamingExecutor(model, LazyTrainConfig(), "cuda", fixed_schedule(L, 2, "gpu", 1), host_grad_dtype="param")
+    opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, state_dtype="fp32", master_weights="none")
+    opt.set_grad_source(ex.grad_source)
+    ex.attach_optimizer(opt)
+    slow = opt.step_deferred
+
+    def step_deferred(params, snapshot):
+        time.sleep(0.04)
+        return slow(params, snapshot)
+
+    monkeypatch.setattr(opt, "step_deferred", step_deferred)
+    ex.instrument()
+    for step in range(2):
+        ids, mask, labels = random_batch(model.config.vocab_size, seed=step)
+        ex.zero_grad()
+        ex.forward_backward(ids, labels, mask)
+        opt.clip_grad_norm(1.0, ex.grad_norm())
+        opt.step()
+    x = ex.stats.extra  # step 2's forward waited for step 1's updates
+    streamed = sum(p.numel() for layer in ex.layers for p in layer.parameters())
+    assert x["cpu_update_params"] == streamed and x["cpu_update_ms"] >= 40.0 * L
+    assert 20.0 < x["exposed_update_wait_ms"] <= x["optimizer_wait_ms"] + 1.0
+    ex.close()
+
+
 def test_cuda_locked_host_bytes_match_the_accounting():
     """Issue 3: what the process page-locks (cudaHostRegister'd bytes + what PyTorch's caching host allocator
     gained) is at most 1.05x `pinned_bytes["planned"]`, for a CPU-tier schedule (every boundary offloaded) whose
