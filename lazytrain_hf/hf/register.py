@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["OPTIM_NAME", "register", "register_on_import", "is_registered"]
+__all__ = ["OPTIM_NAME", "register", "register_on_import", "is_registered", "parse_optim_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,21 +28,48 @@ _MEMBER_NAME = "LAZYTRAIN_HYBRID8"
 _SUPPORTED = "transformers 5.x (checked: 5.17, 5.24)"
 
 
+#: `optim_args` keys the handler understands, and how each value is read
+_OPTIM_ARGS: dict[str, Callable[[str], Any]] = {
+    "block_size": int, "min_8bit_size": int, "state_dtype": str, "master_weights": str,
+    "fp32_state_modules": lambda v: [m for m in v.split("|") if m],
+}
+
+
+def parse_optim_args(optim_args: dict[str, str] | None) -> dict[str, Any]:
+    """The handler's reading of `TrainingArguments.optim_args` (already split by transformers into {key: str}).
+
+    Raises:
+        ValueError: unknown keys or values of the wrong type, all listed in one message with an example.
+    """
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in (optim_args or {}).items():
+        if key not in _OPTIM_ARGS:
+            problems.append(f"{key!r} is not understood (allowed: {', '.join(sorted(_OPTIM_ARGS))})")
+            continue
+        try:
+            out[key] = _OPTIM_ARGS[key](value)
+        except ValueError:
+            problems.append(f"{key}={value!r} is not {'an integer' if _OPTIM_ARGS[key] is int else 'valid'}")
+    if problems:
+        raise ValueError(f"optim_args for optim={OPTIM_NAME!r}: " + "; ".join(problems) + ". Example: "
+                         "optim_args='block_size=256,master_weights=kahan,fp32_state_modules=q_proj|k_proj'")
+    return out
+
+
 def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     """transformers optimizer handler: (optimizer class, kwargs) from the Trainer's OptimizerContext.
 
     `optim_args` keys understood: block_size, min_8bit_size, state_dtype (8bit|fp32), master_weights
-    (auto|fp32|kahan|none). Embedding and lm_head parameters keep fp32 states.
+    (auto|fp32|kahan|none), fp32_state_modules (parameter-name substrings separated by "|", e.g. q_proj|k_proj:
+    those parameters keep fp32 states). Embedding and lm_head parameters always keep fp32 states.
     """
     from ..optim import Hybrid8bitOptimizer
 
     kwargs: dict[str, Any] = dict(ctx.optimizer_kwargs)
     kwargs.update(ctx.adam_kwargs)
-    casts = {"block_size": int, "min_8bit_size": int, "state_dtype": str, "master_weights": str}
-    for key, value in (ctx.optim_args or {}).items():
-        if key not in casts:
-            raise ValueError(f"optim_args key {key!r} is not understood by {OPTIM_NAME}; allowed: {sorted(casts)}")
-        kwargs[key] = casts[key](value)
+    kwargs.update(parse_optim_args(ctx.optim_args))
+    modules = kwargs.pop("fp32_state_modules", None) or []
     model = ctx.model
     if model is not None:
         fp32 = []
@@ -50,6 +77,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             mod = getattr(model, getter, lambda: None)()
             if mod is not None and getattr(mod, "weight", None) is not None:
                 fp32.append(mod.weight)
+        fp32 += [p for n, p in model.named_parameters() if any(m in n for m in modules)]
         kwargs["fp32_state_params"] = fp32
     return Hybrid8bitOptimizer, kwargs
 
@@ -133,10 +161,12 @@ def _patch_handlers(trainer_optimizer: Any) -> None:
 
 
 def _patch_trainer(trainer: Any) -> None:
-    """Fused clipping, in `transformers.trainer.Trainer`."""
+    """Fused clipping and the non-finite-norm skip without clipping, in `transformers.trainer.Trainer`."""
     Trainer = trainer.Trainer  # noqa: N806
     if not getattr(Trainer._clip_grad_norm, "_lazytrain_fused", False):
         Trainer._clip_grad_norm = _fused_clip_grad_norm(Trainer._clip_grad_norm)
+    if hasattr(Trainer, "_get_grad_norm") and not getattr(Trainer._get_grad_norm, "_lazytrain_fused", False):
+        Trainer._get_grad_norm = _fused_get_grad_norm(Trainer._get_grad_norm)
 
 
 #: transformers module -> what registering does to it once it is imported
@@ -203,29 +233,50 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _fused_optimizer(trainer: Any, model: Any) -> Any:
+    """The trainer's Hybrid8bitOptimizer when it may compute the global gradient norm itself: a plain
+    single-device or DDP run (gradients already reduced, no fp16 loss scaler); None for FSDP, DeepSpeed, XLA, mixed
+    device meshes, fp16 scaling and other optimizers (they keep the Trainer's own path)."""
+    from accelerate.utils import DistributedType
+
+    from ..optim import Hybrid8bitOptimizer
+
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    plain = (trainer.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU,
+                                                      DistributedType.MULTI_CPU)
+             and getattr(trainer.accelerator, "scaler", None) is None
+             and not getattr(trainer, "is_fsdp_enabled", False) and not getattr(trainer, "is_deepspeed_enabled", False)
+             and not (hasattr(trainer, "_has_mixed_mesh_grads") and trainer._has_mixed_mesh_grads(model)))
+    return opt if isinstance(opt, Hybrid8bitOptimizer) and plain else None
+
+
 def _fused_clip_grad_norm(original: Any) -> Any:
-    """Wrap `Trainer._clip_grad_norm`: with a Hybrid8bitOptimizer on a plain single-device or DDP run (gradients
-    already reduced, no fp16 loss scaler), the optimizer computes the pre-clip global norm and folds the clip
-    coefficient into its next update instead of the Trainer scaling every gradient in a separate pass. Anything
-    else (FSDP, DeepSpeed, XLA, mixed device meshes, fp16 scaling, other optimizers) takes the original path."""
+    """Wrap `Trainer._clip_grad_norm`: with a fused-capable Hybrid8bitOptimizer (`_fused_optimizer`) the optimizer
+    computes the pre-clip global norm and folds the clip coefficient into its next update instead of the Trainer
+    scaling every gradient in a separate pass."""
 
     def _clip_grad_norm(self: Any, model: Any) -> Any:
-        from accelerate.utils import DistributedType
-
-        from ..optim import Hybrid8bitOptimizer
-
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)
-        plain = (self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU,
-                                                       DistributedType.MULTI_CPU)
-                 and getattr(self.accelerator, "scaler", None) is None
-                 and not getattr(self, "is_fsdp_enabled", False) and not getattr(self, "is_deepspeed_enabled", False)
-                 and not (hasattr(self, "_has_mixed_mesh_grads") and self._has_mixed_mesh_grads(model)))
-        if isinstance(opt, Hybrid8bitOptimizer) and plain:
-            return opt.clip_grad_norm(self.args.max_grad_norm)
-        return original(self, model)
+        opt = _fused_optimizer(self, model)
+        return opt.clip_grad_norm(self.args.max_grad_norm) if opt is not None else original(self, model)
 
     _clip_grad_norm._lazytrain_fused = True  # type: ignore[attr-defined]
     return _clip_grad_norm
+
+
+def _fused_get_grad_norm(original: Any) -> Any:
+    """Wrap `Trainer._get_grad_norm` (called with grad_norm=None when max_grad_norm is 0: no clipping): the
+    optimizer computes the norm with an infinite max norm, so a non-finite norm still skips its step, as with
+    clipping (the Trainer's own pass would let NaN reach the weights)."""
+
+    def _get_grad_norm(self: Any, model: Any, grad_norm: Any = None) -> Any:
+        if grad_norm is None:
+            opt = _fused_optimizer(self, model)
+            if opt is not None:
+                grad_norm = opt.clip_grad_norm(float("inf"))
+        return original(self, model, grad_norm=grad_norm)
+
+    _get_grad_norm._lazytrain_fused = True  # type: ignore[attr-defined]
+    return _get_grad_norm
 
 
 def is_registered() -> bool:

@@ -114,8 +114,10 @@ class LazyTrainerMixin:
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
+        from ..optim import Hybrid8bitOptimizer
+
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-        if isinstance(args, LazyTrainingArguments) and args.lazy_config.policy != "none":
+        if isinstance(args, LazyTrainingArguments) and cls is Hybrid8bitOptimizer:  # policy "none" included
             cfg = args.lazy_config
             explicit = {kv.split("=")[0].strip() for kv in (args.optim_args or "").split(",") if kv.strip()}
             extra = {"state_dtype": cfg.state_dtype, "master_weights": cfg.master_weights,

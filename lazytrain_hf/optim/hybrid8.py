@@ -455,7 +455,14 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                 problems.append(f"group {i}: {len(sg['params'])} saved parameters, optimizer has {len(g['params'])}")
         if problems:
             raise ValueError("loaded state dict does not match the optimizer's groups:\n  - " + "\n  - ".join(problems))
-        # saved options win (as in torch); options the file lacks keep their current values
+        # saved options win (as in torch); options the file lacks keep their current values. The layout options
+        # decide how the saved states are stored, so a run asking for others is told it does not get them
+        changed = sorted({f"{k}={sg[k]!r} (this run asked for {g[k]!r})" for g, sg in zip(groups, saved_groups)
+                          for k in _LAYOUT_OPTIONS if k in sg and k in g and sg[k] != g[k]})
+        if changed:
+            logger.warning("the loaded optimizer state was saved with %s; continuing with the saved options, which "
+                           "its states are stored in. To change them, start from the model weights without resuming "
+                           "the optimizer (resume_from_checkpoint=None)", ", ".join(changed))
         new_groups = [{**g, **sg, "params": g["params"]} for g, sg in zip(groups, saved_groups)]
         id_map = {old: (p, ng) for g, sg, ng in zip(groups, saved_groups, new_groups)
                   for old, p in zip(sg["params"], g["params"])}
@@ -480,6 +487,10 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------- helpers
+#: group options that decide how a parameter's states are stored (a resumed run keeps the saved ones)
+_LAYOUT_OPTIONS = ("block_size", "min_8bit_size", "state_dtype", "master_weights")
+
+
 def _validate_group(group: dict[str, Any]) -> list[str]:
     """Every problem with a group's options, as messages naming the option, the rule and the value."""
     problems: list[str] = []
