@@ -1,4 +1,4 @@
-"""Micro-benchmark of the optimizer update on CPU: params/s of each kernel, side by side.
+"""Micro-benchmark of the optimizer update: params/s of each kernel, side by side (issue 4).
 
 Rows (``system`` in the JSON):
   hybrid8_torch             Hybrid8bitOptimizer, 8-bit states, pure-torch kernel (the fallback)
@@ -6,6 +6,14 @@ Rows (``system`` in the JSON):
   hybrid8_cpp_fp32_states   Hybrid8bitOptimizer, fp32 states, fused C++ kernel
   torch_adamw_fused_fp32    torch.optim.AdamW(fused=True), fp32 params and states (the speed to match)
   bnb_adamw8bit_cpu         bitsandbytes.optim.AdamW8bit on CPU, when bitsandbytes is installed
+  GPU rows (CUDA; "unsupported" elsewhere), parameters and gradients on the GPU, each step synchronized:
+  hybrid8_gpu               Hybrid8bitOptimizer, 8-bit states (bitsandbytes' blockwise kernel)
+  bnb_adamw8bit_gpu         bitsandbytes.optim.AdamW8bit
+  torch_adamw_fused_fp32_gpu, torch_adamw_foreach_fp32_gpu   torch.optim.AdamW(fused / foreach), fp32
+
+``--threads 1,8,16`` repeats the CPU rows at each thread count (GPU rows run once). ``extra.moment_bytes_per_param``
+counts the moments and their absmax only (issue 4's <= 2.04 for 8-bit tensors); ``state_bytes_per_param`` adds
+master weights / Kahan buffers.
 
 Hybrid8 rows use ``--param-dtype`` params (bf16 by default) with ``--master-weights`` (fp32 master by default for
 bf16 params; ``kahan``: bf16 compensation, as the streaming executor runs it), ``--grad-dtype`` gradients (fp32 by
@@ -41,7 +49,16 @@ import torch
 from .common import ROW_KEYS, git_commit, machine
 
 SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu"]
+GPU_SYSTEMS = ["hybrid8_gpu", "bnb_adamw8bit_gpu", "torch_adamw_fused_fp32_gpu", "torch_adamw_foreach_fp32_gpu"]
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _synchronized(step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return run
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -74,6 +91,52 @@ def _at_page_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
     return raw[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t)
 
 
+def _state_bytes(opt: torch.optim.Optimizer, keys: tuple[str, ...] | None = None) -> int:
+    """Bytes of the optimizer's per-parameter tensor states (only `keys` when given)."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items()
+               if isinstance(v, torch.Tensor) and v.dim() > 0 and (keys is None or k in keys))
+
+
+_MOMENTS = ("state1", "state2", "absmax1", "absmax2", "exp_avg", "exp_avg_sq", "qmap1", "qmap2")
+
+
+def _hybrid8_gpu(args: argparse.Namespace) -> tuple[Callable[[], None], int, int]:
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    params = [torch.nn.Parameter(t.cuda()) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = Hybrid8bitOptimizer(params, lr=1e-5, weight_decay=0.01, master_weights=args.master_weights)
+    norm = torch.tensor(2.0, device="cuda")
+
+    def step() -> None:
+        opt.clip_grad_norm(1.0, norm=norm)
+        opt.step()
+
+    step()
+    return step, _state_bytes(opt), _state_bytes(opt, ("state1", "state2", "absmax1", "absmax2"))
+
+
+def _torch_gpu(args: argparse.Namespace, impl: str) -> tuple[Callable[[], None], int, int]:
+    params = [torch.nn.Parameter(t.cuda()) for t in _tensors(args.params, args.tensors, torch.float32)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, **{impl: True})
+    opt.step()
+    return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
+
+
+def _bnb_gpu(args: argparse.Namespace) -> tuple[Callable[[], None], int, int]:
+    import bitsandbytes as bnb
+
+    params = [torch.nn.Parameter(t.cuda()) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = bnb.optim.AdamW8bit(params, lr=1e-5, weight_decay=0.01)
+    opt.step()
+    return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
+
+
 def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[Callable[[], None], int]:
     """--stagger K: the parameter, its gradient and each optimizer state buffer start at distinct page offsets
     (0, K, 2K, ... mod 4096): Intel cores stall a load that follows a store to an address with the same low 12
@@ -104,7 +167,7 @@ def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[C
         opt.step()
 
     step()   # allocate states
-    return step, sum(opt.state_bytes().values())
+    return step, sum(opt.state_bytes().values()), _state_bytes(opt, ("state1", "state2", "absmax1", "absmax2"))
 
 
 def _torch_fused(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
@@ -113,9 +176,7 @@ def _torch_fused(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
         p.grad = torch.randn_like(p) * 1e-3
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
     opt.step()
-    nbytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return opt.step, nbytes
+    return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
 def _bnb_cpu(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
@@ -126,16 +187,19 @@ def _bnb_cpu(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
         p.grad = (torch.randn(p.shape) * 1e-3).to(p.dtype)
     opt = bnb.optim.AdamW8bit(params, lr=1e-5, weight_decay=0.01)
     opt.step()
-    nbytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor))
-    return opt.step, nbytes
+    return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
 def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
-    pdtype = "fp32" if system == "torch_adamw_fused_fp32" else args.param_dtype
+    pdtype = "fp32" if system.startswith("torch_adamw") else args.param_dtype
+    gpu = system in GPU_SYSTEMS
     row.update(system=system, model=f"synthetic-{args.tensors}x", params=args.params,
-               extra={"param_dtype": pdtype, "threads": torch.get_num_threads(), "tensors": args.tensors})
+               extra={"param_dtype": pdtype, "device": "cuda" if gpu else "cpu", "tensors": args.tensors,
+                      **({} if gpu else {"threads": torch.get_num_threads()})})
+    if gpu and not torch.cuda.is_available():
+        row.update(status="unsupported", reason="needs CUDA")
+        return row
     if system.startswith("hybrid8"):
         from lazytrain_hf.optim import cpu_kernel_status
 
@@ -143,20 +207,27 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
         if system != "hybrid8_torch":
             row["extra"]["cpu_kernel"] = cpu_kernel_status()[1]
     try:
-        if system == "hybrid8_torch":
-            step, nbytes = _hybrid8(args, "torch", "8bit")
-        elif system == "hybrid8_cpp":
-            step, nbytes = _hybrid8(args, "cpp", "8bit")
-        elif system == "hybrid8_cpp_fp32_states":
-            step, nbytes = _hybrid8(args, "cpp", "fp32")
-        elif system == "torch_adamw_fused_fp32":
-            step, nbytes = _torch_fused(args)
-        elif system == "bnb_adamw8bit_cpu":
-            step, nbytes = _bnb_cpu(args)
-        else:
-            raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+        builders: dict[str, Callable[[], tuple[Callable[[], None], int, int]]] = {
+            "hybrid8_torch": lambda: _hybrid8(args, "torch", "8bit"),
+            "hybrid8_cpp": lambda: _hybrid8(args, "cpp", "8bit"),
+            "hybrid8_cpp_fp32_states": lambda: _hybrid8(args, "cpp", "fp32"),
+            "torch_adamw_fused_fp32": lambda: _torch_fused(args),
+            "bnb_adamw8bit_cpu": lambda: _bnb_cpu(args),
+            "hybrid8_gpu": lambda: _hybrid8_gpu(args),
+            "bnb_adamw8bit_gpu": lambda: _bnb_gpu(args),
+            "torch_adamw_fused_fp32_gpu": lambda: _torch_gpu(args, "fused"),
+            "torch_adamw_foreach_fp32_gpu": lambda: _torch_gpu(args, "foreach"),
+        }
+        if system not in builders:
+            raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS + GPU_SYSTEMS}")
+        step, nbytes, moment_bytes = builders[system]()
+        if gpu:
+            step = _synchronized(step)
         steps = args.steps if system != "hybrid8_torch" else max(5, args.steps // 2)
         times = _time_steps(step, args.warmup, steps)
+        if gpu:
+            del step  # frees the GPU tensors before the next row
+            torch.cuda.empty_cache()
     except ImportError as e:
         row.update(status="unsupported", reason=f"{type(e).__name__}: {e}")
         return row
@@ -166,7 +237,8 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
     med = statistics.median(times)
     row.update(status="ok", step_s_median=med, step_s_p10=_pct(times, 0.1), step_s_p90=_pct(times, 0.9),
                steps_timed=len(times), optimizer_ms=med * 1e3)
-    row["extra"].update(params_per_s=args.params / med, state_bytes_per_param=nbytes / args.params)
+    row["extra"].update(params_per_s=args.params / med, state_bytes_per_param=nbytes / args.params,
+                        moment_bytes_per_param=moment_bytes / args.params)
     return row
 
 
@@ -180,8 +252,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--grad-dtype", choices=sorted(_DTYPES), default="fp32", help="hybrid8 host gradient dtype")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per row (at least 5 reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
-    ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument("--threads", type=_thread_counts, default=None,
+                    help="torch / OpenMP threads, or a list (1,8,16) to repeat the CPU rows (default: torch's)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated subset of {SYSTEMS + GPU_SYSTEMS}")
     ap.add_argument("--stagger", type=int, default=0,
                     help="hybrid8: put parameter, gradient and state buffers at page offsets 0, K, 2K, ... bytes "
                          "(a multiple of 64; 0: as allocated)")
@@ -190,25 +264,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.stagger % 64 or args.stagger < 0:
         ap.error(f"--stagger must be a non-negative multiple of 64 bytes, but got {args.stagger}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     args.steps = max(5, args.steps)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     rows = []
-    print(f"{'system':26s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} {'vs fused':>8s}")
-    for system in [s.strip() for s in args.systems.split(",") if s.strip()]:
-        row = run_row(system, args)
-        rows.append(row)
-        if row["status"] != "ok":
-            print(f"{system:26s} {row['status']}: {row['reason']}")
-            continue
-        ex = row["extra"]
-        print(f"{system:26s} {ex['param_dtype']:5s} {row['optimizer_ms']:9.1f} {ex['params_per_s'] / 1e6:11.1f} "
-              f"{ex['state_bytes_per_param']:8.2f}", flush=True)
-    fused = next((r for r in rows if r["system"] == "torch_adamw_fused_fp32" and r["status"] == "ok"), None)
-    if fused:
-        print("ratios of params/s to torch_adamw_fused_fp32: " + ", ".join(
-            f"{r['system']} {r['extra']['params_per_s'] / fused['extra']['params_per_s']:.2f}"
-            for r in rows if r["status"] == "ok"))
+    print(f"{'system':28s} {'thr':>3s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} "
+          f"{'moments':>8s}")
+    for threads in args.threads or [None]:
+        if threads:
+            torch.set_num_threads(threads)
+        for system in systems:
+            if system in GPU_SYSTEMS and threads != (args.threads or [None])[0]:
+                continue  # GPU rows once
+            row = run_row(system, args)
+            rows.append(row)
+            _print_row(row)
+    for threads in sorted({r["extra"].get("threads") for r in rows} - {None}):
+        fused = next((r for r in rows if r["system"] == "torch_adamw_fused_fp32" and r["status"] == "ok"
+                      and r["extra"].get("threads") == threads), None)
+        if fused:
+            print(f"{threads} threads, params/s / torch_adamw_fused_fp32's: " + ", ".join(
+                f"{r['system']} {r['extra']['params_per_s'] / fused['extra']['params_per_s']:.2f}"
+                for r in rows if r["status"] == "ok" and r["extra"].get("threads") == threads))
     result = {"suite": "hybrid8", "date": dt.date.today().isoformat(),
               "command": shlex.join(["python", "-m", "benchmarks.bench_optim", *(sys.argv[1:] if argv is None else argv)]),
               "git_commit": git_commit(), "machine": machine(), "rows": rows}
@@ -219,6 +295,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return result
+
+
+def _thread_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected thread counts >= 1 such as 16 or 1,8,16, but got {text!r}")
+    return counts
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    ex = row["extra"]
+    thr = str(ex.get("threads", "gpu"))
+    if row["status"] != "ok":
+        print(f"{row['system']:28s} {thr:>3s} {row['status']}: {row['reason']}")
+        return
+    print(f"{row['system']:28s} {thr:>3s} {ex['param_dtype']:5s} {row['optimizer_ms']:9.1f} "
+          f"{ex['params_per_s'] / 1e6:11.1f} {ex['state_bytes_per_param']:8.2f} {ex['moment_bytes_per_param']:8.2f}",
+          flush=True)
 
 
 if __name__ == "__main__":

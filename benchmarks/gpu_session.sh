@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s7 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s7 | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -102,6 +102,13 @@ for stage in "$@"; do
            # 4K aliasing probe: the Kahan path with its buffers at distinct page offsets (bench_optim --stagger)
            timeout 60 $PIN python3 -m benchmarks.bench_optim --threads "$T" --params 67108864 --master-weights kahan \
              --grad-dtype bf16 --systems hybrid8_cpp --stagger 1088 --out "$OUT/hybrid8-kahan-stagger.json" 2>&1 | grep -v Warning ;;
+    optim4) # 1 GPU (~1.5 min): issue 4's benchmark table: the C++ kernel (Kahan + bf16 grads, as the executor runs it)
+           # and torch's fused fp32 AdamW on 1, 8 and 16 threads, then the GPU rows (Hybrid8 through bitsandbytes'
+           # blockwise kernel, bitsandbytes AdamW8bit, torch AdamW fused and foreach), 64 Mi parameters
+           LAZYTRAIN_CPU_LOOKUP=gather timeout 150 $PIN python3 -m benchmarks.bench_optim --threads 1,8,16 \
+             --params 67108864 --master-weights kahan --grad-dtype bf16 \
+             --systems hybrid8_cpp,torch_adamw_fused_fp32,hybrid8_gpu,bnb_adamw8bit_gpu,torch_adamw_fused_fp32_gpu,torch_adamw_foreach_fp32_gpu \
+             --out "$OUT/hybrid8-sweep.json" 2>&1 | grep -v Warning ;;
     gputests) # nvidia-h200-x2 (~3.5 min): every GPU test, 2 GPUs over NCCL == 1 GPU included
            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
            timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/hf/test_ddp.py \

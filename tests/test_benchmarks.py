@@ -72,3 +72,23 @@ def test_bench_optim_staggered_buffers(tmp_path):
                             "--out", str(tmp_path / "o.json")])
     (row,) = doc["rows"]
     assert row["status"] == "ok" and row["extra"]["stagger_bytes"] == 1088, row
+
+
+def test_bench_optim_thread_sweep_gpu_rows_and_state_bytes(tmp_path):
+    """--threads 1,2 repeats the CPU rows per thread count; GPU rows run once (unsupported without CUDA); the
+    8-bit rows hold 2 bytes of moments per parameter plus one fp32 absmax per 256-element block per moment."""
+    import torch
+
+    from benchmarks import bench_optim
+
+    doc = bench_optim.main(["--params", "65536", "--systems", "hybrid8_torch,torch_adamw_fused_fp32,hybrid8_gpu",
+                            "--threads", "1,2", "--steps", "5", "--warmup", "1", "--out", str(tmp_path / "o.json")])
+    rows = {(r["system"], r["extra"].get("threads")): r for r in doc["rows"]}
+    assert set(rows) == {("hybrid8_torch", 1), ("torch_adamw_fused_fp32", 1), ("hybrid8_torch", 2),
+                         ("torch_adamw_fused_fp32", 2), ("hybrid8_gpu", None)}
+    h8 = rows[("hybrid8_torch", 1)]["extra"]
+    assert h8["moment_bytes_per_param"] == 2 + 2 * 4 / 256  # issue 4's 2.03 (<= 2.04)
+    assert h8["state_bytes_per_param"] == 2 + 2 * 4 / 256 + 4  # + fp32 master for bf16 parameters
+    assert rows[("torch_adamw_fused_fp32", 2)]["extra"]["moment_bytes_per_param"] == 8
+    gpu = rows[("hybrid8_gpu", None)]
+    assert gpu["status"] == ("ok" if torch.cuda.is_available() else "unsupported")
