@@ -111,8 +111,10 @@ def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
 
 
 #: `StepStats.extra` keys about the deferred CPU updates (ms, ms, count, ms): the training thread's wait on them, the
-#: worker's wall time for the previous step's updates and their parameters, the GPU idle time during the waits
-UPDATE_COUNTERS = ("optimizer_wait_ms", "cpu_update_ms", "cpu_update_params", "exposed_update_wait_ms")
+#: worker's wall time for the previous step's updates and their parameters, the GPU idle time during the waits;
+#: and the weight copies' H2D GB/s, which the updates' host-memory traffic may lower (instrumented CUDA runs)
+UPDATE_COUNTERS = ("optimizer_wait_ms", "cpu_update_ms", "cpu_update_params", "exposed_update_wait_ms",
+                   "h2d_weight_gbps")
 
 
 @dataclass
@@ -210,8 +212,9 @@ class StreamingExecutor:
 
     def instrument(self, on: bool = True) -> None:
         """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
-        `stats.extra` as exposed_h2d_ms / exposed_d2h_ms after each micro-batch, and the GPU idle time while the
-        training thread waited for a deferred CPU update as exposed_update_wait_ms (CUDA only; adds events)."""
+        `stats.extra` as exposed_h2d_ms / exposed_d2h_ms after each micro-batch, the GPU idle time while the
+        training thread waited for a deferred CPU update as exposed_update_wait_ms, and the weight copies' own
+        bandwidth as h2d_weight_gbps (GB/s; CUDA only; adds events)."""
         self.streamer.instrument = self.grads.instrument = on
 
     # ---- setup -------------------------------------------------------------------------------------------
@@ -608,6 +611,7 @@ class StreamingExecutor:
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
         self._update_wait_s = 0.0
         self._update_stalls.clear()
+        self.streamer.copies.clear()
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
         self.stash.d2h_bytes = self.stash.h2d_bytes = 0
         self.grads.begin_microbatch()
@@ -693,6 +697,10 @@ class StreamingExecutor:
                 owner.stalls.clear()
             extra["exposed_update_wait_ms"] = sum(a.elapsed_time(b) for a, b in self._update_stalls)
             self._update_stalls.clear()
+            copy_ms = sum(a.elapsed_time(b) for a, b in self.streamer.copies)
+            self.streamer.copies.clear()
+            if copy_ms > 0:  # weight bytes over the copies' own time: the H2D rate next to this step's other work
+                extra["h2d_weight_gbps"] = (self.streamer.h2d_bytes - h2d0) / copy_ms / 1e6
         self.stats = StepStats(
             tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
             d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,

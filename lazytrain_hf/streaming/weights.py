@@ -102,6 +102,9 @@ class WeightStreamer:
         self.slot_read: dict[int, torch.cuda.Event] = {}  # id(slot) -> that D2H, which reads the slot
         self.instrument = False
         self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # (start, end) events on the H2D stream around each load's weight copies, after its waits (instrumented):
+        # their elapsed time is the copies' own duration, so bytes / time is the H2D bandwidth reached in the step
+        self.copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.loads = 0
         self._seq: list[int] = []
         self._pos = 0
@@ -186,8 +189,15 @@ class WeightStreamer:
                     self.h2d_stream.wait_event(self.host_written[layer])
                 if id(slot) in self.slot_read:  # ... or still copying this slot's updated weights out
                     self.h2d_stream.wait_event(self.slot_read[id(slot)])
+                timed = self.instrument and copy
+                if timed:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(self.h2d_stream)
                 for dt, dst in slot.weights.items() if copy else ():
                     dst.copy_(host[dt], non_blocking=True)
+                if timed:
+                    end.record(self.h2d_stream)
+                    self.copies.append((start, end))
                 if self.after_load is not None:
                     self.after_load(slot, layer)
                 slot.ready.record(self.h2d_stream)

@@ -129,8 +129,8 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
 def test_cuda_gpu_idle_while_waiting_for_cpu_updates_is_measured(monkeypatch):
     """exposed_update_wait_ms: with each layer's deferred CPU update slowed to 40 ms, the next forward finds the
     worker behind, and the GPU (a tiny model's compute drains in microseconds) idles for most of each wait: the
-    counter is > 0 and at most the training thread's wall-clock wait; the worker's time and parameters are
-    reported too."""
+    counter is > 0 and at most the training thread's wall-clock wait; the worker's time and parameters, and the
+    weight copies' H2D bandwidth, are reported too."""
     import time
 
     from lazytrain_hf.optim import Hybrid8bitOptimizer
@@ -160,6 +160,7 @@ def test_cuda_gpu_idle_while_waiting_for_cpu_updates_is_measured(monkeypatch):
     streamed = sum(p.numel() for layer in ex.layers for p in layer.parameters())
     assert x["cpu_update_params"] == streamed and x["cpu_update_ms"] >= 40.0 * L
     assert 20.0 < x["exposed_update_wait_ms"] <= x["optimizer_wait_ms"] + 1.0
+    assert 0.1 < x["h2d_weight_gbps"] < 1000  # the weight copies' own bandwidth (GB/s), timed on the H2D stream
     ex.close()
 
 
