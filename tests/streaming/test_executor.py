@@ -236,24 +236,26 @@ def test_streamed_optimizer_states_live_in_the_arena():
     assert ex.pinned_bytes["planned"] >= ex.state_arena.used_bytes
 
 
-def test_waits_for_slow_cpu_updates_are_counted(monkeypatch):
-    """The next forward blocks on a layer whose deferred CPU update is still running: stats.extra counts the
-    training thread's wait (optimizer_wait_ms) and the worker's wall time and parameters for the step
-    (cpu_update_ms / cpu_update_params), which calibration turns into a measured CPU update rate."""
+def run_with_slow_cpu_updates(device: str, sleep_s: float, monkeypatch) -> tuple[dict[str, float], int, int]:
+    """Two steps of a tiny model whose every layer updates in the CPU worker, each layer's update slowed by
+    `sleep_s`: (stats.extra of step 2, whose forward waited for step 1's updates; layer count; streamed params).
+    Step 1 reports no worker run (none came before it)."""
     import time
 
     from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     model = load_model("qwen3-tiny", "float32", seed=6)
     L = model.config.num_hidden_layers
-    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", fixed_schedule(L, 2, "gpu", 1), host_grad_dtype="param")
+    ex = StreamingExecutor(model, LazyTrainConfig(), device, fixed_schedule(L, 2, "gpu", 1), host_grad_dtype="param")
     opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, state_dtype="fp32", master_weights="none")
     opt.set_grad_source(ex.grad_source)
     ex.attach_optimizer(opt)
+    if device == "cuda":
+        ex.instrument()
     slow = opt.step_deferred
 
     def step_deferred(params, snapshot):
-        time.sleep(0.03)
+        time.sleep(sleep_s)
         return slow(params, snapshot)
 
     monkeypatch.setattr(opt, "step_deferred", step_deferred)
@@ -262,13 +264,21 @@ def test_waits_for_slow_cpu_updates_are_counted(monkeypatch):
         ex.zero_grad()
         ex.forward_backward(ids, labels, mask)
         if step == 0:
-            assert "cpu_update_ms" not in ex.stats.extra  # no update ran before the first step
+            assert "cpu_update_ms" not in ex.stats.extra
         opt.clip_grad_norm(1.0, ex.grad_norm())
         opt.step()
-    x = ex.stats.extra
-    assert x["cpu_update_params"] == sum(p.numel() for layer in ex.layers for p in layer.parameters())
-    assert x["cpu_update_ms"] >= 30.0 * L and x["optimizer_wait_ms"] > 10.0  # layer 0 alone waits ~30 ms
+    x, streamed = dict(ex.stats.extra), sum(p.numel() for layer in ex.layers for p in layer.parameters())
     ex.close()
+    return x, L, streamed
+
+
+def test_waits_for_slow_cpu_updates_are_counted(monkeypatch):
+    """The next forward blocks on a layer whose deferred CPU update is still running: stats.extra counts the
+    training thread's wait (optimizer_wait_ms) and the worker's wall time and parameters for the step
+    (cpu_update_ms / cpu_update_params), which calibration turns into a measured CPU update rate."""
+    x, L, streamed = run_with_slow_cpu_updates("cpu", 0.03, monkeypatch)
+    assert x["cpu_update_params"] == streamed
+    assert x["cpu_update_ms"] >= 30.0 * L and x["optimizer_wait_ms"] > 10.0  # layer 0 alone waits ~30 ms
 
 
 @pytest.mark.parametrize("placed, retain", [((0, 1, 3), ()), ((0, 1, 3), (1, 2)), ((0, 1, 2, 3), (0, 1, 2, 3))])

@@ -12,7 +12,7 @@ from lazytrain_hf.models import load_model
 from lazytrain_hf.streaming.executor import StreamingExecutor
 
 from ..conftest import random_batch, rel_err, requires_cuda
-from .test_executor import ARCHS, _schedules
+from .test_executor import ARCHS, _schedules, run_with_slow_cpu_updates
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -131,37 +131,10 @@ def test_cuda_gpu_idle_while_waiting_for_cpu_updates_is_measured(monkeypatch):
     worker behind, and the GPU (a tiny model's compute drains in microseconds) idles for most of each wait: the
     counter is > 0 and at most the training thread's wall-clock wait; the worker's time and parameters, and the
     weight copies' H2D bandwidth, are reported too."""
-    import time
-
-    from lazytrain_hf.optim import Hybrid8bitOptimizer
-    from lazytrain_hf.planning.fixed import fixed_schedule
-
-    model = load_model("qwen3-tiny", "float32", seed=6)
-    L = model.config.num_hidden_layers
-    ex = StreamingExecutor(model, LazyTrainConfig(), "cuda", fixed_schedule(L, 2, "gpu", 1), host_grad_dtype="param")
-    opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, state_dtype="fp32", master_weights="none")
-    opt.set_grad_source(ex.grad_source)
-    ex.attach_optimizer(opt)
-    slow = opt.step_deferred
-
-    def step_deferred(params, snapshot):
-        time.sleep(0.04)
-        return slow(params, snapshot)
-
-    monkeypatch.setattr(opt, "step_deferred", step_deferred)
-    ex.instrument()
-    for step in range(2):
-        ids, mask, labels = random_batch(model.config.vocab_size, seed=step)
-        ex.zero_grad()
-        ex.forward_backward(ids, labels, mask)
-        opt.clip_grad_norm(1.0, ex.grad_norm())
-        opt.step()
-    x = ex.stats.extra  # step 2's forward waited for step 1's updates
-    streamed = sum(p.numel() for layer in ex.layers for p in layer.parameters())
+    x, L, streamed = run_with_slow_cpu_updates("cuda", 0.04, monkeypatch)
     assert x["cpu_update_params"] == streamed and x["cpu_update_ms"] >= 40.0 * L
     assert 20.0 < x["exposed_update_wait_ms"] <= x["optimizer_wait_ms"] + 1.0
     assert 0.1 < x["h2d_weight_gbps"] < 1000  # the weight copies' own bandwidth (GB/s), timed on the H2D stream
-    ex.close()
 
 
 def test_cuda_locked_host_bytes_match_the_accounting():
