@@ -126,6 +126,32 @@ def test_no_solution_falls_back_to_the_fixed_policy_with_a_warning():
     assert s.predicted["peak_gpu_bytes"] <= cm.gpu_bytes
 
 
+def test_no_solution_and_no_fixed_variant_within_the_host_budget_falls_back_to_a_fitting_plan():
+    """Room on the host for two CPU-tier boundaries, 7 GiB GPU: every fixed variant is over the GPU or the host
+    budget (before, the fallback returned checkpoint-every-layer in the CPU tier, 11.75 GiB host of 10.5)."""
+    cm = small_cm(8, cpu_optim_params_per_s=1e8, pinned_host_bytes=HOST_FIXED + GIB // 2, gpu_bytes=7 * GIB)
+    assert not fixed_candidates(cm)
+    with pytest.warns(UserWarning, match=r"within 1e-09 s .*smallest GPU memory.*--time-limit") as caught:
+        s = solve_milp(cm, time_limit_s=1e-9, warm_start=False)
+    assert "fixed heuristic" not in str(caught[0].message)
+    assert s.solver["status"] == "fallback_min_memory"
+    p = s.predicted
+    assert p["peak_gpu_bytes"] <= cm.gpu_bytes and p["pinned_host_bytes"] <= cm.pinned_host_bytes
+
+
+def test_no_solution_and_nothing_fits_raises_instead_of_an_over_budget_fallback(monkeypatch):
+    from lazytrain_hf.planning import milp
+
+    cm = small_cm(8, cpu_optim_params_per_s=1e8, pinned_host_bytes=HOST_FIXED + GIB // 2, gpu_bytes=6 * GIB)
+    with pytest.raises(InfeasiblePlanError, match="smallest feasible GPU budget is 6.88 GiB") as e:
+        solve_milp(cm, time_limit_s=1e-9, warm_start=False)
+    assert "--time-limit" not in str(e.value)  # the memory-only solve proved it
+    # the memory-only solve also ran out of time: a longer limit may still find a plan
+    monkeypatch.setattr(milp, "_min_memory_plan", lambda *a, **k: (None, None, False))
+    with pytest.raises(InfeasiblePlanError, match=r"time limit \(1e-09 s\).*longer --time-limit"):
+        solve_milp(cm, time_limit_s=1e-9, warm_start=False)
+
+
 def test_fixed_candidates_fit_and_are_sorted():
     cm = small_cm(8, gpu_bytes=7 * GIB)
     cands = fixed_candidates(cm)
