@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             sched = make_schedule(cm, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
                                   prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
                                   mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer,
-                                  fingerprint=fp)
+                                  fingerprint=fp, strict=True)
         except InfeasiblePlanError as e:
             print(f"\nNo plan: {with_margin(e, args.gpu_memory_margin)}")
             return 1

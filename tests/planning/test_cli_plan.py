@@ -46,6 +46,13 @@ def test_infeasible_budget_exits_1_with_the_smallest_budget(capsys):
     assert rc == 1 and "smallest feasible GPU budget" in capsys.readouterr().out
 
 
+def test_fixed_policy_over_budget_exits_1_with_the_smallest_budget(capsys):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1MiB", "--host-memory", "4GiB",
+                            "--policy", "fixed", "--max-batch", "0", "--hardware", "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 1 and "smallest feasible GPU budget" in out and "layer  kind" not in out
+
+
 def test_bad_arguments_exit_2_listing_every_problem(capsys, tmp_path):
     rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "lots", "--batch-size", "0"))
     err = capsys.readouterr().err
