@@ -79,14 +79,23 @@ class InfeasiblePlanError(ValueError):
             budgets (None when the host budget alone is too small).
         min_host_bytes: smallest host budget (bytes): the host memory taken regardless of the plan.
         min_gpu_bytes_any_host: smallest GPU budget with unlimited host memory (bytes).
+        min_gpu_bytes_at_min_host: when the host budget is too small, the smallest GPU budget with the smallest
+            host budget (bytes; None otherwise or when unknown).
     """
 
     def __init__(self, message: str, *, min_gpu_bytes: int | None, min_host_bytes: int,
-                 min_gpu_bytes_any_host: int | None) -> None:
+                 min_gpu_bytes_any_host: int | None, min_gpu_bytes_at_min_host: int | None = None) -> None:
         super().__init__(message)
         self.min_gpu_bytes = min_gpu_bytes
         self.min_host_bytes = min_host_bytes
         self.min_gpu_bytes_any_host = min_gpu_bytes_any_host
+        self.min_gpu_bytes_at_min_host = min_gpu_bytes_at_min_host
+
+    def restated(self, message: str) -> InfeasiblePlanError:
+        """The same budgets with another message (a prefix or suffix added by a caller)."""
+        return InfeasiblePlanError(message, min_gpu_bytes=self.min_gpu_bytes, min_host_bytes=self.min_host_bytes,
+                                   min_gpu_bytes_any_host=self.min_gpu_bytes_any_host,
+                                   min_gpu_bytes_at_min_host=self.min_gpu_bytes_at_min_host)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1028,13 +1037,17 @@ def _round_budget_up(nbytes: float) -> int:
 def with_margin(e: InfeasiblePlanError, margin: float) -> InfeasiblePlanError:
     """`e` restated for a caller that planned with `(1 - margin)` of the GPU budget it was given: the smallest
     budget to pass (--gpu-memory / gpu_memory_budget) is the planner's figure / (1 - margin)."""
-    if not margin or e.min_gpu_bytes is None:
+    at_host = e.min_gpu_bytes is not None
+    gpu = e.min_gpu_bytes if at_host else e.min_gpu_bytes_at_min_host
+    if not margin or gpu is None:
         return e
-    need = _round_budget_up(e.min_gpu_bytes / (1 - margin))
-    msg = (f"{e} These planner budgets are after the {margin:.0%} GPU memory margin (gpu_memory_margin): pass "
+    need = _round_budget_up(gpu / (1 - margin))
+    when = "" if at_host else " with that host budget,"
+    msg = (f"{e} These planner budgets are after the {margin:.0%} GPU memory margin (gpu_memory_margin):{when} pass "
            f"--gpu-memory / lazytrain_config.gpu_memory_budget of at least {need / GIB:.2f} GiB.")
-    return InfeasiblePlanError(msg, min_gpu_bytes=need, min_host_bytes=e.min_host_bytes,
-                               min_gpu_bytes_any_host=e.min_gpu_bytes_any_host)
+    return InfeasiblePlanError(msg, min_gpu_bytes=need if at_host else None, min_host_bytes=e.min_host_bytes,
+                               min_gpu_bytes_any_host=e.min_gpu_bytes_any_host,
+                               min_gpu_bytes_at_min_host=None if at_host else need)
 
 
 def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
@@ -1048,12 +1061,14 @@ def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
     any_host_r = _round_budget_up(any_host) if any_host is not None else None
     if cm.pinned_host_bytes < cm.host_fixed_bytes:
         at_min = min_gpu_bytes(cm.with_budgets(pinned_host_bytes=host_min))
-        gpu_note = f"; with that host budget the smallest GPU budget is {gib(_round_budget_up(at_min))}" if at_min else ""
+        at_min_r = _round_budget_up(at_min) if at_min else None
+        gpu_note = f"; with that host budget the smallest GPU budget is {gib(at_min_r)}" if at_min_r else ""
         msg = (f"No schedule fits: the host budget {gib(cm.pinned_host_bytes)} is below the "
                f"{gib(cm.host_fixed_bytes)} that weights, gradients and optimizer states take on the host. "
                f"Set the host budget (--host-memory / lazytrain_config.host_memory_budget) to at least "
                f"{gib(host_min)}{gpu_note}.")
-        return InfeasiblePlanError(msg, min_gpu_bytes=None, min_host_bytes=host_min, min_gpu_bytes_any_host=any_host_r)
+        return InfeasiblePlanError(msg, min_gpu_bytes=None, min_host_bytes=host_min, min_gpu_bytes_any_host=any_host_r,
+                                   min_gpu_bytes_at_min_host=at_min_r)
     at_host = min_gpu_bytes(cm)
     at_host_r = _round_budget_up(at_host) if at_host is not None else None
     more_host = ""
@@ -1226,10 +1241,8 @@ def _fallback(cm: CostModel, depth: int, evaluator: StepEvaluator, time_limit_s:
     e = infeasible_error(cm)
     if proven:
         raise e
-    raise InfeasiblePlanError(f"{e} The solver stopped at its time limit ({_seconds(time_limit_s)}) before "
-                              f"deciding: a longer {TIME_LIMIT_HINT} may find a plan.",
-                              min_gpu_bytes=e.min_gpu_bytes, min_host_bytes=e.min_host_bytes,
-                              min_gpu_bytes_any_host=e.min_gpu_bytes_any_host)
+    raise e.restated(f"{e} The solver stopped at its time limit ({_seconds(time_limit_s)}) before deciding: a "
+                     f"longer {TIME_LIMIT_HINT} may find a plan.")
 
 
 def _seconds(t: float) -> str:

@@ -113,8 +113,7 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
         need = min_gpu_bytes(cm)
         if need is None or need > cm.gpu_bytes:
             e = infeasible_error(cm)
-            return InfeasiblePlanError(f"{needs} {e}", min_gpu_bytes=e.min_gpu_bytes,
-                                       min_host_bytes=e.min_host_bytes, min_gpu_bytes_any_host=e.min_gpu_bytes_any_host)
+            return e.restated(f"{needs} {e}")
         advice = " No fixed variant fits; --policy milp (lazytrain_config.policy) finds a plan that does."
     # the budgets this schedule needs (with_margin restates the GPU one as the --gpu-memory to pass)
     gpu_over = p["peak_gpu_bytes"] > cm.gpu_bytes

@@ -302,3 +302,17 @@ def test_infeasible_error_names_the_budget_to_pass_before_the_margin():
     assert out.min_gpu_bytes * 0.88 >= e.min_gpu_bytes and out.min_gpu_bytes < 17.40 * MGIB
     assert "at least 17.39 GiB" in str(out) and "12% GPU memory margin" in str(out)
     assert with_margin(e, 0.0) is e
+
+
+def test_host_too_small_error_names_the_gpu_budget_to_pass_before_the_margin():
+    """The host-too-small message named the smallest GPU budget after the margin (18.61 GiB for qwen2.5-7b,
+    where --gpu-memory needs 21.15 GiB)."""
+    from lazytrain_hf.planning.milp import infeasible_error, with_margin
+
+    e = infeasible_error(small_cm(pinned_host_bytes=HOST_FIXED - 1))
+    assert e.min_gpu_bytes is None and e.min_gpu_bytes_at_min_host is not None
+    out = with_margin(e, 0.12)
+    need = out.min_gpu_bytes_at_min_host
+    assert need * 0.88 >= e.min_gpu_bytes_at_min_host and need < e.min_gpu_bytes_at_min_host / 0.88 + GIB / 50
+    assert f"with that host budget, pass --gpu-memory / lazytrain_config.gpu_memory_budget of at least " \
+           f"{need / GIB:.2f} GiB" in str(out)
