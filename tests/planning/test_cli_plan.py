@@ -67,6 +67,27 @@ def test_bad_arguments_exit_2_listing_every_problem(capsys, tmp_path):
     assert "--model" in capsys.readouterr().err
 
 
+def test_bad_hardware_profile_is_one_error_naming_the_keys(tmp_path, capsys):
+    """Before: a TypeError / AttributeError traceback."""
+    for text, match in (('{"gpu_tflops": 1}', "missing keys ['h2d_gbps'"), ("[1, 2]", "JSON object"),
+                        ("{", "--hardware")):
+        f = tmp_path / "hw.json"
+        f.write_text(text)
+        assert cli_plan.run(_args("--model", "qwen3-tiny", "--hardware", str(f))) == 2
+        err = capsys.readouterr().err
+        assert match in err and "--hardware" in err and "Traceback" not in err
+
+
+def test_fixed_policy_flags_under_milp_get_a_note(capsys):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--tier", "cpu",
+                            "--checkpoint-every", "2", "--max-batch", "0", "--hardware", "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 0 and "note: --checkpoint-every, --tier only shape --policy fixed" in out
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB",
+                              "--max-batch", "0", "--hardware", "defaults")) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_plan_variants_write_distinct_files_and_print_them(tmp_path, capsys):
     """--no-gpu-optimizer (or another budget) next to the default plan in one --out-dir: separate files, each
     path printed (before, both wrote <model>-b2-s64-milp.* and the second silently replaced the first)."""
