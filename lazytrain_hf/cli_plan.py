@@ -29,6 +29,10 @@ __all__ = ["add_arguments", "run", "output_stem"]
 
 _GIB = 1024**3
 _FIXED_DEFAULTS: dict[str, Any] = {"checkpoint_every": 4, "tier": "gpu", "prefetch_depth": 1}
+# the Trainer's defaults (lazytrain_config; master_weights "auto" plans as fp32): no CLI flags for these
+_OPTIMIZER_LAYOUT: dict[str, Any] = {
+    "loss_chunk_tokens": LazyTrainConfig.loss_chunk_tokens, "state_dtype": LazyTrainConfig.state_dtype,
+    "master_weights": "fp32", "block_size": LazyTrainConfig.block_size}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from .models import check_supported, resolve_config
     from .planning.milp import InfeasiblePlanError, with_margin
     from .planning.planner import largest_feasible_batch, make_schedule
-    from .planning.schedule import fingerprint
+    from .planning.schedule import input_hashes, plan_fingerprint
     from .profiling.analytic import analytic_cost_model, model_shape
 
     try:
@@ -118,11 +122,12 @@ def run(args: argparse.Namespace) -> int:
 
     def build(batch: int) -> Any:
         return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
-                                   nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model)
+                                   nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model,
+                                   **_OPTIMIZER_LAYOUT)
 
     cm = build(args.batch_size)
-    fp = fingerprint(config.to_dict(), args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes,
-                     hardware.to_dict())
+    inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_bytes, host_bytes, nvme_bytes)
+    fp = plan_fingerprint(inputs)
     _print_header(args, shape, cm, hardware)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -134,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         except InfeasiblePlanError as e:
             print(f"\nNo plan: {with_margin(e, args.gpu_memory_margin)}")
             return 1
+    sched.solver["fingerprint_inputs"] = input_hashes(inputs)
     for w in caught:
         print(f"warning: {w.message}")
     _print_table(sched, cm)
@@ -151,6 +157,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("(no files written: --out-dir DIR writes the schedule JSON, cost model JSON and timeline PNG)")
     return 0
+
+
+def _plan_inputs(args: argparse.Namespace, config: dict[str, Any], hardware: dict[str, Any], gpu_bytes: int,
+                 host_bytes: int, nvme_bytes: int) -> dict[str, Any]:
+    """What this plan depends on (`planning.schedule.plan_inputs`, as the Trainer computes it)."""
+    from .planning.schedule import plan_inputs
+
+    fixed = {k: getattr(args, k) for k in _FIXED_DEFAULTS}
+    return plan_inputs(config, args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes, hardware,
+                       policy=args.policy, rows_per_pass=args.rows_per_pass, gpu_optimizer=args.gpu_optimizer,
+                       gpu_memory_margin=args.gpu_memory_margin, fixed=fixed, **_OPTIMIZER_LAYOUT)
 
 
 def _fixed_knobs(args: argparse.Namespace) -> list[str]:
@@ -307,7 +324,7 @@ def _print_prediction(sched: Any, cm: Any) -> None:
     print(f"peak GPU {_gib(p['peak_gpu_bytes'])} (simulated {_gib(p.get('simulated_peak_gpu_bytes'))}) of "
           f"{_gib(cm.gpu_bytes)}; host {_gib(p['pinned_host_bytes'])} of {_gib(cm.pinned_host_bytes)}; NVMe "
           f"{_gib(p['nvme_bytes'])}")
-    if s:
+    if "status" in s:  # the MILP's (a fixed plan's solver holds only its fingerprint inputs)
         gap = "-" if s.get("mip_gap") is None else f"{100 * s['mip_gap']:.2f}%"
         depths = ", ".join(f"{d['prefetch_depth']}={d['status']}" for d in s.get("depths", []))
         print(f"solver: {s['status']}, gap {gap}, {s['solve_ms']:.0f} ms (per prefetch depth: {depths})")

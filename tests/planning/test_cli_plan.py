@@ -104,3 +104,41 @@ def test_plan_variants_write_distinct_files_and_print_them(tmp_path, capsys):
     assert len(set(schedules)) == 3 and len(list(tmp_path.glob("*.schedule.json"))) == 3
     assert "cpu-optimizer" in schedules[1].name and "gpu2GiB" in schedules[2].name
     assert all(lp.optimizer_device == "cpu" for lp in Schedule.from_json(schedules[1]).layers)
+
+
+def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, capsys, caplog):
+    """Before: the default plan, --rows-per-pass 4, --no-gpu-optimizer and --policy fixed shared one fingerprint,
+    the Trainer hashed str(hardware) (so matching inputs differed), and a loaded schedule_path was never compared."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lazytrain_hf.config import LazyTrainConfig
+    from lazytrain_hf.hf.callback import LazyTrainCallback
+    from lazytrain_hf.hf.plan import cost_model_for_trainer
+    from lazytrain_hf.models import resolve_config
+
+    base = ("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--batch-size", "2",
+            "--seq-len", "64", "--max-batch", "0", "--hardware", "defaults")
+    prints = {}
+    for name, extra in {"default": (), "rows": ("--rows-per-pass", "1"), "cpu-opt": ("--no-gpu-optimizer",),
+                        "fixed": ("--policy", "fixed")}.items():
+        out = tmp_path / name
+        assert cli_plan.run(_args(*base, *extra, "--out-dir", str(out))) == 0
+        prints[name] = Schedule.from_json(next(out.glob("*.schedule.json")))
+    capsys.readouterr()
+    assert len({s.fingerprint for s in prints.values()}) == 4
+    # the Trainer's fingerprint for the same inputs (a CPU device: H200 defaults, no GPU-side updates)
+    cfg = LazyTrainConfig(gpu_memory_budget="1GiB", host_memory_budget="4GiB")
+    trainer = SimpleNamespace(lazy_config=cfg, args=SimpleNamespace(per_device_train_batch_size=2),
+                              model=SimpleNamespace(config=resolve_config("qwen3-tiny")),
+                              executor=SimpleNamespace(device=torch.device("cpu")), plan_layer_costs={},
+                              plan_free_gpu_bytes=None, train_dataset={"input_ids": [[1] * 64]})
+    assert cost_model_for_trainer(trainer, 64)[2] == prints["cpu-opt"].fingerprint
+    # a loaded schedule planned for other inputs: a warning naming them
+    callback = LazyTrainCallback(trainer)
+    with caplog.at_level("WARNING", logger="lazytrain_hf.hf.callback"):
+        callback._check_fingerprint(prints["cpu-opt"], "same.json")
+        assert not caplog.records
+        callback._check_fingerprint(prints["rows"], "rows.json")
+    assert "rows.json" in caplog.text and "gpu_optimizer, rows_per_pass" in caplog.text
