@@ -273,8 +273,16 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / _GIB:.2f} GiB"
 
 
+def _count(n: int) -> str:
+    """7.62 B, 3.41 M, 12.0 K: a tiny test model is not "0.00 B"."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
 def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any) -> None:
-    print(f"model {args.model} ({shape.model_type}): {shape.num_params / 1e9:.2f} B params, {cm.num_layers} decoder "
+    print(f"model {args.model} ({shape.model_type}): {_count(shape.num_params)} params, {cm.num_layers} decoder "
           f"layers ({', '.join(f'{shape.layer_kinds.count(k)} {k}' for k in sorted(set(shape.layer_kinds)))})")
     margin = args.gpu_memory_margin
     kept = f" ({margin:.0%} of the GPU budget kept free: --gpu-memory-margin)" if margin else ""
@@ -352,7 +360,8 @@ def output_stem(args: argparse.Namespace, policy: str) -> str:
         parts.append("cpu-optimizer")
     if args.rows_per_pass is not None:
         parts.append(f"rows{args.rows_per_pass}")
-    if args.nvme_dir:
+    nvme_named = policy == "fixed" and args.tier == "nvme"  # "every4-nvme-prefetch1" says it already
+    if args.nvme_dir and (args.nvme_budget or not nvme_named):
         parts.append("nvme" + (args.nvme_budget or ""))
     if args.hardware:
         parts.append(f"hw-{Path(args.hardware).stem}")

@@ -142,3 +142,16 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
         assert not caplog.records
         callback._check_fingerprint(prints["rows"], "rows.json")
     assert "rows.json" in caplog.text and "gpu_optimizer, rows_per_pass" in caplog.text
+
+
+def test_config_file_path_stem_and_small_parameter_counts(tmp_path, capsys):
+    """A config.json path names its directory (was "no model directory is at ..."); a fixed NVMe-tier plan's file
+    name says "nvme" once (was "...every4-nvme-prefetch1-nvme..."); small models print M params (was 0.00 B)."""
+    (tmp_path / "config.json").write_text("{}")
+    assert cli_plan.run(_args("--model", str(tmp_path / "config.json"), "--hardware", "defaults")) == 2
+    err = capsys.readouterr().err
+    assert "is a config.json file: pass the directory that holds it" in err and f"'{tmp_path}'" in err
+    args = _args("--model", "m", "--policy", "fixed", "--tier", "nvme", "--checkpoint-every", "4",
+                 "--prefetch-depth", "1", "--nvme-dir", str(tmp_path))
+    assert cli_plan.output_stem(args, "fixed").count("nvme") == 1
+    assert cli_plan._count(3_410_000) == "3.41 M" and cli_plan._count(7_620_000_000) == "7.62 B"
