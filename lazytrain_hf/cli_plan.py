@@ -28,6 +28,11 @@ from .config import LazyTrainConfig
 __all__ = ["add_arguments", "run", "output_stem"]
 
 _GIB = 1024**3
+_FIXED_DEFAULTS: dict[str, Any] = {"checkpoint_every": 4, "tier": "gpu", "prefetch_depth": 1}
+# the Trainer's defaults (lazytrain_config; master_weights "auto" plans as fp32): no CLI flags for these
+_OPTIMIZER_LAYOUT: dict[str, Any] = {
+    "loss_chunk_tokens": LazyTrainConfig.loss_chunk_tokens, "state_dtype": LazyTrainConfig.state_dtype,
+    "master_weights": "fp32", "block_size": LazyTrainConfig.block_size}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,9 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-budget", default=None,
                         help="bytes the NVMe tier may write, e.g. 200GiB (default: 90%% of the free space)")
     parser.add_argument("--policy", choices=("milp", "fixed"), default="milp", help="planner (default milp)")
-    parser.add_argument("--checkpoint-every", type=int, default=4, help="fixed policy: checkpoint every k layers")
-    parser.add_argument("--tier", choices=("gpu", "cpu", "nvme"), default="gpu", help="fixed policy: boundary tier")
-    parser.add_argument("--prefetch-depth", type=int, default=1, help="fixed policy: weight prefetch depth")
+    # default None: given under --policy milp (which chooses these itself) they get a note
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help=f"fixed policy: checkpoint every k layers (default {_FIXED_DEFAULTS['checkpoint_every']})")
+    parser.add_argument("--tier", choices=("gpu", "cpu", "nvme"), default=None,
+                        help=f"fixed policy: boundary tier (default {_FIXED_DEFAULTS['tier']})")
+    parser.add_argument("--prefetch-depth", type=int, default=None,
+                        help=f"fixed policy: weight prefetch depth (default {_FIXED_DEFAULTS['prefetch_depth']}; "
+                             f"the MILP tries 1-3)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit in seconds (default 10)")
     parser.add_argument("--mip-gap", type=float, default=0.01, help="MILP relative gap (default 0.01)")
     parser.add_argument("--gpu-optimizer", action=argparse.BooleanOptionalAction, default=True,
@@ -69,33 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `plan`; returns the exit status (0 planned, 1 no schedule fits, 2 invalid arguments)."""
-    from .config import parse_bytes
-
-    problems = []
-    if args.batch_size < 1:
-        problems.append(f"--batch-size must be >= 1, but got {args.batch_size}")
-    if args.seq_len < 1:
-        problems.append(f"--seq-len must be >= 1, but got {args.seq_len}")
-    if not 1 <= args.prefetch_depth <= 3:
-        problems.append(f"--prefetch-depth must be in [1, 3], but got {args.prefetch_depth}")
-    if args.checkpoint_every < 1:
-        problems.append(f"--checkpoint-every must be >= 1, but got {args.checkpoint_every}")
-    if args.rows_per_pass is not None and args.rows_per_pass < 1:
-        problems.append(f"--rows-per-pass must be >= 1, but got {args.rows_per_pass}")
-    if args.tier == "nvme" and args.policy == "fixed" and not args.nvme_dir:
-        problems.append("--tier nvme needs --nvme-dir")
-    sizes: dict[str, int | None] = {}
-    for flag in ("gpu_memory", "host_memory", "nvme_budget"):
-        value = getattr(args, flag)
-        if value is not None and re.fullmatch(r"\s*[0-9.]+\s*", str(value)):  # "24": bytes, surely not meant
-            problems.append(f"--{flag.replace('_', '-')} {value}: give a unit, e.g. {value.strip()}GiB")
-            continue
-        try:
-            sizes[flag] = parse_bytes(value)
-        except ValueError as e:
-            problems.append(f"--{flag.replace('_', '-')}: {e}")
-    if not 0 <= args.gpu_memory_margin < 0.9:
-        problems.append(f"--gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}")
+    ignored = _fixed_knobs(args)
+    sizes, problems = _parse_sizes(args)
+    problems = _check_numbers(args) + problems + _check_paths(args)
     if not problems:  # registry name / local directory / Hub id, without transformers and without Hub retries
         from .sources import locate_model
 
@@ -106,13 +92,16 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print("lazytrain-hf plan: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2
+    if ignored:
+        print(f"note: {', '.join(ignored)} only shape --policy fixed; the MILP chooses these itself (ignored)")
     try:
         hardware = _hardware(args.hardware)
     except (OSError, ValueError) as e:
         print(f"lazytrain-hf plan: --hardware {args.hardware!r}: {e}", file=sys.stderr)
         return 2
-    gpu_bytes = int((sizes["gpu_memory"] or hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
-    host_bytes = sizes["host_memory"] or int(0.9 * hardware.host_memory_bytes)
+    gpu_given, host_given = sizes["gpu_memory"], sizes["host_memory"]  # None: not given (0 was refused)
+    gpu_bytes = int((gpu_given if gpu_given is not None else hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
+    host_bytes = host_given if host_given is not None else int(0.9 * hardware.host_memory_bytes)
     nvme_bytes = 0
     if args.nvme_dir:
         nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)
@@ -120,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from .models import check_supported, resolve_config
     from .planning.milp import InfeasiblePlanError, with_margin
     from .planning.planner import largest_feasible_batch, make_schedule
-    from .planning.schedule import fingerprint
+    from .planning.schedule import input_hashes, plan_fingerprint
     from .profiling.analytic import analytic_cost_model, model_shape
 
     try:
@@ -133,11 +122,12 @@ def run(args: argparse.Namespace) -> int:
 
     def build(batch: int) -> Any:
         return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
-                                   nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model)
+                                   nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model,
+                                   **_OPTIMIZER_LAYOUT)
 
     cm = build(args.batch_size)
-    fp = fingerprint(config.to_dict(), args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes,
-                     hardware.to_dict())
+    inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_bytes, host_bytes, nvme_bytes)
+    fp = plan_fingerprint(inputs)
     _print_header(args, shape, cm, hardware)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -145,10 +135,11 @@ def run(args: argparse.Namespace) -> int:
             sched = make_schedule(cm, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
                                   prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
                                   mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer,
-                                  fingerprint=fp)
+                                  fingerprint=fp, strict=True)
         except InfeasiblePlanError as e:
             print(f"\nNo plan: {with_margin(e, args.gpu_memory_margin)}")
             return 1
+    sched.solver["fingerprint_inputs"] = input_hashes(inputs)
     for w in caught:
         print(f"warning: {w.message}")
     _print_table(sched, cm)
@@ -166,6 +157,90 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("(no files written: --out-dir DIR writes the schedule JSON, cost model JSON and timeline PNG)")
     return 0
+
+
+def _plan_inputs(args: argparse.Namespace, config: dict[str, Any], hardware: dict[str, Any], gpu_bytes: int,
+                 host_bytes: int, nvme_bytes: int) -> dict[str, Any]:
+    """What this plan depends on (`planning.schedule.plan_inputs`, as the Trainer computes it)."""
+    from .planning.schedule import plan_inputs
+
+    fixed = {k: getattr(args, k) for k in _FIXED_DEFAULTS}
+    return plan_inputs(config, args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes, hardware,
+                       policy=args.policy, rows_per_pass=args.rows_per_pass, gpu_optimizer=args.gpu_optimizer,
+                       gpu_memory_margin=args.gpu_memory_margin, fixed=fixed, **_OPTIMIZER_LAYOUT)
+
+
+def _fixed_knobs(args: argparse.Namespace) -> list[str]:
+    """Fill in the fixed-policy knobs' defaults; returns those given with --policy milp (unused there)."""
+    given = [k for k in _FIXED_DEFAULTS if getattr(args, k) is not None]
+    for k, default in _FIXED_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, default)
+    return [f"--{k.replace('_', '-')}" for k in given] if args.policy == "milp" else []
+
+
+def _parse_sizes(args: argparse.Namespace) -> tuple[dict[str, int | None], list[str]]:
+    """Byte sizes of --gpu-memory, --host-memory, --nvme-budget (None when not given), and their problems."""
+    from .config import parse_bytes
+
+    sizes: dict[str, int | None] = {}
+    problems = []
+    for key in ("gpu_memory", "host_memory", "nvme_budget"):
+        flag, value = f"--{key.replace('_', '-')}", getattr(args, key)
+        if value is not None and re.fullmatch(r"\s*[0-9.]+\s*", str(value)):  # "24": bytes, surely not meant
+            problems.append(f"{flag} {value}: give a unit, e.g. {value.strip()}GiB")
+            continue
+        try:
+            sizes[key] = parse_bytes(value)
+        except ValueError as e:
+            problems.append(f"{flag}: {e}")
+            continue
+        if value is not None and not sizes[key]:
+            problems.append(f"{flag} must be > 0, but got {value}")
+    if args.nvme_budget is not None and not args.nvme_dir:
+        problems.append("--nvme-budget needs --nvme-dir (the directory the NVMe tier writes to)")
+    return sizes, problems
+
+
+def _check_numbers(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if args.batch_size < 1:
+        problems.append(f"--batch-size must be >= 1, but got {args.batch_size}")
+    if args.seq_len < 1:
+        problems.append(f"--seq-len must be >= 1, but got {args.seq_len}")
+    if not 1 <= args.prefetch_depth <= 3:
+        problems.append(f"--prefetch-depth must be in [1, 3], but got {args.prefetch_depth}")
+    if args.checkpoint_every < 1:
+        problems.append(f"--checkpoint-every must be >= 1, but got {args.checkpoint_every}")
+    if args.rows_per_pass is not None and args.rows_per_pass < 1:
+        problems.append(f"--rows-per-pass must be >= 1, but got {args.rows_per_pass}")
+    if args.tier == "nvme" and args.policy == "fixed" and not args.nvme_dir:
+        problems.append("--tier nvme needs --nvme-dir")
+    if not 0 <= args.gpu_memory_margin < 0.9:
+        problems.append(f"--gpu-memory-margin must be in [0, 0.9), got {args.gpu_memory_margin}")
+    if not args.time_limit > 0:  # also NaN
+        problems.append(f"--time-limit must be > 0 seconds, but got {args.time_limit}")
+    if not 0 <= args.mip_gap < 1:
+        problems.append(f"--mip-gap must be in [0, 1) (0.01 = within 1%), but got {args.mip_gap}")
+    if args.max_batch < 0:
+        problems.append(f"--max-batch must be >= 0 (0 skips the search), but got {args.max_batch}")
+    return problems
+
+
+def _check_paths(args: argparse.Namespace) -> list[str]:
+    """--nvme-dir and --out-dir must be directories or creatable (created here: before the solve, not after)."""
+    problems = []
+    for flag, path in (("--nvme-dir", args.nvme_dir), ("--out-dir", args.out_dir)):
+        if not path:
+            continue
+        if Path(path).exists() and not Path(path).is_dir():
+            problems.append(f"{flag} {path}: exists and is not a directory")
+            continue
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            problems.append(f"{flag} {path}: cannot create the directory ({e.strerror or e})")
+    return problems
 
 
 def _hardware(spec: str | None) -> Any:
@@ -198,8 +273,16 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / _GIB:.2f} GiB"
 
 
+def _count(n: int) -> str:
+    """7.62 B, 3.41 M, 12.0 K: a tiny test model is not "0.00 B"."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
 def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any) -> None:
-    print(f"model {args.model} ({shape.model_type}): {shape.num_params / 1e9:.2f} B params, {cm.num_layers} decoder "
+    print(f"model {args.model} ({shape.model_type}): {_count(shape.num_params)} params, {cm.num_layers} decoder "
           f"layers ({', '.join(f'{shape.layer_kinds.count(k)} {k}' for k in sorted(set(shape.layer_kinds)))})")
     margin = args.gpu_memory_margin
     kept = f" ({margin:.0%} of the GPU budget kept free: --gpu-memory-margin)" if margin else ""
@@ -249,7 +332,7 @@ def _print_prediction(sched: Any, cm: Any) -> None:
     print(f"peak GPU {_gib(p['peak_gpu_bytes'])} (simulated {_gib(p.get('simulated_peak_gpu_bytes'))}) of "
           f"{_gib(cm.gpu_bytes)}; host {_gib(p['pinned_host_bytes'])} of {_gib(cm.pinned_host_bytes)}; NVMe "
           f"{_gib(p['nvme_bytes'])}")
-    if s:
+    if "status" in s:  # the MILP's (a fixed plan's solver holds only its fingerprint inputs)
         gap = "-" if s.get("mip_gap") is None else f"{100 * s['mip_gap']:.2f}%"
         depths = ", ".join(f"{d['prefetch_depth']}={d['status']}" for d in s.get("depths", []))
         print(f"solver: {s['status']}, gap {gap}, {s['solve_ms']:.0f} ms (per prefetch depth: {depths})")
@@ -277,7 +360,8 @@ def output_stem(args: argparse.Namespace, policy: str) -> str:
         parts.append("cpu-optimizer")
     if args.rows_per_pass is not None:
         parts.append(f"rows{args.rows_per_pass}")
-    if args.nvme_dir:
+    nvme_named = policy == "fixed" and args.tier == "nvme"  # "every4-nvme-prefetch1" says it already
+    if args.nvme_dir and (args.nvme_budget or not nvme_named):
         parts.append("nvme" + (args.nvme_budget or ""))
     if args.hardware:
         parts.append(f"hw-{Path(args.hardware).stem}")

@@ -170,6 +170,9 @@ def locate_model(name: str) -> tuple[str, str]:
                              "Hugging Face model (save_pretrained / a Hub snapshot), or a known config name. "
                              + _model_help(name))
         return "local", str(path)
+    if path.is_file() and path.name == "config.json":  # the file, not its directory
+        raise ValueError(f"model '{path}' is a config.json file: pass the directory that holds it, "
+                         f"'{path.parent}'.")
     if path.exists() or looks_like_local_path(name):
         raise ValueError(f"model {name!r} is not a known config name, and no model directory is at '{path}'. "
                          + _model_help(name))

@@ -54,6 +54,21 @@ def test_bad_arguments_fail_before_torch_or_transformers_import(tmp_path):
                                             f"training.output_dir={tmp_path / 'fresh'}"], "no checkpoint-N/"),
         "plan: bad size unit": (["plan", "--model", "qwen2.5-7b", "--gpu-memory", "24XB"], "24GiB"),
         "plan: missing model dir": (["plan", "--model", "./no-model"], "Known config names"),
+        "plan: zero time limit": (["plan", "--model", "qwen2.5-7b", "--time-limit", "0"], "--time-limit must be > 0"),
+        "plan: gap of 2": (["plan", "--model", "qwen2.5-7b", "--mip-gap", "2"], "--mip-gap must be in [0, 1)"),
+        "plan: zero GPU memory": (["plan", "--model", "qwen2.5-7b", "--gpu-memory", "0GiB"],
+                                  "--gpu-memory must be > 0"),
+        "plan: zero host memory": (["plan", "--model", "qwen2.5-7b", "--host-memory", "0GiB"],
+                                   "--host-memory must be > 0"),
+        "plan: negative max batch": (["plan", "--model", "qwen2.5-7b", "--max-batch", "-3"], "--max-batch must be"),
+        "plan: NVMe budget without dir": (["plan", "--model", "qwen2.5-7b", "--nvme-budget", "10GiB"],
+                                          "--nvme-budget needs --nvme-dir"),
+        "plan: --nvme-dir is a file": (["plan", "--model", "qwen2.5-7b", "--nvme-dir", str(data)],
+                                       "--nvme-dir " + str(data) + ": exists and is not a directory"),
+        "plan: --out-dir is a file": (["plan", "--model", "qwen2.5-7b", "--out-dir", str(data)],
+                                      "--out-dir " + str(data) + ": exists and is not a directory"),
+        "plan: --nvme-dir cannot be made": (["plan", "--model", "qwen2.5-7b", "--nvme-dir", str(data / "sub")],
+                                            "--nvme-dir " + str(data / "sub") + ": cannot create the directory"),
     }
     code = f"""
         import contextlib, io, json, sys

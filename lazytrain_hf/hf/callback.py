@@ -36,6 +36,7 @@ class LazyTrainCallback(TrainerCallback):
         cfg = self.trainer.lazy_config
         if cfg.schedule_path:
             ex.set_schedule(Schedule.from_json(cfg.schedule_path))
+            self._check_fingerprint(ex.schedule, cfg.schedule_path)
         elif cfg.policy == "milp":
             from .plan import plan_buckets_for_trainer
 
@@ -51,6 +52,27 @@ class LazyTrainCallback(TrainerCallback):
                     "prefetch_depth=%d", s.policy, s.num_layers, sum(lp.checkpoint for lp in s.layers),
                     sorted({lp.tier for lp in s.layers if lp.checkpoint}), sum(lp.retain for lp in s.layers),
                     s.prefetch_depth)
+
+    def _check_fingerprint(self, schedule: Schedule, path: str) -> None:
+        """Warn when a loaded schedule was planned for other inputs than this run's (it is still used: a plan may
+        be reused on purpose)."""
+        from ..planning.schedule import differing_inputs, plan_fingerprint
+        from .plan import plan_inputs_for_trainer, run_shape
+
+        if not schedule.fingerprint:
+            return
+        try:
+            inputs = plan_inputs_for_trainer(self.trainer, run_shape(self.trainer)[1])
+        except Exception as e:  # a check only: never end a run over it
+            logger.debug("LazyTrain: cannot compute this run's plan fingerprint (%s)", e)
+            return
+        if schedule.fingerprint == plan_fingerprint(inputs):
+            return
+        stored = schedule.solver.get("fingerprint_inputs")
+        what = (f"these inputs differ: {', '.join(differing_inputs(stored, inputs))}" if isinstance(stored, dict)
+                else "its fingerprint differs")
+        logger.warning("LazyTrain: the schedule at %s was planned for another run than this one (%s); using it as "
+                       "given. Remove lazytrain_config.schedule_path to plan for this run.", path, what)
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self.trainer.meter.start()

@@ -11,12 +11,13 @@ import torch
 from ..config import GIB
 from ..planning.buckets import BucketSchedules, seq_len_buckets
 from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
-from ..planning.schedule import Schedule, fingerprint
+from ..planning.schedule import Schedule, input_hashes, plan_fingerprint, plan_inputs
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
 
-__all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "run_shape"]
+__all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "run_shape",
+           "plan_inputs_for_trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +73,42 @@ def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.
     hardware, gpu, host, nvme = _budgets(trainer)
     cm = analytic_cost_model(trainer.model.config, B, seq_len, hardware, gpu_bytes=gpu, host_bytes=host,
                              nvme_bytes=nvme, loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
-                             master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
-                             block_size=cfg.block_size, rows_per_pass=cfg.max_rows_per_pass)
+                             master_weights=_master_weights(cfg), block_size=cfg.block_size,
+                             rows_per_pass=cfg.max_rows_per_pass)
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
                                            trainer.plan_layer_costs)
     if compute_scale != 1.0:
         cm = cm.scaled_compute(compute_scale)
     if cpu_optim_params_per_s is not None:
         cm = cm.with_cpu_optim_rate(cpu_optim_params_per_s)
-    fp = fingerprint(trainer.model.config.to_dict(), B, seq_len, gpu, host, nvme, str(hardware))
+    fp = plan_fingerprint(_inputs(trainer, seq_len, hardware, gpu, host, nvme))
     return cm, layer_costs, fp
+
+
+def plan_inputs_for_trainer(trainer: Any, seq_len: int) -> dict[str, Any]:
+    """What this trainer's plan for `seq_len` depends on (`planning.schedule.plan_inputs`; its `plan_fingerprint`
+    is the fingerprint `cost_model_for_trainer` returns)."""
+    return _inputs(trainer, seq_len, *_budgets(trainer))
+
+
+def _inputs(trainer: Any, seq_len: int, hardware: Any, gpu: int, host: int, nvme: int) -> dict[str, Any]:
+    cfg = trainer.lazy_config
+    return plan_inputs(trainer.model.config.to_dict(), trainer.args.per_device_train_batch_size, seq_len, gpu, host,
+                       nvme, hardware.to_dict(), policy="milp", rows_per_pass=cfg.max_rows_per_pass,
+                       gpu_optimizer=_gpu_optimizer(trainer), loss_chunk_tokens=cfg.loss_chunk_tokens,
+                       state_dtype=cfg.state_dtype, master_weights=_master_weights(cfg), block_size=cfg.block_size,
+                       gpu_memory_margin=cfg.gpu_memory_margin)
+
+
+def _master_weights(cfg: Any) -> str:
+    return "fp32" if cfg.master_weights == "auto" else cfg.master_weights
+
+
+def _gpu_optimizer(trainer: Any) -> bool:
+    """GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
+    device they would only move the update from the worker thread into the forward's critical path."""
+    cfg = trainer.lazy_config
+    return cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda"
 
 
 def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: tuple[int, ...] = (1, 2, 3),
@@ -106,16 +133,15 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
     cfg = trainer.lazy_config
     T = seq_len or run_shape(trainer)[1]
     cm, layer_costs, fp = cost_model_for_trainer(trainer, T, compute_scale, cpu_optim_params_per_s)
-    # GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
-    # device they would only move the update from the worker thread into the forward's critical path
-    gpu_optimizer = cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda"
     try:
         schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
-                              mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=gpu_optimizer, fingerprint=fp)
+                              mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=_gpu_optimizer(trainer),
+                              fingerprint=fp)
     except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
         raise with_margin(e, cfg.gpu_memory_margin) from None
     schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
-                           cpu_optim_params_per_s=cm.cpu_optim_params_per_s)
+                           cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
+                           fingerprint_inputs=input_hashes(plan_inputs_for_trainer(trainer, T)))
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", trainer.args.per_device_train_batch_size, T,
                 schedule.solver, schedule.predicted)
     return schedule

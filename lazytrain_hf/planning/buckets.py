@@ -147,9 +147,7 @@ def plan_buckets(build: Callable[[int], CostModel], buckets: Sequence[int], poli
         try:
             sched = make_schedule(build(b), policy, **make_schedule_kwargs)
         except InfeasiblePlanError as e:
-            raise InfeasiblePlanError(f"sequence-length bucket {b}: {e}", min_gpu_bytes=e.min_gpu_bytes,
-                                      min_host_bytes=e.min_host_bytes,
-                                      min_gpu_bytes_any_host=e.min_gpu_bytes_any_host) from e
+            raise e.restated(f"sequence-length bucket {b}: {e}") from e
         sched.solver = {**sched.solver, "seq_len_bucket": b}
         out[b] = sched
     return BucketSchedules(out)

@@ -67,6 +67,8 @@ GIB = float(1024**3)
 # prefer less GPU memory, then fewer offloads / retains / on-GPU updates / checkpoints, among plans of equal step time.
 #: Slack added to the smallest feasible budgets named by InfeasiblePlanError before rounding up to 0.01 GiB.
 _BUDGET_ROUND = GIB / 100
+#: Where a time limit is set, for messages that reach CLI and Trainer users alike.
+TIME_LIMIT_HINT = "--time-limit / lazytrain_config.solver_time_limit_s"
 
 
 class InfeasiblePlanError(ValueError):
@@ -77,14 +79,23 @@ class InfeasiblePlanError(ValueError):
             budgets (None when the host budget alone is too small).
         min_host_bytes: smallest host budget (bytes): the host memory taken regardless of the plan.
         min_gpu_bytes_any_host: smallest GPU budget with unlimited host memory (bytes).
+        min_gpu_bytes_at_min_host: when the host budget is too small, the smallest GPU budget with the smallest
+            host budget (bytes; None otherwise or when unknown).
     """
 
     def __init__(self, message: str, *, min_gpu_bytes: int | None, min_host_bytes: int,
-                 min_gpu_bytes_any_host: int | None) -> None:
+                 min_gpu_bytes_any_host: int | None, min_gpu_bytes_at_min_host: int | None = None) -> None:
         super().__init__(message)
         self.min_gpu_bytes = min_gpu_bytes
         self.min_host_bytes = min_host_bytes
         self.min_gpu_bytes_any_host = min_gpu_bytes_any_host
+        self.min_gpu_bytes_at_min_host = min_gpu_bytes_at_min_host
+
+    def restated(self, message: str) -> InfeasiblePlanError:
+        """The same budgets with another message (a prefix or suffix added by a caller)."""
+        return InfeasiblePlanError(message, min_gpu_bytes=self.min_gpu_bytes, min_host_bytes=self.min_host_bytes,
+                                   min_gpu_bytes_any_host=self.min_gpu_bytes_any_host,
+                                   min_gpu_bytes_at_min_host=self.min_gpu_bytes_at_min_host)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1002,14 +1013,20 @@ def min_gpu_bytes(cm: CostModel, prefetch_depth: int = 1, time_limit_s: float = 
 
     Solves the memory-only MILP (minimize the peak bound, no time rows); the result is rounded up to a MiB.
     """
+    return _min_memory_plan(cm, prefetch_depth, time_limit_s)[0]
+
+
+def _min_memory_plan(cm: CostModel, prefetch_depth: int = 1, time_limit_s: float = 10.0
+                     ) -> tuple[int | None, Schedule | None, bool]:
+    """(`min_gpu_bytes`, the memory-only MILP's smallest-peak schedule, whether that solve was proven optimal)."""
     if cm.pinned_host_bytes < cm.host_fixed_bytes:
-        return None
+        return None, None, True
     model = _PlanMilp(cm, prefetch_depth, memory_only=True, symmetry_breaking=False)
     res = model.solve(time_limit_s, 1e-6)
     if not res.has_solution:
-        return None
+        return None, None, res.status == "infeasible"
     mib = 1024**2
-    return int(math.ceil((model.peak_value_bytes() + 1) / mib) * mib)
+    return int(math.ceil((model.peak_value_bytes() + 1) / mib) * mib), res.schedule, res.status == "optimal"
 
 
 def _round_budget_up(nbytes: float) -> int:
@@ -1020,13 +1037,17 @@ def _round_budget_up(nbytes: float) -> int:
 def with_margin(e: InfeasiblePlanError, margin: float) -> InfeasiblePlanError:
     """`e` restated for a caller that planned with `(1 - margin)` of the GPU budget it was given: the smallest
     budget to pass (--gpu-memory / gpu_memory_budget) is the planner's figure / (1 - margin)."""
-    if not margin or e.min_gpu_bytes is None:
+    at_host = e.min_gpu_bytes is not None
+    gpu = e.min_gpu_bytes if at_host else e.min_gpu_bytes_at_min_host
+    if not margin or gpu is None:
         return e
-    need = _round_budget_up(e.min_gpu_bytes / (1 - margin))
-    msg = (f"{e} These planner budgets are after the {margin:.0%} GPU memory margin (gpu_memory_margin): pass "
+    need = _round_budget_up(gpu / (1 - margin))
+    when = "" if at_host else " with that host budget,"
+    msg = (f"{e} These planner budgets are after the {margin:.0%} GPU memory margin (gpu_memory_margin):{when} pass "
            f"--gpu-memory / lazytrain_config.gpu_memory_budget of at least {need / GIB:.2f} GiB.")
-    return InfeasiblePlanError(msg, min_gpu_bytes=need, min_host_bytes=e.min_host_bytes,
-                               min_gpu_bytes_any_host=e.min_gpu_bytes_any_host)
+    return InfeasiblePlanError(msg, min_gpu_bytes=need if at_host else None, min_host_bytes=e.min_host_bytes,
+                               min_gpu_bytes_any_host=e.min_gpu_bytes_any_host,
+                               min_gpu_bytes_at_min_host=None if at_host else need)
 
 
 def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
@@ -1040,20 +1061,24 @@ def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
     any_host_r = _round_budget_up(any_host) if any_host is not None else None
     if cm.pinned_host_bytes < cm.host_fixed_bytes:
         at_min = min_gpu_bytes(cm.with_budgets(pinned_host_bytes=host_min))
-        gpu_note = f"; with that host budget the smallest GPU budget is {gib(_round_budget_up(at_min))}" if at_min else ""
+        at_min_r = _round_budget_up(at_min) if at_min else None
+        gpu_note = f"; with that host budget the smallest GPU budget is {gib(at_min_r)}" if at_min_r else ""
         msg = (f"No schedule fits: the host budget {gib(cm.pinned_host_bytes)} is below the "
                f"{gib(cm.host_fixed_bytes)} that weights, gradients and optimizer states take on the host. "
                f"Set the host budget (--host-memory / lazytrain_config.host_memory_budget) to at least "
                f"{gib(host_min)}{gpu_note}.")
-        return InfeasiblePlanError(msg, min_gpu_bytes=None, min_host_bytes=host_min, min_gpu_bytes_any_host=any_host_r)
+        return InfeasiblePlanError(msg, min_gpu_bytes=None, min_host_bytes=host_min, min_gpu_bytes_any_host=any_host_r,
+                                   min_gpu_bytes_at_min_host=at_min_r)
     at_host = min_gpu_bytes(cm)
     at_host_r = _round_budget_up(at_host) if at_host is not None else None
     more_host = ""
     if any_host_r is not None and at_host_r is not None and any_host_r < at_host_r:
         more_host = f" (with more host memory for CPU-tier boundaries: {gib(any_host_r)})"
+    smallest = (f"The smallest feasible GPU budget is {gib(at_host_r)}{more_host}" if at_host_r is not None else
+                "The smallest feasible GPU budget was not found within the solver's limit")
     msg = (f"No schedule fits the GPU budget {gib(cm.gpu_bytes)} (host budget {gib(cm.pinned_host_bytes)}, "
-           f"NVMe budget {gib(cm.nvme_bytes)}). The smallest feasible GPU budget is {gib(at_host_r or 0)}"
-           f"{more_host}, at prefetch depth 1 with boundaries offloaded or recomputed; the smallest host budget is "
+           f"NVMe budget {gib(cm.nvme_bytes)}). {smallest}"
+           f", at prefetch depth 1 with boundaries offloaded or recomputed; the smallest host budget is "
            f"{gib(host_min)}. Raise --gpu-memory / lazytrain_config.gpu_memory_budget, lower the batch size "
            f"or sequence length, or run each layer over fewer rows at a time (--rows-per-pass / "
            f"lazytrain_config.max_rows_per_pass: activation memory scales with it, not with the batch).")
@@ -1097,7 +1122,8 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
 
     Warns:
         UserWarning: a solve stopped at the time limit (the incumbent is used) or found no solution (the best
-        feasible `fixed` variant is used).
+        `fixed` variant within every budget is used, else the memory-only MILP's plan; status "fallback_fixed" /
+        "fallback_min_memory"; InfeasiblePlanError when neither fits).
     """
     depths = sorted(set(prefetch_depths))
     problems = []
@@ -1166,22 +1192,16 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     if not feasible:
         if all(r.status == "infeasible" for r in results):
             raise infeasible_error(cm)
-        fallback = fixed_candidates(cm, depths[0], evaluator=evaluators(depths[0]))
-        if not fallback:
-            mg = min_gpu_bytes(cm)
-            if mg is None or mg > cm.gpu_bytes:
-                raise infeasible_error(cm)
-            fallback = [fixed_schedule(cm.num_layers, 1, "cpu", depths[0])]
-        warnings.warn(f"The planning MILP found no solution within {time_limit_s:.1f} s (status "
-                      f"{[r.status for r in results]}); using the fixed heuristic (checkpoint every "
-                      f"{_every(fallback[0])} layers). Raise lazytrain_config.solver_time_limit_s for a better plan.",
+        sched, what = _fallback(cm, depths[0], evaluators(depths[0]), time_limit_s)
+        warnings.warn(f"The planning MILP found no solution within {_seconds(time_limit_s)} (per prefetch depth: "
+                      f"{[r.status for r in results]}); using {what}. Raise {TIME_LIMIT_HINT} for a faster plan.",
                       stacklevel=2)
-        sched = fallback[0]
-        sched.policy = "fixed"
         sched.fingerprint = fp
-        sched.solver = {"status": "fallback_fixed", "mip_gap": None, "solve_ms": total_ms, "objective_ms": None,
+        status = "fallback_fixed" if sched.policy == "fixed" else "fallback_min_memory"
+        sched.solver = {"status": status, "mip_gap": None, "solve_ms": total_ms, "objective_ms": None,
                         "depths": per_depth}
         sched.predicted = evaluate(cm, sched).as_predicted(cm.tokens_per_step)
+        sched.predicted["recomputed_layers"] = sum(recompute_flags(sched))
         return sched
     best = min(feasible, key=lambda r: r.objective)
     # gap over all depths tried: the best objective against the weakest depth's dual bound
@@ -1189,9 +1209,10 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     gap = max(0.0, (best.objective - bound) / max(abs(best.objective), 1e-9)) if math.isfinite(bound) else math.nan
     status = "optimal" if math.isfinite(gap) and gap <= mip_rel_gap + 1e-9 else "time_limit"
     if status != "optimal":
+        gap_note = f", gap {gap:.3g}" if math.isfinite(gap) else ""
         warnings.warn(f"The planning MILP stopped before proving optimality (per prefetch depth: "
-                      f"{[r.status for r in results]}, gap {gap:.3g}); using the best schedule found. Raise "
-                      f"lazytrain_config.solver_time_limit_s to close the gap.", stacklevel=2)
+                      f"{[r.status for r in results]}{gap_note}); using the best schedule found. Raise "
+                      f"{TIME_LIMIT_HINT} to close the gap.", stacklevel=2)
     sched = best.schedule
     assert sched is not None
     sched.fingerprint = fp
@@ -1201,6 +1222,32 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     sched.predicted = evaluate(cm, sched, units=evaluators.units).as_predicted(cm.tokens_per_step)
     sched.predicted["recomputed_layers"] = sum(recompute_flags(sched))
     return sched
+
+
+def _fallback(cm: CostModel, depth: int, evaluator: StepEvaluator, time_limit_s: float) -> tuple[Schedule, str]:
+    """A schedule within every budget (GPU, host, NVMe) when no solve found one in time, and words for it: the
+    fastest fitting `fixed` variant, else the memory-only MILP's smallest-peak plan.
+
+    Raises:
+        InfeasiblePlanError: neither fits (the message says whether a longer time limit may still find one).
+    """
+    fixed = fixed_candidates(cm, depth, evaluator=evaluator)
+    if fixed:
+        s = fixed[0]
+        return s, f"the fixed heuristic (checkpoint every {_every(s)} layers, boundaries in the {_tier(s)} tier)"
+    _, sched, proven = _min_memory_plan(cm, depth)
+    if sched is not None and evaluator.evaluate(PlanArrays.of(sched)).fits(cm):
+        return sched, "the plan of smallest GPU memory (no fixed-heuristic variant fits the budgets)"
+    e = infeasible_error(cm)
+    if proven:
+        raise e
+    raise e.restated(f"{e} The solver stopped at its time limit ({_seconds(time_limit_s)}) before deciding: a "
+                     f"longer {TIME_LIMIT_HINT} may find a plan.")
+
+
+def _seconds(t: float) -> str:
+    """A time limit for a message: 0.01 s, not 0.0 s."""
+    return f"{t:.3g} s"
 
 
 def _deeper_may_help(cm: CostModel, incumbent: Schedule | None, depth: int, mip_rel_gap: float,
@@ -1272,6 +1319,11 @@ def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
     if not res.has_solution:
         raise ValueError(f"the schedule does not fit the budgets (HiGHS status {res.status})")
     return float(model.h.getSolution().col_value[model.v["END", 0]]), model.peak_value_bytes()
+
+
+def _tier(s: Schedule) -> str:
+    tiers = sorted({lp.tier for lp in s.layers[1:] if lp.checkpoint}) or ["gpu"]
+    return "/".join(tiers)
 
 
 def _every(s: Schedule) -> int:

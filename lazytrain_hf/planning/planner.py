@@ -14,12 +14,20 @@ from typing import Any
 from .cost_model import CostModel
 from .estimate import evaluate, recompute_flags
 from .fixed import fixed_schedule
-from .milp import InfeasiblePlanError, min_gpu_bytes, solve_milp
+from .milp import (
+    InfeasiblePlanError,
+    _round_budget_up,
+    fixed_candidates,
+    infeasible_error,
+    min_gpu_bytes,
+    solve_milp,
+)
 from .schedule import Schedule
 from .schedule import fingerprint as _fingerprint
 from .simulator import simulate
 
-__all__ = ["make_schedule", "make_schedule_from_config", "largest_feasible_batch", "POLICIES", "InfeasiblePlanError"]
+__all__ = ["make_schedule", "make_schedule_from_config", "largest_feasible_batch", "POLICIES", "InfeasiblePlanError",
+           "over_budget_error"]
 
 POLICIES = ("milp", "fixed")
 
@@ -27,7 +35,7 @@ POLICIES = ("milp", "fixed")
 def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_every: int = 4, tier: str = "gpu",
                   prefetch_depth: int = 1, prefetch_depths: tuple[int, ...] = (1, 2, 3), time_limit_s: float = 10.0,
                   mip_rel_gap: float = 0.01, gpu_optimizer: bool = True, fingerprint: str = "",
-                  simulate_check: bool = True) -> Schedule:
+                  simulate_check: bool = True, strict: bool = False) -> Schedule:
     """Plan one step.
 
     Args:
@@ -41,6 +49,7 @@ def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_eve
         fingerprint: stored in the schedule (default: a hash of the cost model).
         simulate_check: also replay the schedule in the simulator and store `simulated_step_ms` and
             `simulated_peak_gpu_bytes` in `predicted`.
+        strict: raise InfeasiblePlanError instead of warning when the fixed schedule is over a budget.
 
     Returns:
         The schedule; `predicted` holds step_ms, peak_gpu_bytes, pinned_host_bytes, exposed_transfer_ms,
@@ -48,11 +57,12 @@ def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_eve
 
     Raises:
         ValueError: unknown policy or invalid fixed-policy knobs.
-        InfeasiblePlanError: policy "milp" and no schedule fits the budgets.
+        InfeasiblePlanError: policy "milp" and no schedule fits the budgets, or (with `strict`) the fixed schedule
+            does not.
 
     Warns:
-        UserWarning: the fixed schedule does not fit the budgets (it is returned anyway, as a baseline), or the
-        MILP stopped at its time limit.
+        UserWarning: the fixed schedule does not fit the budgets (without `strict` it is returned anyway, as a
+        baseline), or the MILP stopped at its time limit.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {list(POLICIES)}, but got {policy!r}")
@@ -73,16 +83,57 @@ def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_eve
                             and p["pinned_host_bytes"] <= cost_model.pinned_host_bytes
                             and p["nvme_bytes"] <= cost_model.nvme_bytes)
     if not p["fits_budget"]:
-        warnings.warn(f"The {policy} schedule needs {p['peak_gpu_bytes'] / 2**30:.2f} GiB GPU and "
-                      f"{p['pinned_host_bytes'] / 2**30:.2f} GiB host memory, over the budgets "
-                      f"({cost_model.gpu_bytes / 2**30:.2f} / {cost_model.pinned_host_bytes / 2**30:.2f} GiB): "
-                      f"expect out-of-memory. Lower checkpoint_every, use tier='cpu', or use policy='milp'.",
-                      stacklevel=2)
+        error = over_budget_error(cost_model, sched)
+        if strict:
+            raise error
+        warnings.warn(f"{error} Returned anyway (as a baseline): expect out-of-memory.", stacklevel=2)
     if simulate_check:
         sim = simulate(cost_model, sched)
         p["simulated_step_ms"] = sim.step_ms
         p["simulated_peak_gpu_bytes"] = sim.peak_gpu_bytes
     return sched
+
+
+def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
+    """The error for a `fixed` schedule over a budget: what it needs, and what fits instead (a fixed variant, the
+    MILP, or, when nothing does, the smallest feasible budgets)."""
+    p = sched.predicted
+    # fixed_schedule gives every layer the tier (layer 0 is then moved to the GPU)
+    needs = (f"The fixed schedule (checkpoint every {_every(sched)} layers in the {sched.layers[-1].tier} tier, "
+             f"prefetch depth {sched.prefetch_depth}) needs "
+             f"{_gib(p['peak_gpu_bytes'])} GPU and {_gib(p['pinned_host_bytes'])} host memory"
+             f"{_nvme_need(p)}, over the budgets ({_gib(cm.gpu_bytes)} GPU, {_gib(cm.pinned_host_bytes)} host"
+             f"{_nvme_need({'nvme_bytes': cm.nvme_bytes})}).")
+    fitting = fixed_candidates(cm, sched.prefetch_depth)
+    if fitting:
+        f = fitting[0]
+        advice = (f" The fixed variant --checkpoint-every {_every(f)} --tier {f.layers[-1].tier} (lazytrain_config."
+                  f"checkpoint_every / activation_tier) fits, and so may --policy milp.")
+    else:
+        need = min_gpu_bytes(cm)
+        if need is None or need > cm.gpu_bytes:
+            e = infeasible_error(cm)
+            return e.restated(f"{needs} {e}")
+        advice = " No fixed variant fits; --policy milp (lazytrain_config.policy) finds a plan that does."
+    # the budgets this schedule needs (with_margin restates the GPU one as the --gpu-memory to pass)
+    gpu_over = p["peak_gpu_bytes"] > cm.gpu_bytes
+    return InfeasiblePlanError(needs + advice,
+                               min_gpu_bytes=_round_budget_up(p["peak_gpu_bytes"]) if gpu_over else None,
+                               min_host_bytes=_round_budget_up(max(p["pinned_host_bytes"], cm.host_fixed_bytes)),
+                               min_gpu_bytes_any_host=None)
+
+
+def _every(s: Schedule) -> int:
+    starts = [i for i, lp in enumerate(s.layers) if lp.checkpoint]
+    return starts[1] - starts[0] if len(starts) > 1 else s.num_layers
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _nvme_need(p: dict[str, Any]) -> str:
+    return f" and {_gib(p['nvme_bytes'])} NVMe" if p["nvme_bytes"] else ""
 
 
 def make_schedule_from_config(cost_model: CostModel, config: Any, fingerprint: str = "") -> Schedule:

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LayerPlan", "Schedule", "TIERS", "fingerprint"]
+__all__ = ["LayerPlan", "Schedule", "TIERS", "fingerprint", "plan_inputs", "plan_fingerprint", "input_hashes",
+           "differing_inputs"]
 
 TIERS = ("gpu", "cpu", "nvme")
 
@@ -46,7 +47,8 @@ class Schedule:
         policy: "fixed" or "milp" (who made it).
         layers: one LayerPlan per decoder layer.
         prefetch_depth: decoder layers whose weights are streamed ahead of compute (slots = depth + 1).
-        fingerprint: hash of (model config, batch shape, budgets, hardware) the plan was made for.
+        fingerprint: `plan_fingerprint` of what the plan was made for (model, batch shape, budgets, hardware, the
+            plan-shaping options); `solver["fingerprint_inputs"]` holds a hash per input, to name what differs.
         solver: status, mip_gap, solve_ms (MILP only).
         predicted: predicted step_ms, peak_gpu_bytes, exposed_transfer_ms, ... (planner's cost model).
     """
@@ -128,3 +130,51 @@ def fingerprint(*parts: Any) -> str:
     """Stable 16-hex-digit hash of JSON-serializable parts (model config dict, shapes, budgets, hardware)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+#: Config keys that describe a checkpoint, not the model's shape: left out so that the CLI's config (from the
+#: registry or Hub) and a loaded model's config give the same fingerprint.
+_CONFIG_METADATA = frozenset({"transformers_version", "torch_dtype", "dtype", "architectures", "use_cache",
+                              "name_or_path", "id2label", "label2id"})
+#: Hardware profile fields that describe, not measure.
+_HARDWARE_TEXT = frozenset({"measured", "source", "device_name", "notes"})
+
+
+def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu_bytes: int, host_bytes: int,
+                nvme_bytes: int, hardware: dict[str, Any], *, policy: str = "milp", rows_per_pass: int | None = None,
+                gpu_optimizer: bool = True, loss_chunk_tokens: int = 2048, state_dtype: str = "8bit",
+                master_weights: str = "fp32", block_size: int = 256, gpu_memory_margin: float = 0.12,
+                fixed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a plan depends on, by name: the one definition of a schedule's fingerprint, shared by the
+    `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the planner sees them (GPU after the
+    margin); `hardware`: `HardwareProfile.to_dict()`; `fixed`: the fixed policy's knobs (policy "fixed" only)."""
+    return {
+        "model": _model_identity(model_config), "batch_size": batch_size, "seq_len": seq_len,
+        "gpu_bytes": int(gpu_bytes), "host_bytes": int(host_bytes), "nvme_bytes": int(nvme_bytes),
+        "hardware": {k: v for k, v in hardware.items() if k not in _HARDWARE_TEXT},
+        "policy": policy, "fixed": fixed if policy == "fixed" else None, "rows_per_pass": rows_per_pass,
+        "gpu_optimizer": bool(gpu_optimizer), "loss_chunk_tokens": loss_chunk_tokens, "state_dtype": state_dtype,
+        "master_weights": master_weights, "block_size": block_size, "gpu_memory_margin": float(gpu_memory_margin),
+    }
+
+
+def _model_identity(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` without metadata keys (private "_..." ones included), nested configs too."""
+    return {k: _model_identity(v) if isinstance(v, dict) else v for k, v in config.items()
+            if not (isinstance(k, str) and (k.startswith("_") or k in _CONFIG_METADATA))}
+
+
+def plan_fingerprint(inputs: dict[str, Any]) -> str:
+    """The fingerprint of `plan_inputs(...)`."""
+    return fingerprint(inputs)
+
+
+def input_hashes(inputs: dict[str, Any]) -> dict[str, str]:
+    """A short hash per input of `plan_inputs(...)`, stored with a schedule so a mismatch can be named."""
+    return {k: fingerprint(v)[:8] for k, v in inputs.items()}
+
+
+def differing_inputs(stored: dict[str, str], inputs: dict[str, Any]) -> list[str]:
+    """Names of the inputs whose hash in `stored` (`input_hashes`) differs from `inputs`' (missing ones count)."""
+    now = input_hashes(inputs)
+    return sorted(k for k in now.keys() | stored.keys() if stored.get(k) != now.get(k))

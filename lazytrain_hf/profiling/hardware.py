@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import mmap
 import os
 import platform
@@ -69,7 +70,28 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
-        known = {f.name for f in dataclasses.fields(cls)}
+        """The profile of a probe's JSON object (unknown keys ignored).
+
+        Raises:
+            ValueError: not an object, required keys missing, or a rate / size that is not a number > 0 (one
+                message naming every such key).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a hardware profile is a JSON object of rates and sizes (as lazytrain_hf.profiling."
+                             f"probe writes), but got a {type(d).__name__}")
+        fields = dataclasses.fields(cls)
+        required = [f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        problems = []
+        missing = [k for k in required if k not in d]
+        if missing:
+            problems.append(f"missing keys {missing}")
+        bad = [k for k in required if k in d and not _positive(d[k], allow_zero=k.startswith("nvme_"))]
+        if bad:
+            problems.append(f"not numbers > 0: {', '.join(f'{k}={d[k]!r}' for k in bad)}")
+        if problems:
+            raise ValueError(f"invalid hardware profile: {'; '.join(problems)}")
+        known = {f.name for f in fields}
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def planner_rates(self) -> dict[str, float]:
@@ -78,6 +100,13 @@ class HardwareProfile:
                 "nvme_read_gbps": self.nvme_read_gbps, "nvme_write_gbps": self.nvme_write_gbps,
                 "cpu_optim_params_per_s": self.cpu_optim_params_per_s,
                 "gpu_optim_params_per_s": self.gpu_optim_params_per_s}
+
+
+def _positive(x: Any, allow_zero: bool = False) -> bool:
+    """A finite number > 0 (>= 0 with `allow_zero`: a probe without an NVMe directory)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return False
+    return x >= 0 if allow_zero else x > 0
 
 
 #: One H200 and its host, measured 2026-11-29 (benchmarks/NOTES.md): pinned H2D 50.8 GB/s, D2H 54.1 GB/s, about 33 GB/s

@@ -46,6 +46,13 @@ def test_infeasible_budget_exits_1_with_the_smallest_budget(capsys):
     assert rc == 1 and "smallest feasible GPU budget" in capsys.readouterr().out
 
 
+def test_fixed_policy_over_budget_exits_1_with_the_smallest_budget(capsys):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1MiB", "--host-memory", "4GiB",
+                            "--policy", "fixed", "--max-batch", "0", "--hardware", "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 1 and "smallest feasible GPU budget" in out and "layer  kind" not in out
+
+
 def test_bad_arguments_exit_2_listing_every_problem(capsys, tmp_path):
     rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "lots", "--batch-size", "0"))
     err = capsys.readouterr().err
@@ -58,6 +65,27 @@ def test_bad_arguments_exit_2_listing_every_problem(capsys, tmp_path):
     # an existing directory without a config.json: a clear error, no download attempt
     assert cli_plan.run(_args("--model", str(tmp_path), "--hardware", "defaults")) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_bad_hardware_profile_is_one_error_naming_the_keys(tmp_path, capsys):
+    """Before: a TypeError / AttributeError traceback."""
+    for text, match in (('{"gpu_tflops": 1}', "missing keys ['h2d_gbps'"), ("[1, 2]", "JSON object"),
+                        ("{", "--hardware")):
+        f = tmp_path / "hw.json"
+        f.write_text(text)
+        assert cli_plan.run(_args("--model", "qwen3-tiny", "--hardware", str(f))) == 2
+        err = capsys.readouterr().err
+        assert match in err and "--hardware" in err and "Traceback" not in err
+
+
+def test_fixed_policy_flags_under_milp_get_a_note(capsys):
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--tier", "cpu",
+                            "--checkpoint-every", "2", "--max-batch", "0", "--hardware", "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 0 and "note: --checkpoint-every, --tier only shape --policy fixed" in out
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB",
+                              "--max-batch", "0", "--hardware", "defaults")) == 0
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_plan_variants_write_distinct_files_and_print_them(tmp_path, capsys):
@@ -76,3 +104,54 @@ def test_plan_variants_write_distinct_files_and_print_them(tmp_path, capsys):
     assert len(set(schedules)) == 3 and len(list(tmp_path.glob("*.schedule.json"))) == 3
     assert "cpu-optimizer" in schedules[1].name and "gpu2GiB" in schedules[2].name
     assert all(lp.optimizer_device == "cpu" for lp in Schedule.from_json(schedules[1]).layers)
+
+
+def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, capsys, caplog):
+    """Before: the default plan, --rows-per-pass 4, --no-gpu-optimizer and --policy fixed shared one fingerprint,
+    the Trainer hashed str(hardware) (so matching inputs differed), and a loaded schedule_path was never compared."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lazytrain_hf.config import LazyTrainConfig
+    from lazytrain_hf.hf.callback import LazyTrainCallback
+    from lazytrain_hf.hf.plan import cost_model_for_trainer
+    from lazytrain_hf.models import resolve_config
+
+    base = ("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--batch-size", "2",
+            "--seq-len", "64", "--max-batch", "0", "--hardware", "defaults")
+    prints = {}
+    for name, extra in {"default": (), "rows": ("--rows-per-pass", "1"), "cpu-opt": ("--no-gpu-optimizer",),
+                        "fixed": ("--policy", "fixed")}.items():
+        out = tmp_path / name
+        assert cli_plan.run(_args(*base, *extra, "--out-dir", str(out))) == 0
+        prints[name] = Schedule.from_json(next(out.glob("*.schedule.json")))
+    capsys.readouterr()
+    assert len({s.fingerprint for s in prints.values()}) == 4
+    # the Trainer's fingerprint for the same inputs (a CPU device: H200 defaults, no GPU-side updates)
+    cfg = LazyTrainConfig(gpu_memory_budget="1GiB", host_memory_budget="4GiB")
+    trainer = SimpleNamespace(lazy_config=cfg, args=SimpleNamespace(per_device_train_batch_size=2),
+                              model=SimpleNamespace(config=resolve_config("qwen3-tiny")),
+                              executor=SimpleNamespace(device=torch.device("cpu")), plan_layer_costs={},
+                              plan_free_gpu_bytes=None, train_dataset={"input_ids": [[1] * 64]})
+    assert cost_model_for_trainer(trainer, 64)[2] == prints["cpu-opt"].fingerprint
+    # a loaded schedule planned for other inputs: a warning naming them
+    callback = LazyTrainCallback(trainer)
+    with caplog.at_level("WARNING", logger="lazytrain_hf.hf.callback"):
+        callback._check_fingerprint(prints["cpu-opt"], "same.json")
+        assert not caplog.records
+        callback._check_fingerprint(prints["rows"], "rows.json")
+    assert "rows.json" in caplog.text and "gpu_optimizer, rows_per_pass" in caplog.text
+
+
+def test_config_file_path_stem_and_small_parameter_counts(tmp_path, capsys):
+    """A config.json path names its directory (was "no model directory is at ..."); a fixed NVMe-tier plan's file
+    name says "nvme" once (was "...every4-nvme-prefetch1-nvme..."); small models print M params (was 0.00 B)."""
+    (tmp_path / "config.json").write_text("{}")
+    assert cli_plan.run(_args("--model", str(tmp_path / "config.json"), "--hardware", "defaults")) == 2
+    err = capsys.readouterr().err
+    assert "is a config.json file: pass the directory that holds it" in err and f"'{tmp_path}'" in err
+    args = _args("--model", "m", "--policy", "fixed", "--tier", "nvme", "--checkpoint-every", "4",
+                 "--prefetch-depth", "1", "--nvme-dir", str(tmp_path))
+    assert cli_plan.output_stem(args, "fixed").count("nvme") == 1
+    assert cli_plan._count(3_410_000) == "3.41 M" and cli_plan._count(7_620_000_000) == "7.62 B"

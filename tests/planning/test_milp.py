@@ -126,6 +126,32 @@ def test_no_solution_falls_back_to_the_fixed_policy_with_a_warning():
     assert s.predicted["peak_gpu_bytes"] <= cm.gpu_bytes
 
 
+def test_no_solution_and_no_fixed_variant_within_the_host_budget_falls_back_to_a_fitting_plan():
+    """Room on the host for two CPU-tier boundaries, 7 GiB GPU: every fixed variant is over the GPU or the host
+    budget (before, the fallback returned checkpoint-every-layer in the CPU tier, 11.75 GiB host of 10.5)."""
+    cm = small_cm(8, cpu_optim_params_per_s=1e8, pinned_host_bytes=HOST_FIXED + GIB // 2, gpu_bytes=7 * GIB)
+    assert not fixed_candidates(cm)
+    with pytest.warns(UserWarning, match=r"within 1e-09 s .*smallest GPU memory.*--time-limit") as caught:
+        s = solve_milp(cm, time_limit_s=1e-9, warm_start=False)
+    assert "fixed heuristic" not in str(caught[0].message)
+    assert s.solver["status"] == "fallback_min_memory"
+    p = s.predicted
+    assert p["peak_gpu_bytes"] <= cm.gpu_bytes and p["pinned_host_bytes"] <= cm.pinned_host_bytes
+
+
+def test_no_solution_and_nothing_fits_raises_instead_of_an_over_budget_fallback(monkeypatch):
+    from lazytrain_hf.planning import milp
+
+    cm = small_cm(8, cpu_optim_params_per_s=1e8, pinned_host_bytes=HOST_FIXED + GIB // 2, gpu_bytes=6 * GIB)
+    with pytest.raises(InfeasiblePlanError, match="smallest feasible GPU budget is 6.88 GiB") as e:
+        solve_milp(cm, time_limit_s=1e-9, warm_start=False)
+    assert "--time-limit" not in str(e.value)  # the memory-only solve proved it
+    # the memory-only solve also ran out of time: a longer limit may still find a plan
+    monkeypatch.setattr(milp, "_min_memory_plan", lambda *a, **k: (None, None, False))
+    with pytest.raises(InfeasiblePlanError, match=r"time limit \(1e-09 s\).*longer --time-limit"):
+        solve_milp(cm, time_limit_s=1e-9, warm_start=False)
+
+
 def test_fixed_candidates_fit_and_are_sorted():
     cm = small_cm(8, gpu_bytes=7 * GIB)
     cands = fixed_candidates(cm)
@@ -276,3 +302,17 @@ def test_infeasible_error_names_the_budget_to_pass_before_the_margin():
     assert out.min_gpu_bytes * 0.88 >= e.min_gpu_bytes and out.min_gpu_bytes < 17.40 * MGIB
     assert "at least 17.39 GiB" in str(out) and "12% GPU memory margin" in str(out)
     assert with_margin(e, 0.0) is e
+
+
+def test_host_too_small_error_names_the_gpu_budget_to_pass_before_the_margin():
+    """The host-too-small message named the smallest GPU budget after the margin (18.61 GiB for qwen2.5-7b,
+    where --gpu-memory needs 21.15 GiB)."""
+    from lazytrain_hf.planning.milp import infeasible_error, with_margin
+
+    e = infeasible_error(small_cm(pinned_host_bytes=HOST_FIXED - 1))
+    assert e.min_gpu_bytes is None and e.min_gpu_bytes_at_min_host is not None
+    out = with_margin(e, 0.12)
+    need = out.min_gpu_bytes_at_min_host
+    assert need * 0.88 >= e.min_gpu_bytes_at_min_host and need < e.min_gpu_bytes_at_min_host / 0.88 + GIB / 50
+    assert f"with that host budget, pass --gpu-memory / lazytrain_config.gpu_memory_budget of at least " \
+           f"{need / GIB:.2f} GiB" in str(out)

@@ -8,6 +8,7 @@ import pytest
 from lazytrain_hf.config import LazyTrainConfig
 from lazytrain_hf.planning import (
     CostModel,
+    InfeasiblePlanError,
     Schedule,
     largest_feasible_batch,
     make_schedule,
@@ -42,6 +43,22 @@ def test_fixed_over_budget_warns_and_is_marked():
     with pytest.warns(UserWarning, match="expect out-of-memory"):
         s = make_schedule(cm, "fixed", checkpoint_every=1)
     assert s.predicted["fits_budget"] is False
+
+
+def test_fixed_over_budget_advice_names_what_fits_and_strict_raises():
+    """Before, the advice was always "Lower checkpoint_every, use tier='cpu', or use policy='milp'", also for a
+    schedule that already checkpointed every layer in the CPU tier, and --policy fixed over budget exited 0."""
+    cm = small_cm(8, gpu_bytes=7 * GIB)  # every 4 in the GPU tier: 7.12 GiB; CPU-tier variants fit
+    with pytest.warns(UserWarning, match=r"checkpoint every 4 layers in the gpu tier.*needs 7.12 GiB GPU.*"
+                                         r"--checkpoint-every \d --tier cpu") as caught:
+        make_schedule(cm, "fixed", checkpoint_every=4, tier="gpu")
+    assert "milp schedule" not in str(caught[0].message)
+    with pytest.raises(InfeasiblePlanError, match="fixed variant") as e:
+        make_schedule(cm, "fixed", checkpoint_every=4, tier="gpu", strict=True)
+    assert e.value.min_gpu_bytes >= 7.12 * GIB
+    # nothing fits with any policy: the smallest feasible budgets, as the MILP names them
+    with pytest.raises(InfeasiblePlanError, match="smallest feasible GPU budget"):
+        make_schedule(small_cm(8, gpu_bytes=GIB), "fixed", strict=True)
 
 
 def test_unknown_policy_is_an_error(cm4):
