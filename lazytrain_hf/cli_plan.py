@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         print("lazytrain-hf plan: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2
     if ignored:
-        print(f"note: {', '.join(ignored)} only shape --policy fixed; the MILP chooses these itself (ignored)")
+        print(f"note: --policy milp ignores {', '.join(ignored)} (they shape --policy fixed only; the MILP chooses "
+              "them itself)")
     try:
         hardware = _hardware(args.hardware)
     except (OSError, ValueError) as e:
@@ -102,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     gpu_given, host_given = sizes["gpu_memory"], sizes["host_memory"]  # None: not given (0 was refused)
     gpu_bytes = int((gpu_given if gpu_given is not None else hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
     host_bytes = host_given if host_given is not None else int(0.9 * hardware.host_memory_bytes)
+    for flag, given, total, what in (("--gpu-memory", gpu_given, hardware.gpu_memory_bytes, "GPU"),
+                                     ("--host-memory", host_given, hardware.host_memory_bytes, "host RAM")):
+        if given is not None and total and given > total:  # a what-if plan is allowed, but say it cannot run here
+            print(f"note: {flag} {given / 2**30:.2f} GiB is more than the hardware profile's {what} "
+                  f"({total / 2**30:.2f} GiB): the plan cannot run on that machine as planned")
     nvme_bytes = 0
     if args.nvme_dir:
         nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)

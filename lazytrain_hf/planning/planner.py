@@ -113,7 +113,8 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
         need = min_gpu_bytes(cm)
         if need is None or need > cm.gpu_bytes:
             e = infeasible_error(cm)
-            return e.restated(f"{needs} {e}")
+            return e.restated(f"{needs} {e} (those minimums are --policy milp's; this fixed schedule needs the "
+                              "budgets above)")
         advice = " No fixed variant fits; --policy milp (lazytrain_config.policy) finds a plan that does."
     # the budgets this schedule needs (with_margin restates the GPU one as the --gpu-memory to pass)
     gpu_over = p["peak_gpu_bytes"] > cm.gpu_bytes

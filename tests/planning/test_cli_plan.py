@@ -82,10 +82,20 @@ def test_fixed_policy_flags_under_milp_get_a_note(capsys):
     rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--tier", "cpu",
                             "--checkpoint-every", "2", "--max-batch", "0", "--hardware", "defaults"))
     out = capsys.readouterr().out
-    assert rc == 0 and "note: --checkpoint-every, --tier only shape --policy fixed" in out
+    assert rc == 0 and "note: --policy milp ignores --checkpoint-every, --tier" in out
     assert cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB",
                               "--max-batch", "0", "--hardware", "defaults")) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def test_budgets_above_the_hardware_profile_get_a_note(capsys):
+    """A what-if plan above the profile's GPU / RAM is allowed, but the output says it cannot run on that machine
+    (before: silently accepted, "peak GPU 422 GiB of 440 GiB" on a 140 GiB GPU)."""
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "500GiB", "--host-memory", "1TiB",
+                            "--max-batch", "0", "--hardware", "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 0 and "note: --gpu-memory 500.00 GiB is more than the hardware profile's GPU" in out
+    assert "note: --host-memory 1024.00 GiB is more than the hardware profile's host RAM" in out
 
 
 def test_plan_variants_write_distinct_files_and_print_them(tmp_path, capsys):
