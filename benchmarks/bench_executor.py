@@ -163,8 +163,9 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                     optim.append(t2 - t1)
                     h2d.append(ex.stats.extra.get("exposed_h2d_ms", 0.0))
                     d2h.append(ex.stats.extra.get("exposed_d2h_ms", 0.0))
-                    for k, v in waits.items():  # deferred CPU updates: blocked time, worker time
-                        v.append(ex.stats.extra.get(k, 0.0))
+                    for k, v in waits.items():  # deferred CPU updates: blocked time, worker time, ...
+                        if k in ex.stats.extra:  # absent: not a zero
+                            v.append(ex.stats.extra[k])
             med = statistics.median(times)
             tokens = B * args.seq_len  # per GPU
             pinned = ex.pinned_bytes
@@ -182,7 +183,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                      pinned_locked_gib=(pinned["registered"] + pinned["host_allocator"]) / GIB,
                      exposed_h2d_ms=statistics.median(h2d), exposed_d2h_ms=statistics.median(d2h),
                      optimizer_ms=statistics.median(optim) * 1e3)
-            r["extra"].update({k: statistics.median(v) for k, v in waits.items()})
+            r["extra"].update({k: statistics.median(v) for k, v in waits.items() if v})
             r["extra"].update(fwd_bwd_ms=statistics.median(fb) * 1e3, setup_s=setup_s, **mem,
                               pinned_gib={k: v / GIB for k, v in pinned.items()},
                               weight_loads=ex.stats.weight_loads, recomputed_layers=ex.stats.recomputed_layers,

@@ -74,7 +74,7 @@ class StepTimer(TrainerCallback):
         self.optim_s: list[float] = []
         self.h2d_ms: list[float] = []
         self.d2h_ms: list[float] = []
-        self.update_ms: dict[str, list[float]] = {k: [] for k in UPDATE_COUNTERS}
+        self.update_ms: dict[str, list[float | None]] = {k: [] for k in UPDATE_COUNTERS}  # one entry per step
         self.rss_peak = 0
         self.skipped = 0  # optimizer steps skipped for a non-finite gradient norm (Hybrid8's `last_step_skipped`)
         self.rows: list[int] = []  # batch rows embedded per optimizer step (needs watch())
@@ -121,8 +121,8 @@ class StepTimer(TrainerCallback):
         if ex is not None:
             self.h2d_ms.append(float(ex.stats.extra.get("exposed_h2d_ms", 0.0)))
             self.d2h_ms.append(float(ex.stats.extra.get("exposed_d2h_ms", 0.0)))
-            for key, vals in self.update_ms.items():  # deferred CPU updates: blocked time, worker time
-                vals.append(float(ex.stats.extra.get(key, 0.0)))
+            for key, vals in self.update_ms.items():  # deferred CPU updates: blocked time, worker time, ...
+                vals.append(ex.stats.extra.get(key))  # None when absent (no update ran yet), not a zero
 
 
 def _rss_bytes() -> int:

@@ -108,7 +108,8 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         if timer.h2d_ms[warm:]:
             fields.update(exposed_h2d_ms=statistics.median(timer.h2d_ms[warm:]),
                           exposed_d2h_ms=statistics.median(timer.d2h_ms[warm:]))
-        extra.update({k: statistics.median(v[warm:]) for k, v in timer.update_ms.items() if v[warm:]})
+        timed = {k: [x for x in v[warm:] if x is not None] for k, v in timer.update_ms.items()}
+        extra.update({k: statistics.median(v) for k, v in timed.items() if v})
         fwd = (L + (L - lt_extra["retained"]) + lt_extra["recomputed_layers"]) / L
         extra["optimizer_note"] = "exposed part only: streamed layers' updates overlap the next forward"
     else:

@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
                                    **_OPTIMIZER_LAYOUT)
 
     cm = build(args.batch_size)
-    inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_bytes, host_bytes, nvme_bytes)
+    nvme_asked = (sizes["nvme_budget"] if args.nvme_dir else 0)  # None: defaulted (free disk)
+    inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_given, host_given, nvme_asked)
     fp = plan_fingerprint(inputs)
     _print_header(args, shape, cm, hardware)
     with warnings.catch_warnings(record=True) as caught:
@@ -165,9 +166,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_inputs(args: argparse.Namespace, config: dict[str, Any], hardware: dict[str, Any], gpu_bytes: int,
-                 host_bytes: int, nvme_bytes: int) -> dict[str, Any]:
-    """What this plan depends on (`planning.schedule.plan_inputs`, as the Trainer computes it)."""
+def _plan_inputs(args: argparse.Namespace, config: dict[str, Any], hardware: dict[str, Any], gpu_bytes: int | None,
+                 host_bytes: int | None, nvme_bytes: int | None) -> dict[str, Any]:
+    """What this plan depends on (`planning.schedule.plan_inputs`, as the Trainer computes it): budgets as given,
+    None where defaulted."""
     from .planning.schedule import plan_inputs
 
     fixed = {k: getattr(args, k) for k in _FIXED_DEFAULTS}

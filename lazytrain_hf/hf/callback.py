@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from ..planning.buckets import BucketSchedules
 from ..planning.schedule import Schedule
 from .calibrate import Calibration
 
@@ -83,18 +84,26 @@ class LazyTrainCallback(TrainerCallback):
         if cal is not None and "step_time_s" in self.trainer.meter.last:
             if cal.end_step(self.trainer.meter.last["step_time_s"]):
                 try:
-                    self._recalibrate()
+                    plans = self._recalibrated_plans()
                 except Exception as e:  # an optimization only: never end a run over it
+                    plans = None
                     logger.warning("LazyTrain calibration: re-planning failed (%s: %s); keeping the current plan",
                                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                if plans is not None:  # outside the guard: a failed deferred update raised here must end the run
+                    self.trainer.executor.set_schedule(plans.schedules[plans.buckets[-1]])
+                    self.trainer.bucket_plans = plans
         if control.should_save or control.should_evaluate or control.should_training_stop or \
                 state.global_step >= state.max_steps:
             self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
 
-    def _recalibrate(self) -> None:
-        """Solve the bucket plans again with the measured CPU optimizer rate and the GPU compute costs scaled by
-        the measured factor (hf/calibrate.py). Each rank decides on its own measurements: ranks may run different
-        plans (set_schedule issues no collective)."""
+    def _recalibrated_plans(self) -> BucketSchedules | None:
+        """The bucket plans solved again with the measured CPU optimizer rate and the GPU compute costs scaled by
+        the measured factor (hf/calibrate.py), or None when the measurements match the running plan. Changes
+        nothing itself (the caller switches). Each rank decides on its own measurements: ranks may run different
+        plans (set_schedule issues no collective).
+
+        The CPU-rate correction (delta) is computed on the longest bucket's plan, which every step runs when the
+        data has one length (packed rows); steps of shorter buckets are corrected as if they ran it."""
         import statistics
 
         from ..planning.estimate import evaluate
@@ -116,12 +125,10 @@ class LazyTrainCallback(TrainerCallback):
         if not cal.needs_replan(k, rate, planned_rate):
             logger.info("LazyTrain calibration: measured steps match the plan (compute x%.3f, CPU optimizer %s); "
                         "keeping it", k, "not used" if rate is None else f"{rate / 1e9:.2f} G params/s")
-            return
+            return None
         scale = old_scale * k
-        plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate)  # raises first
-        tr.bucket_plans = plans
+        plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate)
         new = plans.schedules[plans.buckets[-1]]
-        tr.executor.set_schedule(new)
         cal.scale, cal.cpu_rate = scale, rate
         cal.predicted_before_ms = old.predicted.get("step_ms")
         logger.info("LazyTrain calibration: GPU compute ran %.2fx the prediction, CPU optimizer %s (planned %s); "
@@ -129,6 +136,7 @@ class LazyTrainCallback(TrainerCallback):
                     "-" if rate is None else f"{rate / 1e9:.2f} G params/s",
                     "-" if not planned_rate else f"{planned_rate / 1e9:.2f}",
                     new.predicted.get("step_ms", float("nan")), old.predicted.get("step_ms", float("nan")))
+        return plans
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.trainer.executor.flush_updates()

@@ -81,20 +81,23 @@ def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.
         cm = cm.scaled_compute(compute_scale)
     if cpu_optim_params_per_s is not None:
         cm = cm.with_cpu_optim_rate(cpu_optim_params_per_s)
-    fp = plan_fingerprint(_inputs(trainer, seq_len, hardware, gpu, host, nvme))
+    fp = plan_fingerprint(_inputs(trainer, seq_len, hardware))
     return cm, layer_costs, fp
 
 
 def plan_inputs_for_trainer(trainer: Any, seq_len: int) -> dict[str, Any]:
     """What this trainer's plan for `seq_len` depends on (`planning.schedule.plan_inputs`; its `plan_fingerprint`
     is the fingerprint `cost_model_for_trainer` returns)."""
-    return _inputs(trainer, seq_len, *_budgets(trainer))
+    return _inputs(trainer, seq_len, _budgets(trainer)[0])
 
 
-def _inputs(trainer: Any, seq_len: int, hardware: Any, gpu: int, host: int, nvme: int) -> dict[str, Any]:
+def _inputs(trainer: Any, seq_len: int, hardware: Any) -> dict[str, Any]:
+    """`plan_inputs` with the budgets as configured (None where defaulted), as the CLI records them."""
     cfg = trainer.lazy_config
-    return plan_inputs(trainer.model.config.to_dict(), trainer.args.per_device_train_batch_size, seq_len, gpu, host,
-                       nvme, hardware.to_dict(), policy="milp", rows_per_pass=cfg.max_rows_per_pass,
+    nvme = (cfg.nvme_budget if cfg.nvme_dir else 0)
+    return plan_inputs(trainer.model.config.to_dict(), trainer.args.per_device_train_batch_size, seq_len,
+                       cfg.gpu_memory_budget, cfg.host_memory_budget, nvme, hardware.to_dict(), policy="milp",
+                       rows_per_pass=cfg.max_rows_per_pass,
                        gpu_optimizer=_gpu_optimizer(trainer), loss_chunk_tokens=cfg.loss_chunk_tokens,
                        state_dtype=cfg.state_dtype, master_weights=_master_weights(cfg), block_size=cfg.block_size,
                        gpu_memory_margin=cfg.gpu_memory_margin)

@@ -119,7 +119,11 @@ class LazyTrainerMixin:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
         if isinstance(args, LazyTrainingArguments) and cls is Hybrid8bitOptimizer:  # policy "none" included
             cfg = args.lazy_config
-            explicit = {kv.split("=")[0].strip() for kv in (args.optim_args or "").split(",") if kv.strip()}
+            from transformers.trainer_optimizer import _parse_optim_args
+
+            from .register import parse_optim_args
+
+            explicit = set(parse_optim_args(_parse_optim_args(args.optim_args)))  # the handler's reading
             extra = {"state_dtype": cfg.state_dtype, "master_weights": cfg.master_weights,
                      "block_size": cfg.block_size, "min_8bit_size": cfg.min_8bit_size}
             kwargs.update({k: v for k, v in extra.items() if k not in explicit})
@@ -204,9 +208,10 @@ class LazyTrainerMixin:
         loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
                                               inputs.get("position_ids"), denominator=denominator,
                                               sync_gradients=self.accelerator.sync_gradients)
-        if self.calibration is not None:
+        if self.calibration is not None:  # a skipped step's updates were no-ops: their time is no rate
             x = self.executor.stats.extra
-            self.calibration.note_cpu_update(x.get("cpu_update_ms"), x.get("cpu_update_params"))
+            skipped = getattr(self._inner_optimizer(self.optimizer), "last_step_skipped", False)
+            self.calibration.note_cpu_update(None if skipped else x.get("cpu_update_ms"), x.get("cpu_update_params"))
         self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
         return loss.detach().to(self.args.device) * world  # the logged loss: the mean over ranks, as HF logs it
 

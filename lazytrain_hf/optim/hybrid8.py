@@ -461,8 +461,9 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                           for k in _LAYOUT_OPTIONS if k in sg and k in g and sg[k] != g[k]})
         if changed:
             logger.warning("the loaded optimizer state was saved with %s; continuing with the saved options, which "
-                           "its states are stored in. To change them, start from the model weights without resuming "
-                           "the optimizer (resume_from_checkpoint=None)", ", ".join(changed))
+                           "its states are stored in. To change them, load the model from the checkpoint directory "
+                           "(from_pretrained) and train without resume_from_checkpoint: new optimizer states",
+                           ", ".join(changed))
         new_groups = [{**g, **sg, "params": g["params"]} for g, sg in zip(groups, saved_groups)]
         id_map = {old: (p, ng) for g, sg, ng in zip(groups, saved_groups, new_groups)
                   for old, p in zip(sg["params"], g["params"])}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .schedule import LayerPlan, Schedule
 
-__all__ = ["fixed_schedule"]
+__all__ = ["fixed_schedule", "checkpoint_interval"]
 
 
 def fixed_schedule(num_layers: int, checkpoint_every: int = 4, tier: str = "gpu", prefetch_depth: int = 1,
@@ -23,3 +23,9 @@ def fixed_schedule(num_layers: int, checkpoint_every: int = 4, tier: str = "gpu"
                          f"but got {num_layers} and {checkpoint_every}")
     layers = [LayerPlan(checkpoint=(i % checkpoint_every == 0), tier=tier) for i in range(num_layers)]
     return Schedule(policy="fixed", layers=layers, prefetch_depth=prefetch_depth, fingerprint=fingerprint)
+
+
+def checkpoint_interval(schedule: Schedule) -> int:
+    """The k of a `fixed_schedule` (the distance between its first two checkpoints; the layer count if one)."""
+    starts = [i for i, lp in enumerate(schedule.layers) if lp.checkpoint]
+    return starts[1] - starts[0] if len(starts) > 1 else schedule.num_layers

@@ -52,7 +52,7 @@ from .fast_eval import (
     improve_plan,
     perturb_plan,
 )
-from .fixed import fixed_schedule
+from .fixed import checkpoint_interval, fixed_schedule
 from .schedule import LayerPlan, Schedule
 from .schedule import fingerprint as _fingerprint
 
@@ -1234,8 +1234,9 @@ def _fallback(cm: CostModel, depth: int, evaluator: StepEvaluator, time_limit_s:
     fixed = fixed_candidates(cm, depth, evaluator=evaluator)
     if fixed:
         s = fixed[0]
-        return s, f"the fixed heuristic (checkpoint every {_every(s)} layers, boundaries in the {_tier(s)} tier)"
-    _, sched, proven = _min_memory_plan(cm, depth)
+        return s, f"the fixed heuristic (checkpoint every {checkpoint_interval(s)} layers, boundaries in the {_tier(s)} tier)"
+    # the user's limit again (at least 1 s: a memory-only solve is small), not the 10 s default
+    _, sched, proven = _min_memory_plan(cm, depth, max(1.0, time_limit_s))
     if sched is not None and evaluator.evaluate(PlanArrays.of(sched)).fits(cm):
         return sched, "the plan of smallest GPU memory (no fixed-heuristic variant fits the budgets)"
     e = infeasible_error(cm)
@@ -1324,11 +1325,6 @@ def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
 def _tier(s: Schedule) -> str:
     tiers = sorted({lp.tier for lp in s.layers[1:] if lp.checkpoint}) or ["gpu"]
     return "/".join(tiers)
-
-
-def _every(s: Schedule) -> int:
-    starts = [i for i, lp in enumerate(s.layers) if lp.checkpoint]
-    return starts[1] - starts[0] if len(starts) > 1 else s.num_layers
 
 
 def _nan_none(x: float) -> float | None:

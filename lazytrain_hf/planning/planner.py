@@ -13,7 +13,7 @@ from typing import Any
 
 from .cost_model import CostModel
 from .estimate import evaluate, recompute_flags
-from .fixed import fixed_schedule
+from .fixed import checkpoint_interval, fixed_schedule
 from .milp import (
     InfeasiblePlanError,
     _round_budget_up,
@@ -99,7 +99,7 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
     MILP, or, when nothing does, the smallest feasible budgets)."""
     p = sched.predicted
     # fixed_schedule gives every layer the tier (layer 0 is then moved to the GPU)
-    needs = (f"The fixed schedule (checkpoint every {_every(sched)} layers in the {sched.layers[-1].tier} tier, "
+    needs = (f"The fixed schedule (checkpoint every {checkpoint_interval(sched)} layers in the {sched.layers[-1].tier} tier, "
              f"prefetch depth {sched.prefetch_depth}) needs "
              f"{_gib(p['peak_gpu_bytes'])} GPU and {_gib(p['pinned_host_bytes'])} host memory"
              f"{_nvme_need(p)}, over the budgets ({_gib(cm.gpu_bytes)} GPU, {_gib(cm.pinned_host_bytes)} host"
@@ -107,7 +107,7 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
     fitting = fixed_candidates(cm, sched.prefetch_depth)
     if fitting:
         f = fitting[0]
-        advice = (f" The fixed variant --checkpoint-every {_every(f)} --tier {f.layers[-1].tier} (lazytrain_config."
+        advice = (f" The fixed variant --checkpoint-every {checkpoint_interval(f)} --tier {f.layers[-1].tier} (lazytrain_config."
                   f"checkpoint_every / activation_tier) fits, and so may --policy milp.")
     else:
         need = min_gpu_bytes(cm)
@@ -122,11 +122,6 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
                                min_gpu_bytes=_round_budget_up(p["peak_gpu_bytes"]) if gpu_over else None,
                                min_host_bytes=_round_budget_up(max(p["pinned_host_bytes"], cm.host_fixed_bytes)),
                                min_gpu_bytes_any_host=None)
-
-
-def _every(s: Schedule) -> int:
-    starts = [i for i, lp in enumerate(s.layers) if lp.checkpoint]
-    return starts[1] - starts[0] if len(starts) > 1 else s.num_layers
 
 
 def _gib(n: float) -> str:

@@ -140,17 +140,24 @@ _CONFIG_METADATA = frozenset({"transformers_version", "torch_dtype", "dtype", "a
 _HARDWARE_TEXT = frozenset({"measured", "source", "device_name", "notes"})
 
 
-def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu_bytes: int, host_bytes: int,
-                nvme_bytes: int, hardware: dict[str, Any], *, policy: str = "milp", rows_per_pass: int | None = None,
+def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu_bytes: int | None,
+                host_bytes: int | None, nvme_bytes: int | None, hardware: dict[str, Any], *, policy: str = "milp",
+                rows_per_pass: int | None = None,
                 gpu_optimizer: bool = True, loss_chunk_tokens: int = 2048, state_dtype: str = "8bit",
                 master_weights: str = "fp32", block_size: int = 256, gpu_memory_margin: float = 0.12,
                 fixed: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a plan depends on, by name: the one definition of a schedule's fingerprint, shared by the
-    `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the planner sees them (GPU after the
-    margin); `hardware`: `HardwareProfile.to_dict()`; `fixed`: the fixed policy's knobs (policy "fixed" only)."""
+    `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the user asked for them (before the GPU
+    margin), None where the default was taken: the defaults are resolved differently by the CLI (the profile's
+    total memory, free disk) and the Trainer (free GPU memory at plan time), so a plan made with `lazytrain-hf plan`
+    and defaults matches the Trainer's run with the same defaults. `hardware`: `HardwareProfile.to_dict()`;
+    `fixed`: the fixed policy's knobs (policy "fixed" only)."""
+    def size(b: int | None) -> int | None:
+        return None if b is None else int(b)
+
     return {
         "model": _model_identity(model_config), "batch_size": batch_size, "seq_len": seq_len,
-        "gpu_bytes": int(gpu_bytes), "host_bytes": int(host_bytes), "nvme_bytes": int(nvme_bytes),
+        "gpu_bytes": size(gpu_bytes), "host_bytes": size(host_bytes), "nvme_bytes": size(nvme_bytes),
         "hardware": {k: v for k, v in hardware.items() if k not in _HARDWARE_TEXT},
         "policy": policy, "fixed": fixed if policy == "fixed" else None, "rows_per_pass": rows_per_pass,
         "gpu_optimizer": bool(gpu_optimizer), "loss_chunk_tokens": loss_chunk_tokens, "state_dtype": state_dtype,

@@ -111,7 +111,8 @@ def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
 
 
 #: `StepStats.extra` keys about the deferred CPU updates (ms, ms, count, ms): the training thread's wait on them, the
-#: worker's wall time for the previous step's updates and their parameters, the GPU idle time during the waits;
+#: worker's wall time for the previous step's updates and their parameters, the GPU idle time during the waits (the
+#: waits summed over the optimizer step's micro-batches so far: with accumulation the first one waits);
 #: and the weight copies' H2D GB/s, which the updates' host-memory traffic may lower (instrumented CUDA runs)
 UPDATE_COUNTERS = ("optimizer_wait_ms", "cpu_update_ms", "cpu_update_params", "exposed_update_wait_ms",
                    "h2d_weight_gbps")
@@ -194,8 +195,11 @@ class StreamingExecutor:
                                [p.data for p in self._resident])
         self.streamer: WeightStreamer | None = None
         self.updater: LayerUpdater | None = None
-        self._update_wait_s = 0.0  # this micro-batch's time blocked on deferred CPU updates (stats.extra)
-        self._update_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # ... and the GPU's, instrumented
+        # time blocked on deferred CPU updates since the last optimizer step, over its micro-batches (stats.extra),
+        # and the GPU's idle time during those waits (instrumented; events until read at the micro-batch's end)
+        self._update_wait_s = self._update_stall_ms = 0.0
+        self._update_run = -1
+        self._update_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
         # GPU-side updates: one staging set per slot (depth + 1 per structure), so the next layer's states go H2D
         # while the previous layer's copy back D2H (one shared set serialized both directions: 2.08 s measured vs
@@ -609,7 +613,10 @@ class StreamingExecutor:
         self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
-        self._update_wait_s = 0.0
+        run = self.updater.runs if self.updater is not None else 0
+        if run != self._update_run:  # the first micro-batch after an optimizer step: its waits start again
+            self._update_wait_s = self._update_stall_ms = 0.0
+            self._update_run = run
         self._update_stalls.clear()
         self.streamer.copies.clear()
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
@@ -695,8 +702,9 @@ class StreamingExecutor:
             for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):
                 extra[key] = sum(a.elapsed_time(b) for a, b in owner.stalls)
                 owner.stalls.clear()
-            extra["exposed_update_wait_ms"] = sum(a.elapsed_time(b) for a, b in self._update_stalls)
+            self._update_stall_ms += sum(a.elapsed_time(b) for a, b in self._update_stalls)
             self._update_stalls.clear()
+            extra["exposed_update_wait_ms"] = self._update_stall_ms
             copy_ms = sum(a.elapsed_time(b) for a, b in self.streamer.copies)
             self.streamer.copies.clear()
             if copy_ms > 0:  # weight bytes over the copies' own time: the H2D rate next to this step's other work

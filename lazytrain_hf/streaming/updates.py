@@ -49,6 +49,7 @@ class LayerUpdater:
         self._error: BaseException | None = None
         self.last_run_s: float | None = None  # wall time of the last step's CPU updates (s)
         self.last_run_params = 0  # parameters those updates covered (count)
+        self.runs = 0  # optimizer steps deferred so far (the executor's counters restart with each)
         optimizer.set_deferred([p for ps in layer_params for p in ps], self._start)
 
     def set_device_layers(self, layers: set[int]) -> None:
@@ -61,6 +62,7 @@ class LayerUpdater:
 
     def _start(self, snapshot: dict[str, Any]) -> None:
         self.wait_all()
+        self.runs += 1
         if self.on_step is not None:
             self.on_step()
         for i in sorted(self.owned):

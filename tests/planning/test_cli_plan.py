@@ -145,6 +145,14 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
                               executor=SimpleNamespace(device=torch.device("cpu")), plan_layer_costs={},
                               plan_free_gpu_bytes=None, train_dataset={"input_ids": [[1] * 64]})
     assert cost_model_for_trainer(trainer, 64)[2] == prints["cpu-opt"].fingerprint
+    # default budgets: the CLI takes the profile's memory, the Trainer free / total memory; both fingerprint
+    # "defaulted", so `plan` then `train` with the defaults match (they differed before)
+    out = tmp_path / "defaults"
+    assert cli_plan.run(_args(*base[:2], *base[6:], "--no-gpu-optimizer", "--out-dir", str(out))) == 0
+    defaulted = Schedule.from_json(next(out.glob("*.schedule.json")))
+    trainer.lazy_config = LazyTrainConfig()
+    assert cost_model_for_trainer(trainer, 64)[2] == defaulted.fingerprint != prints["cpu-opt"].fingerprint
+    trainer.lazy_config = cfg
     # a loaded schedule planned for other inputs: a warning naming them
     callback = LazyTrainCallback(trainer)
     with caplog.at_level("WARNING", logger="lazytrain_hf.hf.callback"):
