@@ -16,7 +16,7 @@ and the plan is solved again with them (issue 5):
 
 delta is how much the running plan's predicted step grows when its CPU updates run at the measured rate (0 when
 no layer updates on the CPU), so the compute scale k takes only what the measured rate does not explain; compute =
-layers, re-forward, head, GPU-side updates: what runs on the GPU.
+the layers' forward, backward and re-forward and the head (the optimizer kernels keep their probed rates).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Calibration:
         once = ms("gpu_optim_ms") + ms("exposed_optimizer_ms")
         first = self._predicted_ms == 0.0
         self._predicted_ms += ms("step_ms") - (0.0 if first else once)
-        self._compute_ms += ms("compute_ms") + ms("recompute_ms") + (ms("gpu_optim_ms") if first else 0.0)
+        self._compute_ms += ms("compute_ms") + ms("recompute_ms")  # what CostModel.scaled_compute scales
 
     def note_cpu_update(self, ms: float | None, params: float | None) -> None:
         """The executor's last deferred CPU update run (its wall time, ms, and parameters; `stats.extra`

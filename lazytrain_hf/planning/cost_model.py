@@ -191,17 +191,16 @@ class CostModel:
         return (prefetch_depth + 1) * sum(largest.values())
 
     def scaled_compute(self, k: float) -> CostModel:
-        """A copy whose GPU compute takes k times as long: layer forward / backward and head times x k, the GPU
-        optimizer rate / k (calibration from measured steps, hf/calibrate.py). Transfers, memory and the CPU
-        optimizer are unchanged.
+        """A copy whose layer and head compute takes k times as long: forward / backward and head times x k
+        (calibration from measured steps, hf/calibrate.py). Transfers, memory and the optimizer rates (GPU and CPU:
+        separate kernels, measured on their own) are unchanged.
 
         Raises:
             ValueError: k <= 0."""
         if not k > 0:
             raise ValueError(f"compute scale must be > 0, but got {k}")
         return dataclasses.replace(self, fwd_ms=[t * k for t in self.fwd_ms], bwd_ms=[t * k for t in self.bwd_ms],
-                                   head_ms=self.head_ms * k, gpu_optim_params_per_s=self.gpu_optim_params_per_s / k,
-                                   meta=dict(self.meta, compute_scale=k))
+                                   head_ms=self.head_ms * k, meta=dict(self.meta, compute_scale=k))
 
     def with_cpu_optim_rate(self, params_per_s: float) -> CostModel:
         """A copy whose CPU optimizer updates `params_per_s` parameters/s (calibration: the rate the executor's
