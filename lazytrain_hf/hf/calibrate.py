@@ -47,6 +47,8 @@ class Calibration:
     skip: int = 1
     #: (measured, predicted, predicted GPU compute) per used step (ms)
     step_ms: list[tuple[float, float, float]] = field(default_factory=list)
+    #: per used step, the plan (sequence-length bucket) its first micro-batch ran: the CPU updates overlap it
+    step_buckets: list[Any] = field(default_factory=list)
     #: parameters/s of the deferred CPU updates that ran during each used step (steps with none left out)
     cpu_rates: list[float] = field(default_factory=list)
     done: bool = False
@@ -59,17 +61,21 @@ class Calibration:
     _predicted_ms: float = 0.0
     _compute_ms: float = 0.0
     _rate: float | None = None
+    _bucket: Any = None
     _seen: int = 0
 
-    def add_microbatch(self, predicted: dict[str, Any]) -> None:
-        """Account one micro-batch run under a schedule whose `predicted` dict is given (ms). A schedule predicts
-        one micro-batch plus the optimizer step; with gradient accumulation the optimizer terms (GPU-side updates,
-        exposed CPU update) count once per optimizer step, on its first micro-batch."""
+    def add_microbatch(self, predicted: dict[str, Any], bucket: Any = None) -> None:
+        """Account one micro-batch run under a schedule whose `predicted` dict is given (ms; `bucket`: which plan,
+        e.g. its sequence-length bucket). A schedule predicts one micro-batch plus the optimizer step; with gradient
+        accumulation the optimizer terms (GPU-side updates, exposed CPU update) count once per optimizer step, on its
+        first micro-batch."""
         def ms(key: str) -> float:
             return float(predicted.get(key) or 0.0)
 
         once = ms("gpu_optim_ms") + ms("exposed_optimizer_ms")
         first = self._predicted_ms == 0.0
+        if first:
+            self._bucket = bucket
         self._predicted_ms += ms("step_ms") - (0.0 if first else once)
         self._compute_ms += ms("compute_ms") + ms("recompute_ms")  # what CostModel.scaled_compute scales
 
@@ -88,6 +94,7 @@ class Calibration:
         if self.done or self.steps <= 0 or self._seen <= self.skip or p <= 0 or c <= 0:
             return False
         self.step_ms.append((measured_s * 1e3, p, c))
+        self.step_buckets.append(self._bucket)
         if rate is not None:
             self.cpu_rates.append(rate)
         if len(self.step_ms) < self.steps:
@@ -95,9 +102,11 @@ class Calibration:
         self.done = True
         return True
 
-    def compute_factors(self, delta_ms: float = 0.0) -> list[float]:
-        """k_i per used step, with the predictions raised by `delta_ms` (the measured CPU rate's effect)."""
-        return [1.0 + (m - p - delta_ms) / c for m, p, c in self.step_ms]
+    def compute_factors(self, delta_ms: float | dict[Any, float] = 0.0) -> list[float]:
+        """k_i per used step, with the predictions raised by `delta_ms` (the measured CPU rate's effect): one value,
+        or one per bucket (`step_buckets`; a bucket not in it: 0)."""
+        deltas = [delta_ms.get(b, 0.0) if isinstance(delta_ms, dict) else delta_ms for b in self.step_buckets]
+        return [1.0 + (m - p - d) / c for (m, p, c), d in zip(self.step_ms, deltas)]
 
     def measured_cpu_rate(self) -> float | None:
         """Median parameters/s of the deferred CPU updates over the used steps; None when none ran."""

@@ -100,10 +100,8 @@ class LazyTrainCallback(TrainerCallback):
         """The bucket plans solved again with the measured CPU optimizer rate and the GPU compute costs scaled by
         the measured factor (hf/calibrate.py), or None when the measurements match the running plan. Changes
         nothing itself (the caller switches). Each rank decides on its own measurements: ranks may run different
-        plans (set_schedule issues no collective).
-
-        The CPU-rate correction (delta) is computed on the longest bucket's plan, which every step runs when the
-        data has one length (packed rows); steps of shorter buckets are corrected as if they ran it."""
+        plans (set_schedule issues no collective). The CPU-rate correction (delta) of each measured step is that of
+        the bucket plan its first micro-batch ran (the one the CPU updates overlap)."""
         import statistics
 
         from ..planning.estimate import evaluate
@@ -114,11 +112,12 @@ class LazyTrainCallback(TrainerCallback):
         old_scale = float(old.solver.get("compute_scale", 1.0))
         planned_rate = old.solver.get("cpu_optim_params_per_s")
         rate = cal.measured_cpu_rate()
-        delta = 0.0
-        if rate is not None and planned_rate:  # the running plan under the measured rate, compute unchanged
-            T = old.solver.get("seq_len_bucket")
-            cm = cost_model_for_trainer(tr, T, old_scale)[0]
-            delta = evaluate(cm.with_cpu_optim_rate(rate), old).step_ms - evaluate(cm, old).step_ms
+        delta: dict[Any, float] = {}  # per bucket the measured steps ran: its plan at the measured rate, compute kept
+        if rate is not None and planned_rate:
+            for T in {b for b in cal.step_buckets if b in tr.bucket_plans.schedules}:
+                plan = tr.bucket_plans.schedules[T]
+                cm = cost_model_for_trainer(tr, T, old_scale)[0]
+                delta[T] = evaluate(cm.with_cpu_optim_rate(rate), plan).step_ms - evaluate(cm, plan).step_ms
         cal.k = cal.compute_factors(delta)
         k = statistics.median(cal.k)
         k = k if k > 0 else 1.0

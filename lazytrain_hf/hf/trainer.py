@@ -204,7 +204,8 @@ class LazyTrainerMixin:
             denominator = shift_labels(labels).ne(-100).sum().clamp(min=1) * self.current_gradient_accumulation_steps
             denominator = denominator * world
         if self.calibration is not None:
-            self.calibration.add_microbatch(self.executor.schedule.predicted)
+            sched = self.executor.schedule
+            self.calibration.add_microbatch(sched.predicted, sched.solver.get("seq_len_bucket"))
         loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
                                               inputs.get("position_ids"), denominator=denominator,
                                               sync_gradients=self.accelerator.sync_gradients)

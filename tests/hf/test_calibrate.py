@@ -61,6 +61,14 @@ def test_the_measured_cpu_update_rate_takes_its_share_of_the_miss():
     assert cal.measured_cpu_rate() == pytest.approx(2.25e9)
     assert cal.compute_factors() == [pytest.approx(1.375)] * 3  # all of the 300 ms miss on the GPU compute
     assert cal.compute_factors(delta_ms=300.0) == [pytest.approx(1.0)] * 3  # the CPU rate explains all of it
+    # per sequence-length bucket: each step is corrected by the plan its first micro-batch ran
+    per = Calibration(steps=2, skip=0)
+    for bucket, extra in ((512, 0), (1024, 200)):
+        per.add_microbatch(PRED, bucket)
+        per.add_microbatch(PRED, 64)  # a later micro-batch's bucket does not count
+        per.end_step((1950 + 300 + extra) / 1e3)  # 1000 + 950 predicted (GPU update once), 300 (+200) more
+    assert per.step_buckets == [512, 1024]
+    assert per.compute_factors({512: 300.0, 1024: 500.0}) == [pytest.approx(1.0), pytest.approx(1.0)]
     # re-plan when the compute or the CPU rate is off: 5% and 10%
     assert Calibration.needs_replan(1.06, None, 2e9) and not Calibration.needs_replan(1.04, 2.1e9, 2e9)
     assert Calibration.needs_replan(1.0, 1.7e9, 2e9) and not Calibration.needs_replan(1.0, None, 2e9)
