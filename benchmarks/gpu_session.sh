@@ -54,7 +54,7 @@ for stage in "$@"; do
            LAZYTRAIN_CPU_THREADS=$(( T - 2 )) timeout 130 $PIN python3 -m benchmarks.bench_executor --system lazytrain_milp \
              --gpu-optimizer --batch-sizes 64 --steps 4 $S 2>&1 | grep -v Warning
            bash "$0" optim ;;
-    s7)    # 1 GPU (~8 min): GPU tests, then issue 3 / 5 / 6 with the CPU-rate calibration (hf/calibrate.py): stock
+    s7)    # 1 GPU (~8.5 min; 4 warm-up steps per row now): GPU tests, then issue 3 / 5 / 6 with the CPU-rate calibration (hf/calibrate.py): stock
            # Trainer uncapped B=32 and MILP at 24 GiB B=32 in one run, MILP at 80 GiB B=64, then MILP 24 GiB B=32 with
            # one core left to the launching thread (LAZYTRAIN_CPU_THREADS = cores - 1). Rows record the worker's
            # measured rate, the GPU-updated layer count and the wait on CPU updates.
@@ -62,12 +62,12 @@ for stage in "$@"; do
            HRES=${HARNESS_OUT:-benchmarks/results/7b-s7-$(date +%Y%m%d).json}
            H="python3 -m benchmarks.run --suite 7b --out $HRES --min-start-s 40"
            timeout 90 $PIN $H --systems stock_trainer --caps none --batch-sizes 32 --budget-s 85 2>&1 | grep -v -i warning | grep -v train_runtime
-           timeout 110 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 105 2>&1 | grep -v -i warning | grep -v train_runtime
-           timeout 150 $PIN $H --systems lazytrain_milp --caps 80 --batch-sizes 64 --budget-s 145 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 130 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 170 $PIN $H --systems lazytrain_milp --caps 80 --batch-sizes 64 --budget-s 165 2>&1 | grep -v -i warning | grep -v train_runtime
            T=${LAZYTRAIN_CPU_THREADS:-$(nproc)}
-           LAZYTRAIN_CPU_THREADS=$(( T - 1 )) timeout 120 $PIN python3 -m benchmarks.run --suite 7b \
+           LAZYTRAIN_CPU_THREADS=$(( T - 1 )) timeout 130 $PIN python3 -m benchmarks.run --suite 7b \
              --out "${HRES%.json}-threads.json" --min-start-s 40 --systems lazytrain_milp --caps 24 --batch-sizes 32 \
-             --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+             --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime
            cp "$HRES" "${HRES%.json}-threads.json" "$OUT/" ;;
     s6b)   # 1 GPU (~8.5 min): the Qwen3.5 layer-measure test (3-D rotary positions), the deferred CPU updates' worker
            # and blocked times at 24 GiB B=8 (bench_executor: cpu_upd / wait), then issue 3 at 64 x 1024 tokens/step
