@@ -100,13 +100,19 @@ def _state_bytes(opt: torch.optim.Optimizer, keys: tuple[str, ...] | None = None
 _MOMENTS = ("state1", "state2", "absmax1", "absmax2", "exp_avg", "exp_avg_sq", "qmap1", "qmap2")
 
 
+def _params(args: argparse.Namespace, dtype: torch.dtype, device: str) -> list[torch.nn.Parameter]:
+    """`args.params` parameters in `args.tensors` tensors on `device`, each with a random gradient."""
+    params = [torch.nn.Parameter(t.to(device)) for t in _tensors(args.params, args.tensors, dtype)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    return params
+
+
 def _hybrid8_gpu(args: argparse.Namespace) -> tuple[Callable[[], None], int, int]:
     from lazytrain_hf.optim import Hybrid8bitOptimizer
 
-    params = [torch.nn.Parameter(t.cuda()) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = Hybrid8bitOptimizer(params, lr=1e-5, weight_decay=0.01, master_weights=args.master_weights)
+    opt = Hybrid8bitOptimizer(_params(args, _DTYPES[args.param_dtype], "cuda"), lr=1e-5, weight_decay=0.01,
+                              master_weights=args.master_weights)
     norm = torch.tensor(2.0, device="cuda")
 
     def step() -> None:
@@ -114,30 +120,25 @@ def _hybrid8_gpu(args: argparse.Namespace) -> tuple[Callable[[], None], int, int
         opt.step()
 
     step()
-    return step, _state_bytes(opt), _state_bytes(opt, ("state1", "state2", "absmax1", "absmax2"))
+    return step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
-def _torch_gpu(args: argparse.Namespace, impl: str) -> tuple[Callable[[], None], int, int]:
-    params = [torch.nn.Parameter(t.cuda()) for t in _tensors(args.params, args.tensors, torch.float32)]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, **{impl: True})
+def _torch_adamw(args: argparse.Namespace, device: str, impl: str) -> tuple[Callable[[], None], int, int]:
+    """torch.optim.AdamW with fp32 parameters on `device`, `impl` "fused" or "foreach"."""
+    opt = torch.optim.AdamW(_params(args, torch.float32, device), lr=1e-5, weight_decay=0.01, **{impl: True})
     opt.step()
     return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
-def _bnb_gpu(args: argparse.Namespace) -> tuple[Callable[[], None], int, int]:
+def _bnb(args: argparse.Namespace, device: str) -> tuple[Callable[[], None], int, int]:
     import bitsandbytes as bnb
 
-    params = [torch.nn.Parameter(t.cuda()) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = bnb.optim.AdamW8bit(params, lr=1e-5, weight_decay=0.01)
+    opt = bnb.optim.AdamW8bit(_params(args, _DTYPES[args.param_dtype], device), lr=1e-5, weight_decay=0.01)
     opt.step()
     return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
-def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[Callable[[], None], int]:
+def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[Callable[[], None], int, int]:
     """--stagger K: the parameter, its gradient and each optimizer state buffer start at distinct page offsets
     (0, K, 2K, ... mod 4096): Intel cores stall a load that follows a store to an address with the same low 12
     bits (4K aliasing), and the executor's page-aligned buffers of one layer all share their low 12 bits."""
@@ -167,27 +168,7 @@ def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[C
         opt.step()
 
     step()   # allocate states
-    return step, sum(opt.state_bytes().values()), _state_bytes(opt, ("state1", "state2", "absmax1", "absmax2"))
-
-
-def _torch_fused(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
-    params = [torch.nn.Parameter(t) for t in _tensors(args.params, args.tensors, torch.float32)]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
-    opt.step()
-    return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
-
-
-def _bnb_cpu(args: argparse.Namespace) -> tuple[Callable[[], None], int]:
-    import bitsandbytes as bnb
-
-    params = [torch.nn.Parameter(t) for t in _tensors(args.params, args.tensors, _DTYPES[args.param_dtype])]
-    for p in params:
-        p.grad = (torch.randn(p.shape) * 1e-3).to(p.dtype)
-    opt = bnb.optim.AdamW8bit(params, lr=1e-5, weight_decay=0.01)
-    opt.step()
-    return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
+    return step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
 def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -211,12 +192,12 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
             "hybrid8_torch": lambda: _hybrid8(args, "torch", "8bit"),
             "hybrid8_cpp": lambda: _hybrid8(args, "cpp", "8bit"),
             "hybrid8_cpp_fp32_states": lambda: _hybrid8(args, "cpp", "fp32"),
-            "torch_adamw_fused_fp32": lambda: _torch_fused(args),
-            "bnb_adamw8bit_cpu": lambda: _bnb_cpu(args),
+            "torch_adamw_fused_fp32": lambda: _torch_adamw(args, "cpu", "fused"),
+            "bnb_adamw8bit_cpu": lambda: _bnb(args, "cpu"),
             "hybrid8_gpu": lambda: _hybrid8_gpu(args),
-            "bnb_adamw8bit_gpu": lambda: _bnb_gpu(args),
-            "torch_adamw_fused_fp32_gpu": lambda: _torch_gpu(args, "fused"),
-            "torch_adamw_foreach_fp32_gpu": lambda: _torch_gpu(args, "foreach"),
+            "bnb_adamw8bit_gpu": lambda: _bnb(args, "cuda"),
+            "torch_adamw_fused_fp32_gpu": lambda: _torch_adamw(args, "cuda", "fused"),
+            "torch_adamw_foreach_fp32_gpu": lambda: _torch_adamw(args, "cuda", "foreach"),
         }
         if system not in builders:
             raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS + GPU_SYSTEMS}")

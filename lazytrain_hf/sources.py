@@ -14,9 +14,10 @@ from __future__ import annotations
 import difflib
 import os
 import threading
+from collections.abc import Container
 from pathlib import Path
 
-__all__ = ["SCHEMAS", "SCHEMA_HELP", "looks_like_local_path", "local_data_file", "check_data_columns",
+__all__ = ["SCHEMAS", "SCHEMA_HELP", "match_schema", "looks_like_local_path", "local_data_file", "check_data_columns",
            "missing_data_error", "check_tokenizer_path",
            "locate_model",
            "hub_timeout_s"]
@@ -58,6 +59,15 @@ def missing_data_error(path: Path, split: str) -> FileNotFoundError:
     )
 
 
+def match_schema(columns: Container[str]) -> tuple[str, str, str] | None:
+    """(schema name, question column, solution column) of the first schema in `SCHEMAS` whose columns are all in
+    `columns`, or None."""
+    for schema, (question_col, solution_col) in SCHEMAS.items():
+        if question_col in columns and solution_col in columns:
+            return schema, question_col, solution_col
+    return None
+
+
 def check_data_columns(path: Path) -> None:
     """The first row of local JSONL data file `path` has the columns of an accepted schema (`SCHEMAS`): read
     without `datasets`, so a wrong file fails before the heavy imports. An empty file is the loader's to report.
@@ -76,7 +86,7 @@ def check_data_columns(path: Path) -> None:
     except ValueError as e:
         raise ValueError(f"'{path}' is not JSON Lines (first row: {e}). Fix: one JSON object per line "
                          f"({SCHEMA_HELP}).") from None
-    if not isinstance(row, dict) or not any(q in row and a in row for q, a in SCHEMAS.values()):
+    if not isinstance(row, dict) or match_schema(row) is None:
         found = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise ValueError(f"'{path}': rows have columns {found}, but a math data set needs {SCHEMA_HELP}. Fix: "
                          "point data.source at such a file, or rename the columns.")

@@ -23,7 +23,7 @@ from typing import Any
 import datasets
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
-from ..sources import SCHEMA_HELP, SCHEMAS, local_data_file
+from ..sources import SCHEMA_HELP, SCHEMAS, local_data_file, match_schema
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ IGNORE_INDEX = -100
 """Label value that ``torch.nn.CrossEntropyLoss`` (and HF models' loss) ignores: prompt tokens and padding."""
 
 
-_SCHEMA_HELP = SCHEMA_HELP
 _NORMALIZED_COLUMNS = ("prompt", "response", "reference")
 
 # "####" (GSM8K) or "The answer is:" (MetaMathQA; colon optional, any case); the last match wins.
@@ -161,7 +160,7 @@ def _read_jsonl(path: Path, source: str) -> datasets.Dataset:
     if empty:
         raise ValueError(
             f"math data set {source!r} is empty: '{path}' has no rows. Fix: point `source` at a JSONL file with "
-            f"one example per line ({_SCHEMA_HELP})."
+            f"one example per line ({SCHEMA_HELP})."
         )
     try:
         return datasets.load_dataset("json", data_files=str(path), split="train")
@@ -169,7 +168,7 @@ def _read_jsonl(path: Path, source: str) -> datasets.Dataset:
         cause = err.__cause__ or err
         raise ValueError(
             f"math data set {source!r}: '{path}' is not valid JSON Lines ({cause}). Fix: write one JSON object "
-            f"per line ({_SCHEMA_HELP})."
+            f"per line ({SCHEMA_HELP})."
         ) from err
 
 
@@ -200,12 +199,12 @@ def _detect_schema(columns: list[str], source: str) -> tuple[str, str, str]:
     Raises:
         ValueError: neither schema matches; the message lists the columns found and both expected schemas.
     """
-    for schema, (question_col, solution_col) in SCHEMAS.items():
-        if question_col in columns and solution_col in columns:
-            return schema, question_col, solution_col
+    found = match_schema(columns)
+    if found is not None:
+        return found
     raise ValueError(
         f"math data set {source!r} matches neither supported schema: found columns {sorted(columns)}. Expected "
-        f"{_SCHEMA_HELP}. Fix: rename the columns (Dataset.rename_columns) or point `source` at GSM8K/MetaMathQA data."
+        f"{SCHEMA_HELP}. Fix: rename the columns (Dataset.rename_columns) or point `source` at GSM8K/MetaMathQA data."
     )
 
 
@@ -257,7 +256,7 @@ def load_math_dataset(
     if len(raw) == 0:
         raise ValueError(
             f"math data set {source!r} (split {split!r}) has no rows. Fix: point `source` at a non-empty data set "
-            f"({_SCHEMA_HELP})."
+            f"({SCHEMA_HELP})."
         )
     _, question_col, solution_col = _detect_schema(list(raw.column_names), str(source))
 

@@ -77,9 +77,13 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             mod = getattr(model, getter, lambda: None)()
             if mod is not None and getattr(mod, "weight", None) is not None:
                 fp32.append(mod.weight)
-        fp32 += [p for n, p in model.named_parameters() if any(m in n for m in modules)]
-        kwargs["fp32_state_params"] = fp32
+        kwargs["fp32_state_params"] = fp32 + params_named(model, modules)
     return Hybrid8bitOptimizer, kwargs
+
+
+def params_named(model: Any, parts: list[str]) -> list[Any]:
+    """The parameters of `model` whose name contains any of `parts` (fp32_state_modules)."""
+    return [p for n, p in model.named_parameters() if any(m in n for m in parts)] if parts else []
 
 
 class _PlainStrReduce:

@@ -121,14 +121,14 @@ class LazyTrainerMixin:
             cfg = args.lazy_config
             from transformers.trainer_optimizer import _parse_optim_args
 
-            from .register import parse_optim_args
+            from .register import params_named, parse_optim_args
 
             explicit = set(parse_optim_args(_parse_optim_args(args.optim_args)))  # the handler's reading
             extra = {"state_dtype": cfg.state_dtype, "master_weights": cfg.master_weights,
                      "block_size": cfg.block_size, "min_8bit_size": cfg.min_8bit_size}
             kwargs.update({k: v for k, v in extra.items() if k not in explicit})
             if cfg.fp32_state_modules and model is not None:
-                named = [p for n, p in model.named_parameters() if any(m in n for m in cfg.fp32_state_modules)]
+                named = params_named(model, cfg.fp32_state_modules)
                 kwargs["fp32_state_params"] = list(kwargs.get("fp32_state_params") or []) + named
         return cls, kwargs
 

@@ -1050,9 +1050,13 @@ def with_margin(e: InfeasiblePlanError, margin: float) -> InfeasiblePlanError:
                                min_gpu_bytes_at_min_host=None if at_host else need)
 
 
-def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
+_SOLVE = object()  # infeasible_error: solve for the smallest GPU budget itself
+
+
+def infeasible_error(cm: CostModel, min_gpu: int | None | object = _SOLVE) -> InfeasiblePlanError:
     """The error for `cm`'s budgets, naming the smallest feasible GPU budget (at its host budget, and with
-    unlimited host memory) and the smallest host budget."""
+    unlimited host memory) and the smallest host budget. `min_gpu`: `min_gpu_bytes(cm)` when the caller has it
+    already (the memory-only MILP is not solved again)."""
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     host_min = _round_budget_up(cm.host_fixed_bytes)
     big_host = cm.with_budgets(pinned_host_bytes=max(cm.pinned_host_bytes, cm.host_fixed_bytes)
@@ -1069,7 +1073,7 @@ def infeasible_error(cm: CostModel) -> InfeasiblePlanError:
                f"{gib(host_min)}{gpu_note}.")
         return InfeasiblePlanError(msg, min_gpu_bytes=None, min_host_bytes=host_min, min_gpu_bytes_any_host=any_host_r,
                                    min_gpu_bytes_at_min_host=at_min_r)
-    at_host = min_gpu_bytes(cm)
+    at_host = min_gpu_bytes(cm) if min_gpu is _SOLVE else min_gpu
     at_host_r = _round_budget_up(at_host) if at_host is not None else None
     more_host = ""
     if any_host_r is not None and at_host_r is not None and any_host_r < at_host_r:
@@ -1236,10 +1240,10 @@ def _fallback(cm: CostModel, depth: int, evaluator: StepEvaluator, time_limit_s:
         s = fixed[0]
         return s, f"the fixed heuristic (checkpoint every {checkpoint_interval(s)} layers, boundaries in the {_tier(s)} tier)"
     # the user's limit again (at least 1 s: a memory-only solve is small), not the 10 s default
-    _, sched, proven = _min_memory_plan(cm, depth, max(1.0, time_limit_s))
+    min_gpu, sched, proven = _min_memory_plan(cm, depth, max(1.0, time_limit_s))
     if sched is not None and evaluator.evaluate(PlanArrays.of(sched)).fits(cm):
         return sched, "the plan of smallest GPU memory (no fixed-heuristic variant fits the budgets)"
-    e = infeasible_error(cm)
+    e = infeasible_error(cm, min_gpu if depth == 1 and proven else _SOLVE)  # its figure is at depth 1
     if proven:
         raise e
     raise e.restated(f"{e} The solver stopped at its time limit ({_seconds(time_limit_s)}) before deciding: a "

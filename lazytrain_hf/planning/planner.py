@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..config import format_bytes
 from .cost_model import CostModel
 from .estimate import evaluate, recompute_flags
 from .fixed import checkpoint_interval, fixed_schedule
@@ -101,8 +102,8 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
     # fixed_schedule gives every layer the tier (layer 0 is then moved to the GPU)
     needs = (f"The fixed schedule (checkpoint every {checkpoint_interval(sched)} layers in the {sched.layers[-1].tier} tier, "
              f"prefetch depth {sched.prefetch_depth}) needs "
-             f"{_gib(p['peak_gpu_bytes'])} GPU and {_gib(p['pinned_host_bytes'])} host memory"
-             f"{_nvme_need(p)}, over the budgets ({_gib(cm.gpu_bytes)} GPU, {_gib(cm.pinned_host_bytes)} host"
+             f"{format_bytes(p['peak_gpu_bytes'])} GPU and {format_bytes(p['pinned_host_bytes'])} host memory"
+             f"{_nvme_need(p)}, over the budgets ({format_bytes(cm.gpu_bytes)} GPU, {format_bytes(cm.pinned_host_bytes)} host"
              f"{_nvme_need({'nvme_bytes': cm.nvme_bytes})}).")
     fitting = fixed_candidates(cm, sched.prefetch_depth)
     if fitting:
@@ -112,7 +113,7 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
     else:
         need = min_gpu_bytes(cm)
         if need is None or need > cm.gpu_bytes:
-            e = infeasible_error(cm)
+            e = infeasible_error(cm, need)
             return e.restated(f"{needs} {e} (those minimums are --policy milp's; this fixed schedule needs the "
                               "budgets above)")
         advice = " No fixed variant fits; --policy milp (lazytrain_config.policy) finds a plan that does."
@@ -124,12 +125,8 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
                                min_gpu_bytes_any_host=None)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def _nvme_need(p: dict[str, Any]) -> str:
-    return f" and {_gib(p['nvme_bytes'])} NVMe" if p["nvme_bytes"] else ""
+    return f" and {format_bytes(p['nvme_bytes'])} NVMe" if p["nvme_bytes"] else ""
 
 
 def make_schedule_from_config(cost_model: CostModel, config: Any, fingerprint: str = "") -> Schedule:

@@ -195,10 +195,7 @@ class StreamingExecutor:
                                [p.data for p in self._resident])
         self.streamer: WeightStreamer | None = None
         self.updater: LayerUpdater | None = None
-        # time blocked on deferred CPU updates since the last optimizer step, over its micro-batches (stats.extra),
-        # and the GPU's idle time during those waits (instrumented; events until read at the micro-batch's end)
-        self._update_wait_s = self._update_stall_ms = 0.0
-        self._update_run = -1
+        # GPU idle time around waits for deferred CPU updates (instrumented): events until the micro-batch's end
         self._update_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
         # GPU-side updates: one staging set per slot (depth + 1 per structure), so the next layer's states go H2D
@@ -290,7 +287,7 @@ class StreamingExecutor:
             self._update_stalls.append((before, after))
         else:
             self.updater.wait(layer)
-        self._update_wait_s += time.perf_counter() - t
+        self.updater.wait_s += time.perf_counter() - t
 
     def flush_updates(self) -> None:
         """Apply every deferred optimizer update now (before weights or optimizer states are read or saved).
@@ -613,10 +610,6 @@ class StreamingExecutor:
         self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
-        run = self.updater.runs if self.updater is not None else 0
-        if run != self._update_run:  # the first micro-batch after an optimizer step: its waits start again
-            self._update_wait_s = self._update_stall_ms = 0.0
-            self._update_run = run
         self._update_stalls.clear()
         self.streamer.copies.clear()
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
@@ -693,18 +686,20 @@ class StreamingExecutor:
         self.stash.clear()
         # the training thread blocked on deferred CPU updates (an upper bound of their exposed time: the GPU may
         # still run queued work meanwhile), and how long the CPU worker took for the last step's updates
-        extra = {"optimizer_wait_ms": self._update_wait_s * 1e3}
-        if self.updater is not None and self.updater.last_run_s is not None:
-            extra["cpu_update_ms"] = self.updater.last_run_s * 1e3
-            extra["cpu_update_params"] = float(self.updater.last_run_params)
+        up = self.updater
+        extra = {"optimizer_wait_ms": up.wait_s * 1e3 if up is not None else 0.0}
+        if up is not None and up.last_run_s is not None:
+            extra["cpu_update_ms"] = up.last_run_s * 1e3
+            extra["cpu_update_params"] = float(up.last_run_params)
         if self.device.type == "cuda" and self.streamer.instrument:
             torch.cuda.synchronize(self.device)
             for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):
                 extra[key] = sum(a.elapsed_time(b) for a, b in owner.stalls)
                 owner.stalls.clear()
-            self._update_stall_ms += sum(a.elapsed_time(b) for a, b in self._update_stalls)
+            if up is not None:  # (events exist only with an updater)
+                up.stall_ms += sum(a.elapsed_time(b) for a, b in self._update_stalls)
+            extra["exposed_update_wait_ms"] = up.stall_ms if up is not None else 0.0
             self._update_stalls.clear()
-            extra["exposed_update_wait_ms"] = self._update_stall_ms
             copy_ms = sum(a.elapsed_time(b) for a, b in self.streamer.copies)
             self.streamer.copies.clear()
             if copy_ms > 0:  # weight bytes over the copies' own time: the H2D rate next to this step's other work

@@ -49,7 +49,10 @@ class LayerUpdater:
         self._error: BaseException | None = None
         self.last_run_s: float | None = None  # wall time of the last step's CPU updates (s)
         self.last_run_params = 0  # parameters those updates covered (count)
-        self.runs = 0  # optimizer steps deferred so far (the executor's counters restart with each)
+        # the training thread's time blocked on this run's updates (s) and the GPU's idle time meanwhile (ms,
+        # measured by the executor when instrumented); both restart with each optimizer step
+        self.wait_s = 0.0
+        self.stall_ms = 0.0
         optimizer.set_deferred([p for ps in layer_params for p in ps], self._start)
 
     def set_device_layers(self, layers: set[int]) -> None:
@@ -62,7 +65,7 @@ class LayerUpdater:
 
     def _start(self, snapshot: dict[str, Any]) -> None:
         self.wait_all()
-        self.runs += 1
+        self.wait_s = self.stall_ms = 0.0
         if self.on_step is not None:
             self.on_step()
         for i in sorted(self.owned):
