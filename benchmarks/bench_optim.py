@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from lazytrain_hf.config import cpu_threads
+
 from .common import ROW_KEYS, git_commit, machine
 
 SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu"]
@@ -177,7 +179,7 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
     gpu = system in GPU_SYSTEMS
     row.update(system=system, model=f"synthetic-{args.tensors}x", params=args.params,
                extra={"param_dtype": pdtype, "device": "cuda" if gpu else "cpu", "tensors": args.tensors,
-                      **({} if gpu else {"threads": torch.get_num_threads()})})
+                      **({} if gpu else {"threads": torch.get_num_threads(), "kernel_threads": cpu_threads()})})
     if gpu and not torch.cuda.is_available():
         row.update(status="unsupported", reason="needs CUDA")
         return row
@@ -252,7 +254,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'moments':>8s}")
     for threads in args.threads or [None]:
         if threads:
+            # the C++ kernel takes lazytrain_hf.config.cpu_threads(), which LAZYTRAIN_CPU_THREADS overrides
+            # (gpu_session.sh exports it): set both, or every row would run on the exported count
             torch.set_num_threads(threads)
+            os.environ["LAZYTRAIN_CPU_THREADS"] = str(threads)
         for system in systems:
             if system in GPU_SYSTEMS and threads != (args.threads or [None])[0]:
                 continue  # GPU rows once

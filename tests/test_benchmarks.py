@@ -74,12 +74,17 @@ def test_bench_optim_staggered_buffers(tmp_path):
     assert row["status"] == "ok" and row["extra"]["stagger_bytes"] == 1088, row
 
 
-def test_bench_optim_thread_sweep_gpu_rows_and_state_bytes(tmp_path):
-    """--threads 1,2 repeats the CPU rows per thread count; GPU rows run once (unsupported without CUDA); the
-    8-bit rows hold 2 bytes of moments per parameter plus one fp32 absmax per 256-element block per moment."""
+def test_bench_optim_thread_sweep_gpu_rows_and_state_bytes(tmp_path, monkeypatch):
+    """--threads 1,2 repeats the CPU rows per thread count, the C++ kernel's count included even when
+    LAZYTRAIN_CPU_THREADS is exported (gpu_session.sh does: session 7's sweep ran every row on 16); GPU rows run once
+    (unsupported without CUDA); the 8-bit rows hold 2 bytes of moments per parameter plus one fp32 absmax per
+    256-element block per moment."""
     import torch
 
     from benchmarks import bench_optim
+
+    monkeypatch.setenv("LAZYTRAIN_CPU_THREADS", "5")
+    threads_before = torch.get_num_threads()
 
     doc = bench_optim.main(["--params", "65536", "--systems", "hybrid8_torch,torch_adamw_fused_fp32,hybrid8_gpu",
                             "--threads", "1,2", "--steps", "5", "--warmup", "1", "--out", str(tmp_path / "o.json")])
@@ -90,5 +95,7 @@ def test_bench_optim_thread_sweep_gpu_rows_and_state_bytes(tmp_path):
     assert h8["moment_bytes_per_param"] == 2 + 2 * 4 / 256  # issue 4's 2.03 (<= 2.04)
     assert h8["state_bytes_per_param"] == 2 + 2 * 4 / 256 + 4  # + fp32 master for bf16 parameters
     assert rows[("torch_adamw_fused_fp32", 2)]["extra"]["moment_bytes_per_param"] == 8
+    assert [rows[("hybrid8_torch", t)]["extra"]["kernel_threads"] for t in (1, 2)] == [1, 2]
+    torch.set_num_threads(threads_before)
     gpu = rows[("hybrid8_gpu", None)]
     assert gpu["status"] == ("ok" if torch.cuda.is_available() else "unsupported")
