@@ -64,10 +64,16 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
            "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     full: dict[str, int] = {}  # long note -> its number below the table
     for r in rows:
-        step = "-" if r["step_s_median"] is None else \
-            f"{r['step_s_median']:.3f} ({r['step_s_p10']:.3f}-{r['step_s_p90']:.3f}, n={r['steps_timed']})"
+        if r["step_s_median"] is None:
+            step = "-"
+        elif r["step_s_p10"] is None:   # a row recovered from a worker's printed line keeps only the median
+            step = f"{r['step_s_median']:.3f} (median only)"
+        else:
+            step = f"{r['step_s_median']:.3f} ({r['step_s_p10']:.3f}-{r['step_s_p90']:.3f}, n={r['steps_timed']})"
         xfer = "-" if r["exposed_h2d_ms"] is None else f"{r['exposed_h2d_ms']:.0f} / {r['exposed_d2h_ms'] or 0:.0f}"
-        note = " ".join(((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or "")).split())
+        recovered = "recovered from the worker's printed line" if (r.get("extra") or {}).get("recovered_from_stdout") \
+            else ""
+        note = " ".join(((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or recovered)).split())
         if len(note) > NOTE_CELL:
             n = full.setdefault(note, len(full) + 1)
             note = textwrap.shorten(note, NOTE_CELL, placeholder=f" ... (note {n})")

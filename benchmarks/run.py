@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +134,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir: Path) -> list[dict[str, Any]]:
+#: the module run_process starts (tests substitute a worker that writes a row and then hangs in teardown)
+WORKER_MODULE = "benchmarks.worker"
+
+
+def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir: Path,
+                on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Run benchmarks.worker on `spec` in a new process (own session); the rows it wrote, plus rows for the batch
-    sizes it did not finish: "timeout" after `timeout_s`, "error"/"oom" when it died; none at the global deadline."""
+    sizes it did not finish: "timeout" after `timeout_s`, "error"/"oom" when it died; none at the global deadline.
+    `on_rows` receives each finished row as soon as the worker writes it (polled every second), so a row survives
+    this process being killed while the worker tears down (session 7 lost two measured rows to an outer `timeout`
+    that fired while a 55 GiB pinned store was being freed)."""
     from .systems import distributed_env
 
     tag = f"{spec['system']}-{spec['model']}-{spec['gpu_cap_gib']}-{'_'.join(map(str, spec['batch_sizes']))}"
@@ -153,18 +162,37 @@ def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir
     log = workdir / f"{tag}.log"
     limit = min(timeout_s, deadline - time.time())
     t0 = time.time()
+    rows_out = Path(spec["rows_out"])
+
+    def written() -> list[dict[str, Any]]:   # complete lines only: the worker may be mid-append
+        text = rows_out.read_text() if rows_out.is_file() else ""
+        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+    passed = 0
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", str(spec_path)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(spec_path)], env=env,
                                 stderr=err, cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+        killed: str | None = "interrupted"
         try:
-            rc = proc.wait(timeout=max(1.0, limit))
-            killed = None
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and what it started
-            proc.wait()
-            rc, killed = proc.returncode, ("deadline" if limit < timeout_s else "timeout")
-    rows = [json.loads(line) for line in Path(spec["rows_out"]).read_text().splitlines()] \
-        if Path(spec["rows_out"]).is_file() else []
+            while True:
+                try:
+                    rc = proc.wait(timeout=max(0.05, min(1.0, t0 + max(1.0, limit) - time.time())))
+                    killed = None
+                    break
+                except subprocess.TimeoutExpired:
+                    rows = written()
+                    if on_rows and len(rows) > passed:
+                        on_rows(rows[passed:])
+                        passed = len(rows)
+                    if time.time() >= t0 + max(1.0, limit):
+                        killed = "deadline" if limit < timeout_s else "timeout"
+                        break
+        finally:
+            if killed:   # deadline, timeout, or this process interrupted (SIGTERM / Ctrl-C): never orphan a worker
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and what it started
+                proc.wait()
+                rc = proc.returncode
+    rows = written()
     missing = [B for B in spec["batch_sizes"] if B not in {r["batch_size"] for r in rows}]
     if not missing or killed == "deadline":
         return rows
@@ -208,7 +236,7 @@ def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, syste
             print(f"budget: not starting {system} {model} cap={cap} B={group}", flush=True)
             return
         rows = run_process(_spec(args, suite, system, model, cap, group), args.timeout_s or suite["timeout"][system],
-                           deadline, workdir)
+                           deadline, workdir, on_rows=res.put)
         res.put(rows)
         for r in rows:
             if r["status"] != "ok" or system in ONE_BATCH_PER_PROCESS:
@@ -327,4 +355,6 @@ def main(argv: list[str] | None = None) -> Results:
 
 
 if __name__ == "__main__":
+    # SIGTERM (an outer `timeout`) unwinds like Ctrl-C: run_process kills its worker, rows already saved stay saved
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

@@ -83,6 +83,24 @@ def test_worker_timeout_is_recorded(tmp_path):
     assert run.run_process(spec, timeout_s=100, deadline=time.time() + 0.5, workdir=tmp_path) == []
 
 
+def test_finished_rows_are_saved_while_the_worker_still_runs(tmp_path, monkeypatch):
+    """A row the worker has written reaches on_rows (the harness saves it into --out) within about a second, before
+    the worker exits: in session 7 an outer `timeout` killed the harness while a worker freed its pinned store, and
+    two measured rows were lost. At the deadline the hanging worker is killed and the row is still returned."""
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "WORKER_MODULE", "tests._hanging_worker")
+    args = run.parse_args(["--suite", "smoke", "--out", str(tmp_path / "x.json")])
+    spec = run._spec(args, run.SUITES["smoke"], "stock_trainer", "qwen3-tiny", None, [2])
+    got: list[tuple[float, list]] = []
+    t0 = time.time()
+    rows = run.run_process(spec, timeout_s=100, deadline=t0 + 8, workdir=tmp_path,
+                           on_rows=lambda r: got.append((time.time() - t0, r)))
+    assert len(got) == 1 and got[0][0] < 7, got          # delivered while the worker was still alive
+    assert [r["batch_size"] for r in got[0][1]] == [2] and [r["status"] for r in rows] == ["ok"]
+    assert time.time() - t0 < 30
+
+
 def test_find_max_batch_doubles_then_bisects(tmp_path, monkeypatch):
     from benchmarks import run
     from benchmarks.common import row
