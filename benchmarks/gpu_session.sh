@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -69,6 +69,18 @@ for stage in "$@"; do
              --out "${HRES%.json}-threads.json" --min-start-s 40 --systems lazytrain_milp --caps 24 --batch-sizes 32 \
              --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime
            cp "$HRES" "${HRES%.json}-threads.json" "$OUT/" ;;
+    s8)    # 1 GPU (~8 min): where issue 3's batch 8 / 16 gap goes (NOTES "Next GPU session (written end of session 7)"):
+           # the CPU's vector extensions, MILP at 24 GiB B=8 and 16 with the update counters, then the C++ kernel at
+           # 4 / 8 / 12 / 16 threads, unbound and with OMP_PROC_BIND=close (session 7: 8 threads only 3.5x one)
+           grep -o -w 'avx512[a-z_]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+           HRES=${HARNESS_OUT:-$OUT/7b-s8-$(date +%Y%m%d).json}
+           timeout 230 $PIN python3 -m benchmarks.run --suite 7b --out "$HRES" --min-start-s 40 --systems lazytrain_milp \
+             --caps 24 --batch-sizes 8,16 --budget-s 225 2>&1 | grep -v -i warning | grep -v train_runtime
+           for bind in "" close; do
+             env ${bind:+OMP_PROC_BIND=$bind} LAZYTRAIN_CPU_LOOKUP=gather timeout 100 $PIN python3 -m benchmarks.bench_optim \
+               --threads 4,8,12,16 --params 67108864 --master-weights kahan --grad-dtype bf16 --systems hybrid8_cpp \
+               --out "$OUT/hybrid8-s8-bind${bind:-none}.json" 2>&1 | grep -v Warning
+           done ;;
     s7b)   # 1 GPU (~8 min): issue 4's CPU thread sweep again (session 7's `optim4` ran every C++ row on 16 threads:
            # the exported LAZYTRAIN_CPU_THREADS overrode the sweep; fixed), then issue 6's missing 24 GiB rows: FSDP2 CPU
            # offload at B=4 and 1 (out of memory at 8), lazytrain_fixed at B=64 at this commit (MILP / fixed best vs best)
