@@ -94,7 +94,15 @@ class Results:
     def __init__(self, path: Path, suite: str, command: str) -> None:
         self.path = path
         if path.is_file():
-            self.doc = json.loads(path.read_text())
+            try:
+                self.doc = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise SystemExit(f"benchmarks.run: {path} is not a results file ({e}): pass another --out, or "
+                                 "move this one away") from None
+            if not isinstance(self.doc, dict) or self.doc.get("suite") != suite or "rows" not in self.doc:
+                found = self.doc.get("suite") if isinstance(self.doc, dict) else None
+                raise SystemExit(f"benchmarks.run: {path} holds suite {found!r}, not {suite!r}: pass another --out "
+                                 f"(rows of two suites in one file would mix machines and shapes)")
         else:
             self.doc = {"suite": suite, "date": datetime.date.today().isoformat(), "command": command,
                         "git_commit": git_commit(), "machine": _machine(), "rows": []}

@@ -210,3 +210,14 @@ def test_step_timer_counts_skipped_updates_through_accelerates_wrapper():
     assert timer.skipped == 2
     timer.on_optimizer_step(None, None, None, optimizer=None)  # stock optimizers have no such flag
     assert timer.skipped == 2
+
+
+@pytest.mark.parametrize("text", ['{"suite": "7b", "rows": []}', '{"suite":', "[]"])
+def test_results_file_of_another_suite_or_unreadable_is_refused(tmp_path, text):
+    from benchmarks.run import Results
+
+    out = tmp_path / "r.json"
+    out.write_text(text)
+    with pytest.raises(SystemExit, match="pass another --out"):
+        Results(out, "smoke", "python -m benchmarks.run --suite smoke")
+    assert out.read_text() == text
