@@ -328,6 +328,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k in ("steps", "warmup", "seq_len", "device"):
         if getattr(args, k) is None:
             setattr(args, k, suite[k])
+    for k in ("steps", "seq_len"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
+    if args.warmup < 0 or any(B < 1 for B in args.batch_sizes or []):
+        p.error("--warmup must be at least 0 and every --batch-sizes entry at least 1")
     bad = set(args.systems or []) - set(SYSTEMS)
     if bad:
         p.error(f"unknown systems {sorted(bad)}; known: {', '.join(SYSTEMS)}")

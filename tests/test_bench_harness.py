@@ -221,3 +221,12 @@ def test_results_file_of_another_suite_or_unreadable_is_refused(tmp_path, text):
     with pytest.raises(SystemExit, match="pass another --out"):
         Results(out, "smoke", "python -m benchmarks.run --suite smoke")
     assert out.read_text() == text
+
+
+@pytest.mark.parametrize("bad", [["--batch-sizes", "0"], ["--steps", "0"], ["--seq-len", "0"], ["--warmup", "-1"]])
+def test_non_positive_sizes_are_refused_before_any_worker(bad, capsys):
+    from benchmarks.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--suite", "smoke", "--out", "x.json", *bad])
+    assert "at least" in capsys.readouterr().err
