@@ -142,6 +142,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the worker before exec (Linux): SIGKILL it when the harness dies, even by SIGKILL (an outer kill -9, the
+    host's OOM killer), which no finally block sees; the worker's own session keeps it out of Ctrl-C's reach."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 #: the module run_process starts (tests substitute a worker that writes a row and then hangs in teardown)
 WORKER_MODULE = "benchmarks.worker"
 
@@ -179,7 +188,8 @@ def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir
     passed = 0
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(spec_path)], env=env,
-                                stderr=err, cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+                                stderr=err, cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+                                preexec_fn=_die_with_parent)
         killed: str | None = "interrupted"
         try:
             while True:

@@ -230,3 +230,35 @@ def test_non_positive_sizes_are_refused_before_any_worker(bad, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--suite", "smoke", "--out", "x.json", *bad])
     assert "at least" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_worker_dies_with_a_sigkilled_harness(tmp_path):
+    """kill -9 of the harness (no finally runs) must not leave its worker running: it would hold the GPU and skew
+    the next run's rows."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    code = ("import sys, time; from benchmarks import run; run.WORKER_MODULE = 'tests._hanging_worker'; "
+            f"a = run.parse_args(['--suite', 'smoke', '--out', {str(tmp_path / 'x.json')!r}]); "
+            "s = run._spec(a, run.SUITES['smoke'], 'stock_trainer', 'qwen3-tiny', None, [2]); "
+            f"run.run_process(s, timeout_s=100, deadline=time.time() + 100, workdir=__import__('pathlib').Path({str(tmp_path)!r}))")
+    harness = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1])
+    try:
+        t0 = time.time()
+        while not list(tmp_path.glob("*.jsonl")) and time.time() - t0 < 60:
+            time.sleep(0.2)
+        workers = psutil.Process(harness.pid).children()
+        assert workers, "no worker started"
+    finally:
+        os.kill(harness.pid, signal.SIGKILL)
+        harness.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"worker outlived the SIGKILLed harness: {alive}"
