@@ -39,7 +39,9 @@ def parse_optim_args(optim_args: dict[str, str] | None) -> dict[str, Any]:
     """The handler's reading of `TrainingArguments.optim_args` (already split by transformers into {key: str}).
 
     Raises:
-        ValueError: unknown keys or values of the wrong type, all listed in one message with an example.
+        ValueError: unknown keys, values of the wrong type and values the optimizer refuses (block_size not a
+            power of two in [64, 65536], min_8bit_size < 0, state_dtype / master_weights not one of the choices),
+            all listed in one message with an example.
     """
     out: dict[str, Any] = {}
     problems: list[str] = []
@@ -51,10 +53,22 @@ def parse_optim_args(optim_args: dict[str, str] | None) -> dict[str, Any]:
             out[key] = _OPTIM_ARGS[key](value)
         except ValueError:
             problems.append(f"{key}={value!r} is not {'an integer' if _OPTIM_ARGS[key] is int else 'valid'}")
+    problems += _value_problems(out)
     if problems:
         raise ValueError(f"optim_args for optim={OPTIM_NAME!r}: " + "; ".join(problems) + ". Example: "
                          "optim_args='block_size=256,master_weights=kahan,fp32_state_modules=q_proj|k_proj'")
     return out
+
+
+def _value_problems(parsed: dict[str, Any]) -> list[str]:
+    """The optimizer's own rules (power-of-two block_size, state_dtype / master_weights choices, ...) for the keys
+    `parsed` sets, so that a bad value is reported with the unknown / unreadable keys instead of one round later."""
+    from ..optim.hybrid8 import _validate_group
+
+    layout = {k: (v.lower() if isinstance(v, str) else v) for k, v in parsed.items() if k != "fp32_state_modules"}
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "block_size": 256,
+             "min_8bit_size": 4096, "state_dtype": "8bit", "master_weights": "auto", **layout}
+    return [p for p in _validate_group(group) if p.split(" ", 1)[0] in layout]
 
 
 def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:

@@ -114,6 +114,15 @@ def test_optim_args_problems_are_reported_together():
         parse_optim_args({"block_size": "abc", "foo": "1", "state_dtype": "8bit"})
     msg = str(e.value)
     assert "block_size='abc' is not an integer" in msg and "'foo' is not understood" in msg and "Example:" in msg
+    # values the optimizer would refuse come in the same message, not one round later
+    with pytest.raises(ValueError) as e:
+        parse_optim_args({"block_size": "100", "master_weights": "fp16", "state_dtype": "x", "min_8bit_size": "-1",
+                          "fp32_state_modules": "q_proj", "foo": "1"})
+    msg = str(e.value)
+    for part in ("block_size must be a power of two", "master_weights must be one of", "state_dtype must be one of",
+                 "min_8bit_size must be an integer >= 0", "'foo' is not understood"):
+        assert part in msg, (part, msg)
+    assert parse_optim_args({"master_weights": "KAHAN"}) == {"master_weights": "KAHAN"}
     assert parse_optim_args({"fp32_state_modules": "q_proj|k_proj", "block_size": "128"}) == \
         {"fp32_state_modules": ["q_proj", "k_proj"], "block_size": 128}
 
