@@ -9,7 +9,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..config import LazyTrainConfig
-from .register import OPTIM_NAME, register
+from .register import OPTIM_NAME, parse_optim_args, register
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ class LazyTrainingArguments(TrainingArguments):
 
     Raises:
         ValueError: invalid `lazytrain_config` (every problem listed), `gradient_checkpointing=True` with the
-            executor (it owns recomputation), or another `optim` with the executor.
+            executor (it owns recomputation), another `optim` with the executor, or `optim_args` the
+            lazytrain_hybrid8 handler would refuse at `train()` (unknown keys, bad values).
     """
 
     lazytrain_config: dict[str, Any] | str | None = field(
@@ -55,6 +56,9 @@ class LazyTrainingArguments(TrainingArguments):
             if self.label_smoothing_factor:
                 problems.append("label_smoothing_factor > 0 is not supported by the executor's chunked loss; set "
                                 "it to 0 or lazytrain_config.policy='none'.")
+        if str(getattr(self.optim, "value", self.optim)) == OPTIM_NAME and self.optim_args:
+            # here, not when train() creates the optimizer: by then the executor has copied the model to host memory
+            problems.extend(_optim_args_problems(self.optim_args))
         if problems:
             raise ValueError("Invalid LazyTrainingArguments:\n  - " + "\n  - ".join(problems))
         super().__post_init__()
@@ -83,3 +87,17 @@ class LazyTrainingArguments(TrainingArguments):
     def place_model_on_device(self) -> bool:
         # The executor places resident parts on the device and keeps decoder layers in host memory.
         return self.lazytrain_config.get("policy", "fixed") == "none"
+
+
+def _optim_args_problems(optim_args: str) -> list[str]:
+    """`optim_args` read as the Trainer's optimizer handler will read it: [] or one message listing its problems."""
+    from transformers.trainer_optimizer import _parse_optim_args
+
+    try:
+        parse_optim_args(_parse_optim_args(optim_args))
+    except ValueError as e:
+        msg = str(e)
+        if "optim_args" not in msg:  # transformers' split: an entry without exactly one "="
+            msg = f"optim_args={optim_args!r} must be comma-separated key=value pairs, e.g. 'block_size=256' ({msg})"
+        return [msg]
+    return []

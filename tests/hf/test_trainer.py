@@ -235,6 +235,9 @@ def test_metrics_in_logs(tmp_path):
     (dict(optim="adamw_torch"), "optim='adamw_torch' cannot update"),
     (dict(lazytrain_config={"polcy": "fixed"}), r"Unknown lazytrain_config key\(s\) \['polcy'\]"),
     (dict(lazytrain_config={"prefetch_depth": 9, "activation_tier": "disk"}), "prefetch_depth must be"),
+    # optim_args are checked here, before LazyTrainer builds the executor (not when train() creates the optimizer)
+    (dict(optim_args="block_size=100,blocksize=3"), r"(?s)'blocksize' is not understood.*power of two"),
+    (dict(optim_args="block_size"), "comma-separated key=value pairs"),
 ])
 def test_bad_arguments_fail_before_training(tmp_path, bad, match):
     kw = _common(tmp_path, "bad")
