@@ -96,8 +96,21 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def params_named(model: Any, parts: list[str]) -> list[Any]:
-    """The parameters of `model` whose name contains any of `parts` (fp32_state_modules)."""
-    return [p for n, p in model.named_parameters() if any(m in n for m in parts)] if parts else []
+    """The parameters of `model` whose name contains any of `parts` (fp32_state_modules).
+
+    Raises:
+        ValueError: a part matches no parameter name (a typo would otherwise silently leave those parameters on
+            8-bit states); the message gives the model's names to pick from.
+    """
+    if not parts:
+        return []
+    named = list(model.named_parameters())
+    unmatched = [m for m in parts if not any(m in n for n, _ in named)]
+    if unmatched:
+        leaves = sorted({n.rsplit(".", 2)[-2] for n, _ in named if n.count(".") >= 1})
+        raise ValueError(f"fp32_state_modules: {unmatched} match no parameter name of this model; use parts of its "
+                         f"names such as {leaves} (separated by '|', e.g. fp32_state_modules=q_proj|k_proj)")
+    return [p for n, p in named if any(m in n for m in parts)]
 
 
 class _PlainStrReduce:

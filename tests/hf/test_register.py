@@ -180,3 +180,15 @@ def test_stock_trainer_without_clipping_still_skips_a_non_finite_step(tmp_path):
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
     norms = [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h]
     assert len(norms) == 3 and norms[1] != norms[1] and all(n == n for n in (norms[0], norms[2]))  # NaN logged
+
+
+def test_fp32_state_modules_matching_no_parameter_is_an_error():
+    """A typo in fp32_state_modules used to leave those parameters on 8-bit states without a word."""
+    import pytest
+
+    from lazytrain_hf.hf.register import params_named
+
+    model = load_model("qwen3-tiny", "float32", seed=0)
+    assert len(params_named(model, ["q_proj", "k_proj"])) == 2 * model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=r"\['q_prj'\] match no parameter name.*'q_proj'"):
+        params_named(model, ["q_proj", "q_prj"])
