@@ -478,7 +478,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             if restored is not None:
                 new_state[p] = restored
         if problems:
-            raise ValueError("cannot load optimizer state:\n  - " + "\n  - ".join(problems))
+            raise ValueError("cannot load optimizer state:\n  - " + "\n  - ".join(_collapse(problems)))
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         self._group_index = {}
         self._pending = None
@@ -529,6 +529,26 @@ def _validate_group(group: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _collapse(problems: list[str], shown: int = 5) -> list[str]:
+    """Problems ``"parameter K: text"`` that share their text, as one line naming the first `shown` parameters and
+    how many there are (a checkpoint of another optimizer fails on every parameter: one line, not hundreds)."""
+    by_text: dict[str, list[str]] = {}
+    for prob in problems:
+        head, sep, text = prob.partition(": ")
+        if sep and head.startswith("parameter "):
+            by_text.setdefault(text, []).append(head.removeprefix("parameter "))
+        else:
+            by_text.setdefault(prob, []).append("")
+    out = []
+    for text, who in by_text.items():
+        if len(who) == 1:
+            out.append(f"parameter {who[0]}: {text}" if who[0] else text)
+        else:
+            more = f" and {len(who) - shown} more" if len(who) > shown else ""
+            out.append(f"parameters {', '.join(who[:shown])}{more} ({len(who)} in all): {text}")
+    return out
+
+
 def _resolve_master(choice: str, dtype: torch.dtype) -> str:
     """``"fp32"``, ``"kahan"`` or ``"none"`` for a parameter of ``dtype`` (fp32 params never need one)."""
     if dtype not in _LOW_PRECISION or choice == "none":
@@ -556,7 +576,8 @@ def _restore_state(p: Tensor, saved: dict[str, Any], block_size: int, where: str
     unknown = sorted(set(saved) - _STATE_KEYS)
     if unknown:
         problems.append(f"{where}: unknown state keys {unknown} (expected {sorted(_STATE_KEYS)}); was it saved by "
-                        "another optimizer?")
+                        "another optimizer? Resume with the optim that wrote it, or load the weights alone "
+                        "(from_pretrained on the checkpoint directory) and train without resume_from_checkpoint")
         return None
     out: dict[str, Any] = {}
     n = p.numel()

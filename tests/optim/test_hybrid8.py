@@ -402,6 +402,17 @@ def test_load_state_dict_rejects_mismatches():
     t_opt.step()
     with pytest.raises(ValueError, match="unknown state keys"):
         Hybrid8bitOptimizer(params).load_state_dict(t_opt.state_dict())
+    # another optimizer's checkpoint of many tensors: one line naming the fix, not one line per parameter
+    many = _params([(10,)] * 40)
+    for p in many:
+        p.grad = torch.ones_like(p)
+    t_many = torch.optim.AdamW(many)
+    t_many.step()
+    with pytest.raises(ValueError) as e:
+        Hybrid8bitOptimizer(many).load_state_dict(t_many.state_dict())
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2 and "parameters 0, 1, 2, 3, 4 and 35 more (40 in all): unknown state keys" in lines[1], lines
+    assert "Resume with the optim that wrote it" in lines[1]
     other = _params([(11,), (20,)])
     with pytest.raises(ValueError, match="elements"):
         Hybrid8bitOptimizer(other).load_state_dict(sd)
