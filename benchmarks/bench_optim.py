@@ -247,8 +247,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.stagger % 64 or args.stagger < 0:
         ap.error(f"--stagger must be a non-negative multiple of 64 bytes, but got {args.stagger}")
+    if args.tensors < 1 or args.params < args.tensors:
+        ap.error(f"--params must be at least --tensors (>= 1), but got --params {args.params} --tensors "
+                 f"{args.tensors}")
     args.steps = max(5, args.steps)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS + GPU_SYSTEMS]
+    if unknown or not systems:
+        ap.error(f"--systems: unknown {unknown or args.systems!r}; choose from {SYSTEMS + GPU_SYSTEMS}")
     rows = []
     print(f"{'system':28s} {'thr':>3s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} "
           f"{'moments':>8s}")

@@ -99,3 +99,20 @@ def test_bench_optim_thread_sweep_gpu_rows_and_state_bytes(tmp_path, monkeypatch
     torch.set_num_threads(threads_before)
     gpu = rows[("hybrid8_gpu", None)]
     assert gpu["status"] == ("ok" if torch.cuda.is_available() else "unsupported")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--params", "0"], "--params must be at least --tensors"),
+    (["--params", "100", "--tensors", "200"], "--params must be at least --tensors"),
+    (["--systems", "hybrid8_cpp,foo"], r"--systems: unknown \['foo'\]"),
+])
+def test_bench_optim_bad_arguments_exit_before_running(tmp_path, capsys, argv, match):
+    """--params 0 ended in a ZeroDivisionError after the rows ran; an unknown system wrote an error row and exit 0."""
+    import re
+
+    from benchmarks import bench_optim
+
+    with pytest.raises(SystemExit) as e:
+        bench_optim.main([*argv, "--out", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "b.json").exists()
