@@ -9,7 +9,7 @@
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
 # carried with .devsite/ and .data/: carry [".devsite", ".data", ".dssite"]. Each call works for at most
 # HARNESS_BUDGET_S (540 s) and resumes from $HARNESS_OUT (default benchmarks/results/7b-<date>.json): copy the JSON
-# that comes back in $OUT to that path here before the next call; the last line says "suite complete" or REMAINING n.
+# that comes back in $OUT to that path here before the next call; the last line says "suite complete" ("all requested rows done" for a subset) or REMAINING n.
 # Expected (estimates from the executor benchmark, not yet measured): per 24 GiB cap lazytrain_milp 8,16,32,64 ~4.5 min,
 # lazytrain_fixed ~4 min, stock_trainer and stock_trainer_bnb8 1,8 ~0.5 min each (out of memory at batch 1),
 # fsdp2_cpu_offload 8 ~3-4 min (host AdamW + 3 weight sweeps over PCIe per step), zero_offload 8 ~4-6 min (CPUAdam

@@ -346,6 +346,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(args.systems or []) - set(SYSTEMS)
     if bad:
         p.error(f"unknown systems {sorted(bad)}; known: {', '.join(SYSTEMS)}")
+    from lazytrain_hf.models import ARCHITECTURES
+
+    # registry names, local model folders and Hub ids (owner/name) are what a worker can build; anything else would
+    # only fail inside the worker after its imports, as an error row
+    unknown = [m for m in args.models or [] if m not in ARCHITECTURES and not Path(m).is_dir() and "/" not in m]
+    if unknown:
+        p.error(f"unknown models {unknown}: use registry names ({', '.join(sorted(ARCHITECTURES))}), a local model "
+                "folder or a Hub id")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"suite {args.suite} runs on CUDA but no CUDA device is visible: run it on the GPU machine, or "
+                    "pass --device cpu (the smoke suite runs on the CPU)")
     return args
 
 
@@ -371,8 +385,10 @@ def main(argv: list[str] | None = None) -> Results:
                for c in (suite["caps"] if args.caps is None else args.caps) for s in systems
                for B in args.batch_sizes or suite["batch"].get(c, {}).get(s) or [8]]
     left = [k for k in planned if not res.done(k)]
+    subset = any(x is not None for x in (args.systems, args.caps, args.models, args.batch_sizes))
     print(f"{len(res.doc['rows'])} rows in {args.out}; " +
-          ("suite complete" if not left else f"REMAINING {len(left)} (error/timeout/not run): run the same command "
+          (("all requested rows done (a subset of the suite)" if subset else "suite complete") if not left
+           else f"REMAINING {len(left)} (error/timeout/not run): run the same command "
            "again with the same --out to resume"), flush=True)
     return res
 

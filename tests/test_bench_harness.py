@@ -142,6 +142,19 @@ def test_report_targets_and_ratios():
     assert "| 24 GiB: MILP >= 1.3x lazytrain_fixed | 1.20x | not met |" in text
     assert "| 24 GiB: MILP >= 350 TFLOPS 6ND | 360.00 TFLOPS | met |" in text
     assert "| 80 GiB: MILP >= 450 TFLOPS 6ND at the best batch | - | not measured |" in text
+    assert "| 24 GiB: MILP largest batch >= 64 | 64 | met |" in text
+    assert "| 24 GiB: MILP largest batch >= 4x stock 8-bit Adam's | only LazyTrain-MILP ran | met |" in text
+    # a MILP that ran and failed at every batch is "not met", not "not measured" (a fresh user's finding)
+    failed = [r for r in rows if r["system"] != "lazytrain_milp"] + [
+        row(system="lazytrain_milp", model="qwen2.5-7b", gpu_cap_gib=80, batch_size=64, status="oom", reason="oom")]
+    text = markdown({**doc, "rows": failed}, None)
+    assert "| 80 GiB: MILP >= 450 TFLOPS 6ND at the best batch | 0.00 TFLOPS | not met |" in text
+    # 8-bit Adam measured at one batch with no search: the ratio is flagged as an upper bound
+    bnb_ok = rows[:3] + [row(system="stock_trainer_bnb8", model="qwen2.5-7b", gpu_cap_gib=24, batch_size=8,
+                             status="ok", tflops_6nd=50.0, step_s_median=1.0, step_s_p10=1.0, step_s_p90=1.0,
+                             steps_timed=5)]
+    text = markdown({**doc, "rows": bnb_ok}, None)
+    assert "(8-bit Adam: largest measured batch, no search: an upper bound on the ratio) | 8.00x | met |" in text
 
 
 def test_report_merges_results_files_of_one_suite():
@@ -230,6 +243,24 @@ def test_non_positive_sizes_are_refused_before_any_worker(bad, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--suite", "smoke", "--out", "x.json", *bad])
     assert "at least" in capsys.readouterr().err
+
+
+def test_unknown_model_and_missing_cuda_are_refused_before_any_worker(capsys):
+    """Both reached a worker (model: a Hub lookup, then a truncated error row; cuda on a CPU machine: a row saying
+    bf16/gpu is unsupported), each with exit 0."""
+    import torch
+
+    from benchmarks.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--suite", "smoke", "--out", "x.json", "--models", "qwen3-tiny,nosuch"])
+    err = capsys.readouterr().err
+    assert "unknown models ['nosuch']" in err and "qwen3-tiny" in err
+    assert parse_args(["--suite", "smoke", "--out", "x.json", "--models", "qwen3-tiny"]).models == ["qwen3-tiny"]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse_args(["--suite", "smoke", "--out", "x.json", "--device", "cuda"])
+        assert "no CUDA device is visible" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")

@@ -369,6 +369,11 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             books = self._books[device] = F.Codebooks.for_device(device)
         return books
 
+    def _wants_8bit(self, p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether this run gives ``p`` 8-bit states (else fp32): the group's state_dtype, its size, fp32_state_params."""
+        return (group["state_dtype"] == "8bit" and p.numel() >= group["min_8bit_size"]
+                and id(p) not in self._fp32_state_ids)
+
     @torch.no_grad()
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
         """Allocate the states of ``p`` on its device (pinned when ``p`` is pinned host memory)."""
@@ -376,9 +381,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         n = p.numel()
         a = self._state_alloc
         state["step"] = 0
-        eight_bit = (group["state_dtype"] == "8bit" and n >= group["min_8bit_size"]
-                     and id(p) not in self._fp32_state_ids)
-        if eight_bit:
+        if self._wants_8bit(p, group):
             books = self._books_for(p.device)
             nb = num_blocks(n, group["block_size"])
             state["state1"] = _alloc_like(p, p.shape, torch.uint8, a).fill_(zero_code(books.qmap1.cpu()))
@@ -468,6 +471,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         id_map = {old: (p, ng) for g, sg, ng in zip(groups, saved_groups, new_groups)
                   for old, p in zip(sg["params"], g["params"])}
         new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        id_map_group = {id(p): ng for p, ng in id_map.values()}
         for key, saved in state_dict["state"].items():
             if key not in id_map:
                 problems.append(f"state for parameter index {key!r}, which no group lists")
@@ -479,6 +483,18 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                 new_state[p] = restored
         if problems:
             raise ValueError("cannot load optimizer state:\n  - " + "\n  - ".join(_collapse(problems)))
+        # fp32_state_params (fp32_state_modules) is not a group option: compare each restored state with this run's
+        # choice, so that a resume naming other modules is told it keeps the saved states, as for the options above
+        kept8 = sum(1 for p, st in new_state.items() if st["state1"].dtype == torch.uint8
+                    and id(p) in self._fp32_state_ids)
+        kept32 = sum(1 for p, st in new_state.items() if st["state1"].dtype != torch.uint8
+                     and self._wants_8bit(p, id_map_group[id(p)]))
+        if kept8 or kept32:
+            logger.warning("the loaded optimizer state keeps %d parameters' 8-bit states that this run's "
+                           "fp32_state_modules / fp32_state_params asks fp32 for, and %d parameters' fp32 states "
+                           "that this run would store in 8 bits; continuing with the saved states. To change them, "
+                           "load the model from the checkpoint directory (from_pretrained) and train without "
+                           "resume_from_checkpoint", kept8, kept32)
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         self._group_index = {}
         self._pending = None
@@ -506,14 +522,14 @@ def _validate_group(group: dict[str, Any]) -> list[str]:
     lr = group.get("lr")
     if isinstance(lr, Tensor):
         lr = float(lr)
-    number("lr", lr, 0.0, math.inf, hi_open=True)
+    number("lr (TrainingArguments.learning_rate)", lr, 0.0, math.inf, hi_open=True)
     betas = group.get("betas")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         problems.append(f"betas must be a pair (beta1, beta2), but got {betas!r}")
     else:
-        number("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
-        number("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
-    number("eps", group.get("eps"), 0.0, math.inf, hi_open=True)
+        number("betas[0] (adam_beta1)", betas[0], 0.0, 1.0, hi_open=True)
+        number("betas[1] (adam_beta2)", betas[1], 0.0, 1.0, hi_open=True)
+    number("eps (adam_epsilon)", group.get("eps"), 0.0, math.inf, hi_open=True)
     number("weight_decay", group.get("weight_decay"), 0.0, math.inf, hi_open=True)
     bs = group.get("block_size")
     if not isinstance(bs, int) or isinstance(bs, bool) or not 64 <= bs <= 65536 or bs & (bs - 1):

@@ -387,6 +387,33 @@ def test_state_dict_round_trip_continues_identically(cpu_kernel):
     _same_bytes(_snapshot(opt_a, a), _snapshot(opt_b, b))
 
 
+def test_resume_with_other_fp32_state_modules_warns_and_keeps_saved_states(caplog):
+    """fp32_state_params (what fp32_state_modules selects) is not a group option, so the layout-option warning missed
+    it: a resume naming other modules silently kept the saved states. Now: one warning with counts, saved states kept;
+    none when the choice is unchanged."""
+    params = _params([(64, 80), (40, 110)])
+    opt = Hybrid8bitOptimizer(params, fp32_state_params=[params[1]])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+
+    def resume(fp32: list[int]) -> tuple[Hybrid8bitOptimizer, list[str]]:
+        caplog.clear()
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        o = Hybrid8bitOptimizer(ps, fp32_state_params=[ps[i] for i in fp32])
+        with caplog.at_level(logging.WARNING, logger="lazytrain_hf.optim.hybrid8"):
+            o.load_state_dict(sd)
+        return o, [r.getMessage() for r in caplog.records]
+
+    _, msgs = resume([1])
+    assert msgs == []
+    o, msgs = resume([0])
+    (msg,) = msgs
+    assert "keeps 1 parameters' 8-bit states" in msg and "and 1 parameters' fp32 states" in msg, msg
+    assert [o.state[p]["state1"].dtype for p in o.param_groups[0]["params"]] == [torch.uint8, torch.float32]
+
+
 def test_load_state_dict_rejects_mismatches():
     params = _params([(10,), (20,)])
     opt = Hybrid8bitOptimizer(params)
