@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     try:
         doc = merge(docs)
     except ValueError as e:
-        raise SystemExit(f"benchmarks.report: {e}") from None
+        raise SystemExit(f"benchmarks.report: {e} ({', '.join(str(s) for s in srcs)})") from None
+    if not doc["rows"]:
+        raise SystemExit(f"benchmarks.report: no rows in {', '.join(str(s) for s in srcs)}: nothing to report")
     src = srcs[0] if len(srcs) == 1 else srcs[0].with_name(f"{doc['suite']}-combined-{doc['date'].replace('-', '')}.json")
     png = Path(args.png) if args.png else src.with_suffix(".png")
     committed = src.resolve().parent == (Path(__file__).resolve().parent / "results")

@@ -341,8 +341,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k in ("steps", "seq_len"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
-    if args.warmup < 0 or any(B < 1 for B in args.batch_sizes or []):
-        p.error("--warmup must be at least 0 and every --batch-sizes entry at least 1")
+    if args.warmup < 0:
+        p.error(f"--warmup must be at least 0 (got {args.warmup})")
+    if any(B < 1 for B in args.batch_sizes or []):
+        p.error(f"every --batch-sizes entry must be at least 1 (got {args.batch_sizes})")
+    if Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a folder: pass a JSON file path, e.g. {Path(args.out) / 'results.json'}")
     bad = set(args.systems or []) - set(SYSTEMS)
     if bad:
         p.error(f"unknown systems {sorted(bad)}; known: {', '.join(SYSTEMS)}")
@@ -350,7 +354,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     # registry names, local model folders and Hub ids (owner/name) are what a worker can build; anything else would
     # only fail inside the worker after its imports, as an error row
-    unknown = [m for m in args.models or [] if m not in ARCHITECTURES and not Path(m).is_dir() and "/" not in m]
+    unknown = [m for m in args.models or [] if not m or (m not in ARCHITECTURES and not Path(m).is_dir()
+                                                         and "/" not in m)]
     if unknown:
         p.error(f"unknown models {unknown}: use registry names ({', '.join(sorted(ARCHITECTURES))}), a local model "
                 "folder or a Hub id")
@@ -358,8 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         import torch
 
         if not torch.cuda.is_available():
-            p.error(f"suite {args.suite} runs on CUDA but no CUDA device is visible: run it on the GPU machine, or "
-                    "pass --device cpu (the smoke suite runs on the CPU)")
+            p.error("--device cuda (the 7b and full suites' default) but no CUDA device is visible: run on the GPU "
+                    "machine, or pass --device cpu (the smoke suite's default)")
     return args
 
 
@@ -373,6 +378,10 @@ def main(argv: list[str] | None = None) -> Results:
         raise SystemExit(f"benchmarks.run: {e}") from None
     deadline = time.time() + (args.budget_s or 1e9)
     res = Results(Path(args.out), args.suite, " ".join(["python -m benchmarks.run", *argv]))
+    other_seq = sorted({r["seq_len"] for r in res.doc["rows"]} - {args.seq_len, None})
+    if other_seq:   # rows are keyed by system, model, cap and batch: a resume would keep them as if measured now
+        raise SystemExit(f"benchmarks.run: {args.out} holds rows at seq_len {other_seq}, not {args.seq_len}: pass "
+                         "another --out, or the same --seq-len to resume it")
     systems = [s for s in ORDER if s in (args.systems or ORDER)]
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         for model in args.models or suite["models"]:

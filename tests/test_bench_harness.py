@@ -236,6 +236,24 @@ def test_results_file_of_another_suite_or_unreadable_is_refused(tmp_path, text):
     assert out.read_text() == text
 
 
+def test_out_folder_and_rows_of_another_seq_len_are_refused(tmp_path, capsys, monkeypatch):
+    """A folder as --out failed at the first save, after a worker had run; a resume at another --seq-len kept the
+    old rows as if measured at the new one (rows are keyed by system, model, cap and batch)."""
+    from benchmarks import run
+    from benchmarks.common import row
+
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "smoke", "--out", str(tmp_path)])
+    assert "is a folder" in capsys.readouterr().err
+    out = tmp_path / "s.json"
+    res = run.Results(out, "smoke", "test")
+    res.put([row(system="stock_trainer", model="qwen3-tiny", gpu_cap_gib=None, batch_size=1, seq_len=32,
+                 status="ok")])
+    monkeypatch.setattr(run, "run_process", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(SystemExit, match=r"seq_len \[32\], not 64"):
+        run.main(["--suite", "smoke", "--systems", "stock_trainer", "--seq-len", "64", "--out", str(out)])
+
+
 @pytest.mark.parametrize("bad", [["--batch-sizes", "0"], ["--steps", "0"], ["--seq-len", "0"], ["--warmup", "-1"]])
 def test_non_positive_sizes_are_refused_before_any_worker(bad, capsys):
     from benchmarks.run import parse_args
@@ -256,6 +274,9 @@ def test_unknown_model_and_missing_cuda_are_refused_before_any_worker(capsys):
         parse_args(["--suite", "smoke", "--out", "x.json", "--models", "qwen3-tiny,nosuch"])
     err = capsys.readouterr().err
     assert "unknown models ['nosuch']" in err and "qwen3-tiny" in err
+    with pytest.raises(SystemExit):   # an empty name (a trailing comma) is a folder to Path: refused too
+        parse_args(["--suite", "smoke", "--out", "x.json", "--models", "qwen3-tiny,"])
+    assert "unknown models ['']" in capsys.readouterr().err
     assert parse_args(["--suite", "smoke", "--out", "x.json", "--models", "qwen3-tiny"]).models == ["qwen3-tiny"]
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
@@ -293,3 +314,24 @@ def test_worker_dies_with_a_sigkilled_harness(tmp_path):
     for p in alive:
         p.kill()
     assert not alive, f"worker outlived the SIGKILLed harness: {alive}"
+
+
+def test_report_refuses_unreadable_or_empty_inputs_naming_the_file(tmp_path):
+    """Corrupt JSON, a non-results document, a file with no rows and files of two suites: one error each that
+    names the file(s), no traceback (a fresh user got JSONDecodeError / KeyError / a matplotlib error)."""
+    from benchmarks import report
+
+    cases = {"corrupt.json": ('{"suite":', "cannot read"), "empty.json": ("{}", "is not a results file"),
+             "norows.json": ('{"suite": "7b", "rows": []}', "no rows")}
+    for name, (text, msg) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as e:
+            report.main([str(tmp_path / name), "--md", str(tmp_path / "o.md"), "--png", str(tmp_path / "o.png")])
+        assert name in str(e.value) and msg in str(e.value), e.value
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text('{"suite": "7b", "rows": []}')
+    b.write_text('{"suite": "smoke", "rows": []}')
+    with pytest.raises(SystemExit) as e:
+        report.main([str(a), str(b), "--md", str(tmp_path / "o.md")])
+    assert "different suites" in str(e.value) and "b.json" in str(e.value)
+    assert not (tmp_path / "o.md").exists()

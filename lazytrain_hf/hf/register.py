@@ -35,13 +35,14 @@ _OPTIM_ARGS: dict[str, Callable[[str], Any]] = {
 }
 
 
-def parse_optim_args(optim_args: dict[str, str] | None) -> dict[str, Any]:
+def parse_optim_args(optim_args: dict[str, str] | None, model: Any = None) -> dict[str, Any]:
     """The handler's reading of `TrainingArguments.optim_args` (already split by transformers into {key: str}).
 
     Raises:
         ValueError: unknown keys, values of the wrong type and values the optimizer refuses (block_size not a
             power of two in [64, 65536], min_8bit_size < 0, state_dtype / master_weights not one of the choices),
-            all listed in one message with an example.
+            all listed in one message with an example; with `model`, also fp32_state_modules parts that match no
+            parameter name of it.
     """
     out: dict[str, Any] = {}
     problems: list[str] = []
@@ -54,6 +55,8 @@ def parse_optim_args(optim_args: dict[str, str] | None) -> dict[str, Any]:
         except ValueError:
             problems.append(f"{key}={value!r} is not {'an integer' if _OPTIM_ARGS[key] is int else 'valid'}")
     problems += _value_problems(out)
+    if model is not None and out.get("fp32_state_modules"):   # the name check joins the list when the model is known
+        problems += [m for m in [_unmatched_modules(model, out["fp32_state_modules"])] if m]
     if problems:
         raise ValueError(f"optim_args for optim={OPTIM_NAME!r}: " + "; ".join(problems) + ". Example: "
                          "optim_args='block_size=256,master_weights=kahan,fp32_state_modules=q_proj|k_proj'")
@@ -82,7 +85,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
 
     kwargs: dict[str, Any] = dict(ctx.optimizer_kwargs)
     kwargs.update(ctx.adam_kwargs)
-    kwargs.update(parse_optim_args(ctx.optim_args))
+    kwargs.update(parse_optim_args(ctx.optim_args, model=ctx.model))
     modules = kwargs.pop("fp32_state_modules", None) or []
     model = ctx.model
     if model is not None:
@@ -104,13 +107,22 @@ def params_named(model: Any, parts: list[str]) -> list[Any]:
     """
     if not parts:
         return []
-    named = list(model.named_parameters())
-    unmatched = [m for m in parts if not any(m in n for n, _ in named)]
-    if unmatched:
-        leaves = sorted({n.rsplit(".", 2)[-2] for n, _ in named if n.count(".") >= 1})
-        raise ValueError(f"fp32_state_modules: {unmatched} match no parameter name of this model; use parts of its "
-                         f"names such as {leaves} (separated by '|', e.g. fp32_state_modules=q_proj|k_proj)")
-    return [p for n, p in named if any(m in n for m in parts)]
+    problem = _unmatched_modules(model, parts)
+    if problem:
+        raise ValueError(problem)
+    return [p for n, p in model.named_parameters() if any(m in n for m in parts)]
+
+
+def _unmatched_modules(model: Any, parts: list[str]) -> str | None:
+    """The message for the `parts` that match no parameter name of `model`, listing its module names; None if all
+    match."""
+    names = [n for n, _ in model.named_parameters()]
+    unmatched = [m for m in parts if not any(m in n for n in names)]
+    if not unmatched:
+        return None
+    leaves = sorted({n.rsplit(".", 2)[-2] for n in names if n.count(".") >= 1})
+    return (f"fp32_state_modules: {unmatched} match no parameter name of this model; use parts of its names such as "
+            f"{leaves} (separated by '|', e.g. fp32_state_modules=q_proj|k_proj)")
 
 
 class _PlainStrReduce:

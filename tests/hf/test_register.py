@@ -192,3 +192,9 @@ def test_fp32_state_modules_matching_no_parameter_is_an_error():
     assert len(params_named(model, ["q_proj", "k_proj"])) == 2 * model.config.num_hidden_layers
     with pytest.raises(ValueError, match=r"\['q_prj'\] match no parameter name.*'q_proj'"):
         params_named(model, ["q_proj", "q_prj"])
+    # with the model known (the Trainer's handler), the typo is listed with the other bad entries, not one round later
+    from lazytrain_hf.hf.register import parse_optim_args
+
+    with pytest.raises(ValueError) as e:
+        parse_optim_args({"block_size": "100", "master_weights": "foo", "fp32_state_modules": "q_prj"}, model=model)
+    assert all(s in str(e.value) for s in ("block_size must be", "master_weights must be", "['q_prj'] match no"))
