@@ -489,12 +489,13 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                     and id(p) in self._fp32_state_ids)
         kept32 = sum(1 for p, st in new_state.items() if st["state1"].dtype != torch.uint8
                      and self._wants_8bit(p, id_map_group[id(p)]))
-        if kept8 or kept32:
-            logger.warning("the loaded optimizer state keeps %d parameters' 8-bit states that this run's "
-                           "fp32_state_modules / fp32_state_params asks fp32 for, and %d parameters' fp32 states "
-                           "that this run would store in 8 bits; continuing with the saved states. To change them, "
+        kept = [f"{kept8} parameters' 8-bit states that this run's fp32_state_modules / fp32_state_params asks "
+                "fp32 for"] * bool(kept8) + [f"{kept32} parameters' fp32 states that this run would store in 8 "
+                                             "bits"] * bool(kept32)
+        if kept:
+            logger.warning("the loaded optimizer state keeps %s; continuing with the saved states. To change them, "
                            "load the model from the checkpoint directory (from_pretrained) and train without "
-                           "resume_from_checkpoint", kept8, kept32)
+                           "resume_from_checkpoint", " and ".join(kept))
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         self._group_index = {}
         self._pending = None

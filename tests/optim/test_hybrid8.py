@@ -411,6 +411,8 @@ def test_resume_with_other_fp32_state_modules_warns_and_keeps_saved_states(caplo
     o, msgs = resume([0])
     (msg,) = msgs
     assert "keeps 1 parameters' 8-bit states" in msg and "and 1 parameters' fp32 states" in msg, msg
+    _, msgs = resume([0, 1])   # only saved 8-bit states asked fp32: the other half is not mentioned as "0 ..."
+    assert len(msgs) == 1 and "keeps 1 parameters' 8-bit states" in msgs[0] and "fp32 states that" not in msgs[0]
     assert [o.state[p]["state1"].dtype for p in o.param_groups[0]["params"]] == [torch.uint8, torch.float32]
 
 
