@@ -250,8 +250,12 @@ def test_out_folder_and_rows_of_another_seq_len_are_refused(tmp_path, capsys, mo
     res.put([row(system="stock_trainer", model="qwen3-tiny", gpu_cap_gib=None, batch_size=1, seq_len=32,
                  status="ok")])
     monkeypatch.setattr(run, "run_process", lambda *a, **k: pytest.fail("a worker started"))
+    data = tmp_path / "gsm8k"   # the data check comes first; no row is read here
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
     with pytest.raises(SystemExit, match=r"seq_len \[32\], not 64"):
-        run.main(["--suite", "smoke", "--systems", "stock_trainer", "--seq-len", "64", "--out", str(out)])
+        run.main(["--suite", "smoke", "--systems", "stock_trainer", "--seq-len", "64", "--data-dir", str(data),
+                  "--out", str(out)])
 
 
 @pytest.mark.parametrize("bad", [["--batch-sizes", "0"], ["--steps", "0"], ["--seq-len", "0"], ["--warmup", "-1"]])
