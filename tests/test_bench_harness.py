@@ -339,3 +339,17 @@ def test_report_refuses_unreadable_or_empty_inputs_naming_the_file(tmp_path):
         report.main([str(a), str(b), "--md", str(tmp_path / "o.md")])
     assert "different suites" in str(e.value) and "b.json" in str(e.value)
     assert not (tmp_path / "o.md").exists()
+
+
+def test_budget_counts_from_the_given_start(tmp_path, monkeypatch, capsys):
+    """--budget-s counts from `started` (the command line passes the process's start: imports took ~20 s of a
+    budget sized to a 10-minute device call): a budget already spent starts no worker."""
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "run_process", lambda *a, **k: pytest.fail("a worker started"))
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    run.main(["--suite", "smoke", "--systems", "stock_trainer", "--budget-s", "60", "--data-dir", str(data),
+              "--out", str(tmp_path / "b.json")], started=time.time() - 100)
+    assert "budget: not starting stock_trainer" in capsys.readouterr().out
