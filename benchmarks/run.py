@@ -345,6 +345,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--warmup must be at least 0 (got {args.warmup})")
     if any(B < 1 for B in args.batch_sizes or []):
         p.error(f"every --batch-sizes entry must be at least 1 (got {args.batch_sizes})")
+    for k in ("budget_s", "timeout_s"):   # 0 would silently mean "none" / "the suite default"
+        if getattr(args, k) is not None and getattr(args, k) <= 0:
+            p.error(f"--{k.replace('_', '-')} must be positive seconds (got {getattr(args, k)}); leave it out for "
+                    f"{'no budget' if k == 'budget_s' else 'the suite default'}")
+    if any(c is not None and c < 0 for c in args.caps or []) or args.max_batch_limit < 1 \
+            or args.max_batch_resolution < 0:
+        p.error("--caps must be GiB > 0 (or none), --max-batch-limit at least 1, --max-batch-resolution >= 0")
     if Path(args.out).is_dir():
         p.error(f"--out {args.out} is a folder: pass a JSON file path, e.g. {Path(args.out) / 'results.json'}")
     bad = set(args.systems or []) - set(SYSTEMS)
