@@ -258,18 +258,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     print(f"{'system':28s} {'thr':>3s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} "
           f"{'moments':>8s}")
-    for threads in args.threads or [None]:
-        if threads:
-            # the C++ kernel takes lazytrain_hf.config.cpu_threads(), which LAZYTRAIN_CPU_THREADS overrides
-            # (gpu_session.sh exports it): set both, or every row would run on the exported count
-            torch.set_num_threads(threads)
-            os.environ["LAZYTRAIN_CPU_THREADS"] = str(threads)
-        for system in systems:
-            if system in GPU_SYSTEMS and threads != (args.threads or [None])[0]:
-                continue  # GPU rows once
-            row = run_row(system, args)
-            rows.append(row)
-            _print_row(row)
+    saved = torch.get_num_threads(), os.environ.get("LAZYTRAIN_CPU_THREADS")
+    try:
+        for threads in args.threads or [None]:
+            if threads:
+                # the C++ kernel takes lazytrain_hf.config.cpu_threads(), which LAZYTRAIN_CPU_THREADS overrides
+                # (gpu_session.sh exports it): set both, or every row would run on the exported count
+                torch.set_num_threads(threads)
+                os.environ["LAZYTRAIN_CPU_THREADS"] = str(threads)
+            for system in systems:
+                if system in GPU_SYSTEMS and threads != (args.threads or [None])[0]:
+                    continue  # GPU rows once
+                row = run_row(system, args)
+                rows.append(row)
+                _print_row(row)
+    finally:  # main() is also called in-process (tests): leave the caller's thread settings as they were
+        torch.set_num_threads(saved[0])
+        if saved[1] is None:
+            os.environ.pop("LAZYTRAIN_CPU_THREADS", None)
+        else:
+            os.environ["LAZYTRAIN_CPU_THREADS"] = saved[1]
     for threads in sorted({r["extra"].get("threads") for r in rows} - {None}):
         fused = next((r for r in rows if r["system"] == "torch_adamw_fused_fp32" and r["status"] == "ok"
                       and r["extra"].get("threads") == threads), None)

@@ -9,7 +9,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..config import LazyTrainConfig
-from .register import OPTIM_NAME, parse_optim_args, register
+from .register import OPTIM_NAME, parse_optim_args_text, register
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,8 @@ class LazyTrainingArguments(TrainingArguments):
 
 def _optim_args_problems(optim_args: str) -> list[str]:
     """`optim_args` read as the Trainer's optimizer handler will read it: [] or one message listing its problems."""
-    from transformers.trainer_optimizer import _parse_optim_args
-
     try:
-        parse_optim_args(_parse_optim_args(optim_args))
+        parse_optim_args_text(optim_args)
     except ValueError as e:
-        msg = str(e)
-        if "optim_args" not in msg:  # transformers' split: an entry without exactly one "="
-            msg = f"optim_args={optim_args!r} must be comma-separated key=value pairs, e.g. 'block_size=256' ({msg})"
-        return [msg]
+        return [str(e)]
     return []

@@ -68,6 +68,13 @@ def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.
     "analytic" layer costs, fingerprint). `compute_scale` multiplies the GPU compute costs and
     `cpu_optim_params_per_s` replaces the probed CPU optimizer rate (calibration from measured steps,
     hf/calibrate.py)."""
+    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, seq_len, compute_scale, cpu_optim_params_per_s)
+    return cm, layer_costs, plan_fingerprint(inputs)
+
+
+def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.0,
+                           cpu_optim_params_per_s: float | None = None) -> tuple[Any, str, dict[str, Any]]:
+    """`cost_model_for_trainer` with the plan inputs instead of their fingerprint (budgets resolved once)."""
     cfg = trainer.lazy_config
     B = trainer.args.per_device_train_batch_size  # as run_shape
     hardware, gpu, host, nvme = _budgets(trainer)
@@ -81,8 +88,7 @@ def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.
         cm = cm.scaled_compute(compute_scale)
     if cpu_optim_params_per_s is not None:
         cm = cm.with_cpu_optim_rate(cpu_optim_params_per_s)
-    fp = plan_fingerprint(_inputs(trainer, seq_len, hardware))
-    return cm, layer_costs, fp
+    return cm, layer_costs, _inputs(trainer, seq_len, hardware)
 
 
 def plan_inputs_for_trainer(trainer: Any, seq_len: int) -> dict[str, Any]:
@@ -135,16 +141,16 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
     """
     cfg = trainer.lazy_config
     T = seq_len or run_shape(trainer)[1]
-    cm, layer_costs, fp = cost_model_for_trainer(trainer, T, compute_scale, cpu_optim_params_per_s)
+    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, T, compute_scale, cpu_optim_params_per_s)
     try:
         schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
                               mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=_gpu_optimizer(trainer),
-                              fingerprint=fp)
+                              fingerprint=plan_fingerprint(inputs))
     except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
         raise with_margin(e, cfg.gpu_memory_margin) from None
     schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
                            cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
-                           fingerprint_inputs=input_hashes(plan_inputs_for_trainer(trainer, T)))
+                           fingerprint_inputs=input_hashes(inputs))
     logger.info("MILP plan for batch %d x %d: %s, predicted %s", trainer.args.per_device_train_batch_size, T,
                 schedule.solver, schedule.predicted)
     return schedule

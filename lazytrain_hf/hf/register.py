@@ -19,7 +19,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["OPTIM_NAME", "register", "register_on_import", "is_registered", "parse_optim_args"]
+__all__ = ["OPTIM_NAME", "register", "register_on_import", "is_registered", "parse_optim_args",
+           "parse_optim_args_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,23 @@ def parse_optim_args(optim_args: dict[str, str] | None, model: Any = None) -> di
         raise ValueError(f"optim_args for optim={OPTIM_NAME!r}: " + "; ".join(problems) + ". Example: "
                          "optim_args='block_size=256,master_weights=kahan,fp32_state_modules=q_proj|k_proj'")
     return out
+
+
+def parse_optim_args_text(optim_args: str | None) -> dict[str, Any]:
+    """`parse_optim_args` of the `TrainingArguments.optim_args` string, split as transformers splits it (for code
+    that sees the string before the Trainer does: LazyTrainingArguments, LazyTrainer).
+
+    Raises:
+        ValueError: as `parse_optim_args`, or an entry that is not one key=value pair (message naming the fix).
+    """
+    from transformers.trainer_optimizer import _parse_optim_args
+
+    try:
+        split = _parse_optim_args(optim_args)
+    except ValueError as e:  # transformers' split: an entry without exactly one "="
+        raise ValueError(f"optim_args={optim_args!r} must be comma-separated key=value pairs, e.g. "
+                         f"'block_size=256' ({e})") from None
+    return parse_optim_args(split)
 
 
 def _value_problems(parsed: dict[str, Any]) -> list[str]:

@@ -119,11 +119,9 @@ class LazyTrainerMixin:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
         if isinstance(args, LazyTrainingArguments) and cls is Hybrid8bitOptimizer:  # policy "none" included
             cfg = args.lazy_config
-            from transformers.trainer_optimizer import _parse_optim_args
+            from .register import params_named, parse_optim_args_text
 
-            from .register import params_named, parse_optim_args
-
-            explicit = set(parse_optim_args(_parse_optim_args(args.optim_args)))  # the handler's reading
+            explicit = set(parse_optim_args_text(args.optim_args))  # the handler's reading
             extra = {"state_dtype": cfg.state_dtype, "master_weights": cfg.master_weights,
                      "block_size": cfg.block_size, "min_8bit_size": cfg.min_8bit_size}
             kwargs.update({k: v for k, v in extra.items() if k not in explicit})

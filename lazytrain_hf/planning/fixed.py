@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .schedule import LayerPlan, Schedule
 
-__all__ = ["fixed_schedule", "checkpoint_interval"]
+__all__ = ["fixed_schedule", "checkpoint_interval", "checkpoint_tier"]
 
 
 def fixed_schedule(num_layers: int, checkpoint_every: int = 4, tier: str = "gpu", prefetch_depth: int = 1,
@@ -29,3 +29,8 @@ def checkpoint_interval(schedule: Schedule) -> int:
     """The k of a `fixed_schedule` (the distance between its first two checkpoints; the layer count if one)."""
     starts = [i for i, lp in enumerate(schedule.layers) if lp.checkpoint]
     return starts[1] - starts[0] if len(starts) > 1 else schedule.num_layers
+
+
+def checkpoint_tier(schedule: Schedule) -> str:
+    """The boundary tier of a `fixed_schedule` (every layer carries it; callers may move layer 0's to the GPU)."""
+    return schedule.layers[-1].tier

@@ -52,7 +52,7 @@ from .fast_eval import (
     improve_plan,
     perturb_plan,
 )
-from .fixed import checkpoint_interval, fixed_schedule
+from .fixed import checkpoint_interval, checkpoint_tier, fixed_schedule
 from .schedule import LayerPlan, Schedule
 from .schedule import fingerprint as _fingerprint
 
@@ -1238,7 +1238,7 @@ def _fallback(cm: CostModel, depth: int, evaluator: StepEvaluator, time_limit_s:
     fixed = fixed_candidates(cm, depth, evaluator=evaluator)
     if fixed:
         s = fixed[0]
-        return s, f"the fixed heuristic (checkpoint every {checkpoint_interval(s)} layers, boundaries in the {_tier(s)} tier)"
+        return s, f"the fixed heuristic (checkpoint every {checkpoint_interval(s)} layers, boundaries in the {checkpoint_tier(s)} tier)"
     # the user's limit again (at least 1 s: a memory-only solve is small), not the 10 s default
     min_gpu, sched, proven = _min_memory_plan(cm, depth, max(1.0, time_limit_s))
     if sched is not None and evaluator.evaluate(PlanArrays.of(sched)).fits(cm):
@@ -1324,11 +1324,6 @@ def milp_value(cm: CostModel, schedule: Schedule) -> tuple[float, float]:
     if not res.has_solution:
         raise ValueError(f"the schedule does not fit the budgets (HiGHS status {res.status})")
     return float(model.h.getSolution().col_value[model.v["END", 0]]), model.peak_value_bytes()
-
-
-def _tier(s: Schedule) -> str:
-    tiers = sorted({lp.tier for lp in s.layers[1:] if lp.checkpoint}) or ["gpu"]
-    return "/".join(tiers)
 
 
 def _nan_none(x: float) -> float | None:

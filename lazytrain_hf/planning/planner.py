@@ -14,7 +14,7 @@ from typing import Any
 from ..config import format_bytes
 from .cost_model import CostModel
 from .estimate import evaluate, recompute_flags
-from .fixed import checkpoint_interval, fixed_schedule
+from .fixed import checkpoint_interval, checkpoint_tier, fixed_schedule
 from .milp import (
     InfeasiblePlanError,
     _round_budget_up,
@@ -99,8 +99,7 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
     """The error for a `fixed` schedule over a budget: what it needs, and what fits instead (a fixed variant, the
     MILP, or, when nothing does, the smallest feasible budgets)."""
     p = sched.predicted
-    # fixed_schedule gives every layer the tier (layer 0 is then moved to the GPU)
-    needs = (f"The fixed schedule (checkpoint every {checkpoint_interval(sched)} layers in the {sched.layers[-1].tier} tier, "
+    needs = (f"The fixed schedule (checkpoint every {checkpoint_interval(sched)} layers in the {checkpoint_tier(sched)} tier, "
              f"prefetch depth {sched.prefetch_depth}) needs "
              f"{format_bytes(p['peak_gpu_bytes'])} GPU and {format_bytes(p['pinned_host_bytes'])} host memory"
              f"{_nvme_need(p)}, over the budgets ({format_bytes(cm.gpu_bytes)} GPU, {format_bytes(cm.pinned_host_bytes)} host"
@@ -108,7 +107,7 @@ def over_budget_error(cm: CostModel, sched: Schedule) -> InfeasiblePlanError:
     fitting = fixed_candidates(cm, sched.prefetch_depth)
     if fitting:
         f = fitting[0]
-        advice = (f" The fixed variant --checkpoint-every {checkpoint_interval(f)} --tier {f.layers[-1].tier} (lazytrain_config."
+        advice = (f" The fixed variant --checkpoint-every {checkpoint_interval(f)} --tier {checkpoint_tier(f)} (lazytrain_config."
                   f"checkpoint_every / activation_tier) fits, and so may --policy milp.")
     else:
         need = min_gpu_bytes(cm)

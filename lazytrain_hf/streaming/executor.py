@@ -277,16 +277,16 @@ class StreamingExecutor:
         if self.updater is None:
             return
         t = time.perf_counter()
-        if self.streamer.instrument and self.device.type == "cuda" and self.updater.cpu_pending(layer):
-            # GPU time lost to this wait: from the end of the compute already queued to the first work queued
-            # after it (0 when the training thread ran far enough ahead that the GPU never drained)
+        # GPU time lost to this wait: from the end of the compute already queued to the first work queued after it
+        # (0 when the training thread ran far enough ahead that the GPU never drained)
+        timed = self.streamer.instrument and self.device.type == "cuda" and self.updater.cpu_pending(layer)
+        if timed:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record()
-            self.updater.wait(layer)
+        self.updater.wait(layer)
+        if timed:
             after.record()
             self._update_stalls.append((before, after))
-        else:
-            self.updater.wait(layer)
         self.updater.wait_s += time.perf_counter() - t
 
     def flush_updates(self) -> None:
