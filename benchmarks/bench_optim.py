@@ -8,6 +8,7 @@ Rows (``system`` in the JSON):
   bnb_adamw8bit_cpu         bitsandbytes.optim.AdamW8bit on CPU, when bitsandbytes is installed
   GPU rows (CUDA; "unsupported" elsewhere), parameters and gradients on the GPU, each step synchronized:
   hybrid8_gpu               Hybrid8bitOptimizer, 8-bit states (bitsandbytes' blockwise kernel)
+  hybrid8_gpu_triton        Hybrid8bitOptimizer, 8-bit states (the fused Triton kernel, the CUDA default)
   bnb_adamw8bit_gpu         bitsandbytes.optim.AdamW8bit
   torch_adamw_fused_fp32_gpu, torch_adamw_foreach_fp32_gpu   torch.optim.AdamW(fused / foreach), fp32
 
@@ -51,7 +52,7 @@ from lazytrain_hf.config import cpu_threads
 from .common import ROW_KEYS, git_commit, machine
 
 SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu"]
-GPU_SYSTEMS = ["hybrid8_gpu", "bnb_adamw8bit_gpu", "torch_adamw_fused_fp32_gpu", "torch_adamw_foreach_fp32_gpu"]
+GPU_SYSTEMS = ["hybrid8_gpu", "hybrid8_gpu_triton", "bnb_adamw8bit_gpu", "torch_adamw_fused_fp32_gpu", "torch_adamw_foreach_fp32_gpu"]
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -110,16 +111,26 @@ def _params(args: argparse.Namespace, dtype: torch.dtype, device: str) -> list[t
     return params
 
 
-def _hybrid8_gpu(args: argparse.Namespace) -> tuple[Callable[[], None], int, int]:
+def _hybrid8_gpu(args: argparse.Namespace, kernel: str) -> tuple[Callable[[], None], int, int]:
+    """Hybrid8 on the GPU with `kernel` forced (``LAZYTRAIN_GPU_KERNEL`` set around each step)."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
+    from lazytrain_hf.optim.functional import GPU_KERNEL_ENV
 
     opt = Hybrid8bitOptimizer(_params(args, _DTYPES[args.param_dtype], "cuda"), lr=1e-5, weight_decay=0.01,
                               master_weights=args.master_weights)
     norm = torch.tensor(2.0, device="cuda")
 
     def step() -> None:
-        opt.clip_grad_norm(1.0, norm=norm)
-        opt.step()
+        saved = os.environ.get(GPU_KERNEL_ENV)
+        os.environ[GPU_KERNEL_ENV] = kernel
+        try:
+            opt.clip_grad_norm(1.0, norm=norm)
+            opt.step()
+        finally:
+            if saved is None:
+                del os.environ[GPU_KERNEL_ENV]
+            else:
+                os.environ[GPU_KERNEL_ENV] = saved
 
     step()
     return step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
@@ -196,7 +207,8 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
             "hybrid8_cpp_fp32_states": lambda: _hybrid8(args, "cpp", "fp32"),
             "torch_adamw_fused_fp32": lambda: _torch_adamw(args, "cpu", "fused"),
             "bnb_adamw8bit_cpu": lambda: _bnb(args, "cpu"),
-            "hybrid8_gpu": lambda: _hybrid8_gpu(args),
+            "hybrid8_gpu": lambda: _hybrid8_gpu(args, "bnb"),
+            "hybrid8_gpu_triton": lambda: _hybrid8_gpu(args, "triton"),
             "bnb_adamw8bit_gpu": lambda: _bnb(args, "cuda"),
             "torch_adamw_fused_fp32_gpu": lambda: _torch_adamw(args, "cuda", "fused"),
             "torch_adamw_foreach_fp32_gpu": lambda: _torch_adamw(args, "cuda", "foreach"),

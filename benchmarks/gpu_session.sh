@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s8t | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -69,6 +69,19 @@ for stage in "$@"; do
              --out "${HRES%.json}-threads.json" --min-start-s 40 --systems lazytrain_milp --caps 24 --batch-sizes 32 \
              --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime
            cp "$HRES" "${HRES%.json}-threads.json" "$OUT/" ;;
+    s8t)   # 1 GPU (~8.5 min): the fused Triton update kernel (session 8): its GPU tests (bit-equal to the C++ kernel, and
+           # GPU-side layer updates bit-equal to CPU ones), its rate against bitsandbytes' path, the CPU's vector
+           # extensions, then issue 3's B=32 pair (stock uncapped, MILP 24 GiB) and MILP 24 GiB B=16 with it
+           timeout 150 python3 -m pytest -q -m gpu tests/optim/test_triton_kernel.py tests/streaming/test_executor_gpu.py \
+             -k "triton or gpu_side" -rfE -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu-s8t.log" | tail -6
+           timeout 90 python3 -m benchmarks.bench_optim --params 67108864 --master-weights kahan --grad-dtype bf16 \
+             --systems hybrid8_gpu,hybrid8_gpu_triton --out "$OUT/hybrid8-s8t.json" 2>&1 | grep -v Warning
+           grep -o -w 'avx512[a-z_]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+           HRES=${HARNESS_OUT:-$OUT/7b-s8t-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --out $HRES --min-start-s 40"
+           timeout 90 $PIN $H --systems stock_trainer --caps none --batch-sizes 32 --budget-s 85 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 130 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 120 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s8)    # 1 GPU (~8 min): where issue 3's batch 8 / 16 gap goes (NOTES "Next GPU session (written end of session 7)"):
            # the CPU's vector extensions, MILP at 24 GiB B=8 and 16 with the update counters, then the C++ kernel at
            # 4 / 8 / 12 / 16 threads, unbound and with OMP_PROC_BIND=close (session 7: 8 threads only 3.5x one)

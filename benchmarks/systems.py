@@ -215,8 +215,13 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                # solver ran, so that step waited for no update (session 6: 0.4-0.9 s faster than the rest)
                "calibrate_steps": max(0, int(spec.get("warmup", 0)) - 3)}
         kw.update(lazytrain_config=cfg, bf16=True)
+        from lazytrain_hf.optim.functional import gpu_kernel_choice, triton_status
+
         extra.update(optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)", lazytrain_config=cfg,
-                     embedding_states=spec.get("embedding_states", "8bit"))
+                     embedding_states=spec.get("embedding_states", "8bit"),
+                     # the GPU-side updates' kernel for 8-bit states: "triton" unless forced or triton is missing
+                     gpu_update_kernel=gpu_kernel_choice() if gpu_kernel_choice() != "auto"
+                     else "triton" if triton_status()[0] else "bnb")
     return cls(**kw), extra
 
 

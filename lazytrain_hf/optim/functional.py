@@ -17,6 +17,10 @@ Kernels (`KERNELS`):
 - ``"torch"``: pure torch, any device, any float dtype; the reference the others are tested against.
 - ``"cpp"``: the fused one-pass CPU kernel (`_cpu_kernel`), fp32/bf16 params and grads, contiguous tensors.
   ``LAZYTRAIN_CPU_KERNEL=torch|cpp`` forces the CPU choice (``cpp`` raises if the kernel cannot be built).
+- ``"triton"``: the fused one-pass GPU kernel for 8-bit states (`_triton_kernel`): the ``"cpp"`` kernel's
+  arithmetic, so its bits equal the CPU update's (a layer updated on either side ends up identical); the CUDA
+  default for 8-bit states where ``triton`` imports. On CPU tensors it runs in Triton's interpreter (tests only).
+  ``LAZYTRAIN_GPU_KERNEL=triton|bnb|torch`` forces the CUDA choice (``triton`` raises where it cannot run).
 - ``"bnb"``: bitsandbytes' CUDA kernels (8-bit blockwise for uint8 states, 32-bit for fp32 states) with the clip
   coefficient as ``gnorm_scale``. bitsandbytes applies weight decay *after* the Adam step
   (``p = (p - u)(1 - lr wd)``), so decay is applied here first and bitsandbytes gets ``weight_decay=0``; its
@@ -45,11 +49,13 @@ from torch import Tensor
 
 from ..config import cpu_threads
 from ._cpu_kernel import DTYPE_CODES, CpuTables, cpu_adamw_step, cpu_kernel_status, load_cpu_kernel
+from ._triton_kernel import triton_adamw_step, triton_status, triton_supports
 from .quant import code_midpoints, dequantize_blockwise, dynamic_map, num_blocks, quantize_blockwise, zero_code
 
 __all__ = [
     "KERNELS",
     "CPU_KERNEL_ENV",
+    "GPU_KERNEL_ENV",
     "AdamWHyper",
     "Codebooks",
     "adamw_step",
@@ -58,14 +64,17 @@ __all__ = [
     "adamw_step_bnb_cuda",
     "select_kernel",
     "cpu_kernel_choice",
+    "gpu_kernel_choice",
     "bitsandbytes_cuda_status",
 ]
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("torch", "cpp", "bnb")
+KERNELS = ("torch", "cpp", "bnb", "triton")
 CPU_KERNEL_ENV = "LAZYTRAIN_CPU_KERNEL"
 _CPU_CHOICES = ("auto", "torch", "cpp")
+GPU_KERNEL_ENV = "LAZYTRAIN_GPU_KERNEL"
+_GPU_CHOICES = ("auto", "triton", "bnb", "torch")
 BNB_BLOCK_SIZE = 256  # bitsandbytes' 2-state blockwise CUDA kernel is compiled for 256-element blocks
 # "torch" / "bnb" kernels update large tensors in slices of this many elements (a multiple of every block size):
 # their fp32 temporaries (param + Kahan sum, fp32 gradient, write-back residual) then stay ~0.1 GiB each instead of
@@ -146,17 +155,30 @@ def _cpu_codebooks() -> Codebooks:
     return Codebooks(q1, q2, code_midpoints(q1), code_midpoints(q2), CpuTables.build(q1, q2))
 
 
+def _kernel_choice(env: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(env, "auto").strip().lower() or "auto"
+    if raw not in choices:
+        raise ValueError(f"environment {env} must be one of {list(choices[1:])} (or unset), "
+                         f"but got {os.environ.get(env)!r}")
+    return raw
+
+
 def cpu_kernel_choice() -> str:
     """``LAZYTRAIN_CPU_KERNEL`` normalized: ``"auto"`` (unset), ``"torch"`` or ``"cpp"``.
 
     Raises:
         ValueError: any other value.
     """
-    raw = os.environ.get(CPU_KERNEL_ENV, "auto").strip().lower() or "auto"
-    if raw not in _CPU_CHOICES:
-        raise ValueError(f"environment {CPU_KERNEL_ENV} must be one of {list(_CPU_CHOICES[1:])} (or unset), "
-                         f"but got {os.environ.get(CPU_KERNEL_ENV)!r}")
-    return raw
+    return _kernel_choice(CPU_KERNEL_ENV, _CPU_CHOICES)
+
+
+def gpu_kernel_choice() -> str:
+    """``LAZYTRAIN_GPU_KERNEL`` normalized: ``"auto"`` (unset), ``"triton"``, ``"bnb"`` or ``"torch"``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    return _kernel_choice(GPU_KERNEL_ENV, _GPU_CHOICES)
 
 
 @functools.cache
@@ -262,8 +284,9 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
     """Pick the kernel for one update (one of `KERNELS`); logs each fallback reason once.
 
     Raises:
-        RuntimeError: ``LAZYTRAIN_CPU_KERNEL=cpp`` but the fused kernel cannot be built.
-        ValueError: bad ``LAZYTRAIN_CPU_KERNEL`` value.
+        RuntimeError: ``LAZYTRAIN_CPU_KERNEL=cpp`` but the fused kernel cannot be built, or
+            ``LAZYTRAIN_GPU_KERNEL=triton`` but ``triton`` does not import.
+        ValueError: bad ``LAZYTRAIN_CPU_KERNEL`` / ``LAZYTRAIN_GPU_KERNEL`` value.
     """
     dev = param.device.type
     if dev == "cpu":
@@ -294,6 +317,19 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
             return "torch"
         return "cpp"
     if dev == "cuda":
+        choice = gpu_kernel_choice()
+        if choice == "torch":
+            return "torch"
+        if choice in ("auto", "triton"):
+            ok, reason = triton_status()
+            if not ok and choice == "triton":
+                raise RuntimeError(f"{GPU_KERNEL_ENV}=triton but the Triton update kernel is unavailable: {reason}")
+            if not ok:
+                _log_once("triton-missing", "Hybrid8bitOptimizer: the fused Triton update kernel is unavailable "
+                          "(%s); using bitsandbytes' kernel (several times slower with Kahan compensation).",
+                          reason)
+            elif triton_supports(param, grad, state, block_size) is None:
+                return "triton"  # else (fp32 states, odd block sizes): bitsandbytes or torch, below
         eight_bit = state["state1"].dtype == torch.uint8
         if eight_bit and block_size != BNB_BLOCK_SIZE:
             _log_once("bnb-block", "Hybrid8bitOptimizer: bitsandbytes' CUDA kernel uses %d-element blocks, but "
@@ -361,6 +397,9 @@ def _adamw_step_now(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: A
                     block_size: int, kernel: str, threads: int | None) -> None:
     if kernel == "cpp":  # fused one pass: no temporaries to bound
         adamw_step_cpp(param, grad, state, hyper, books, block_size=block_size, threads=threads)
+        return
+    if kernel == "triton":  # fused one pass too
+        triton_adamw_step(param, grad, state, hyper, books, block_size=block_size)
         return
     step = adamw_step_torch if kernel == "torch" else adamw_step_bnb_cuda
     for p, g, st in _slices(param, grad, state, block_size):

@@ -89,7 +89,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         eps (float, defaults to 1e-8): added to ``sqrt(v_hat)``.
         weight_decay (float, defaults to 0.0): decoupled decay, ``p *= 1 - lr * weight_decay``.
         block_size (int, defaults to 256): elements per quantization block; a power of two in [64, 65536]
-            (bitsandbytes' CUDA kernel needs 256; other sizes use the pure-torch path on CUDA).
+            (on CUDA the Triton kernel takes powers of two up to 4096, bitsandbytes' kernel only 256; other sizes
+            use the pure-torch path there).
         min_8bit_size (int, defaults to 4096): tensors with fewer elements keep fp32 states.
         state_dtype (str, defaults to "8bit"): "8bit" or "fp32".
         master_weights (str, defaults to "auto"): "auto", "fp32", "kahan" or "none" (see above).

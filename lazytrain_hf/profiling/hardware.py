@@ -228,7 +228,7 @@ def optimizer_rate(device: Any = "cpu", numel: int = 2**26, steps: int = 3, mast
     after one warm-up): a bf16 parameter of `numel` elements (default 2^26: ~0.5 GB of weight, gradient, states
     and master buffers) with 8-bit blockwise states and Kahan-compensated bf16 master weights, as a streamed
     decoder layer is updated (CPU: the C++ kernel on `lazytrain_hf.config.cpu_threads()` threads, else the torch
-    fallback; CUDA: bitsandbytes' kernel when it loads). The planner's cost model divides a layer's parameter
+    fallback; CUDA: the fused Triton kernel where triton imports, else bitsandbytes'). The planner's cost model divides a layer's parameter
     count by this rate (DESIGN.md §3)."""
     import torch
 

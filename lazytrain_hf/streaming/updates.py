@@ -12,7 +12,8 @@ keeps its host gradient readable (`is_pending`) until the worker has consumed it
 Device-placed layers (`device_layers`, the schedule's optimizer_device == "gpu"): the CPU worker skips them; their
 update waits in `device_pending` until the executor streams the layer in for the next forward and runs it on the
 GPU next to the freshly loaded weights (`take_device`). `wait_all` (save, evaluate, end) applies any still pending
-on the CPU instead, which equals the GPU update within the kernels' rounding.
+on the CPU instead: bit for bit the GPU update where that runs the Triton kernel (`optim/_triton_kernel.py`),
+within the kernels' rounding where it runs bitsandbytes'.
 
 Sharded data parallel (`owned`, streaming/shard.py): only the owned layers are updated here; `on_step` is told
 of each step so the other layers are broadcast from their owners at their next load.

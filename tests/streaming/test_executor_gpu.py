@@ -62,11 +62,13 @@ def test_cuda_bf16_close_to_autograd():
 
 
 @pytest.mark.parametrize("delay", ["none", "late-h2d", "late-compute"])
-@pytest.mark.parametrize("state_dtype, model_dtype, tol", [("fp32", "float32", 1e-4), ("8bit", "bfloat16", 2e-2)])
-def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, tol, delay, monkeypatch):
+@pytest.mark.parametrize("state_dtype, model_dtype, gpu_kernel, tol", [
+    ("fp32", "float32", "auto", 1e-4), ("8bit", "bfloat16", "bnb", 2e-2), ("8bit", "bfloat16", "triton", 0.0)])
+def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, gpu_kernel, tol, delay, monkeypatch):
     """Layers whose schedule says optimizer_device "gpu" are updated on the GPU at their next load (staged host
-    states and gradient, bitsandbytes' kernel for 8-bit states, copy-back on the D2H stream); the weights after
-    3 steps equal every update on the CPU (fp32 states: rounding only; 8-bit: the two kernels' quantization).
+    states and gradient, copy-back on the D2H stream); the weights after 3 steps equal every update on the CPU:
+    bit for bit with the Triton kernel for 8-bit states (the C++ kernel's arithmetic), within the two kernels'
+    quantization with bitsandbytes' (tol 2e-2), within rounding for fp32 states (bitsandbytes' 32-bit kernel).
 
     The fp32 case runs an fp32 model: with bf16 weights a one-ulp difference between the CUDA and CPU kernels'
     rounding grows chaotically through Adam's m / sqrt(v) (one ulp on 1% of one layer's weights after step 1 gives
@@ -74,9 +76,11 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
     on the last layer's q_proj, <= 3.3e-6 elsewhere (bitsandbytes' 32-bit kernel vs the C++ one); a dropped weight
     decay would differ by lr x wd x 3 = 3e-4, a wrong bias correction by far more."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
+    from lazytrain_hf.optim.functional import GPU_KERNEL_ENV
     from lazytrain_hf.planning.fixed import fixed_schedule
     from lazytrain_hf.streaming.weights import WeightStreamer
 
+    monkeypatch.setenv(GPU_KERNEL_ENV, gpu_kernel)
     # Note [GPU-side update ordering]: a tiny model's copies finish long before the next Python launch, which hid
     # a kernel that ran unordered with them; a GPU sleep queued ahead of every load (late H2D) or of every compute
     # access (late compute) makes any missing wait show as wrong values
@@ -108,7 +112,7 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
             sched.layers[i].optimizer_device = "gpu"
         ex = StreamingExecutor(model, LazyTrainConfig(), "cuda", sched, host_grad_dtype="param")
         opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, state_dtype=state_dtype,
-                                  min_8bit_size=256, block_size=256,
+                                  min_8bit_size=1 if gpu_kernel == "triton" else 256, block_size=256,
                                   master_weights="kahan" if model_dtype == "bfloat16" else "none")
         opt.set_grad_source(ex.grad_source)
         ex.attach_optimizer(opt)
@@ -122,6 +126,10 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
         assert ex.device_updates == (2 * len(placed))  # steps 1 and 2 met a next load; step 3 flushed on the CPU
         weights[placed] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
         ex.close()
+    if tol == 0.0:
+        differ = [n for n, w in weights[()].items() if not torch.equal(weights[(0, 1, 3)][n], w)]
+        assert not differ, f"GPU-side updates changed bits of {differ[:6]}"
+        return
     errs = sorted(((rel_err(weights[(0, 1, 3)][n], w), n) for n, w in weights[()].items()), reverse=True)
     assert errs[0][0] < tol, f"largest relative differences: {errs[:6]}"
 
