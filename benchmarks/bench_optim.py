@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--stagger", type=int, default=0,
                     help="hybrid8: put parameter, gradient and state buffers at page offsets 0, K, 2K, ... bytes "
                          "(a multiple of 64; 0: as allocated)")
+    ap.add_argument("--triton-launch", type=_launches, default=None,
+                    help="hybrid8_gpu_triton: repeat the row for each launch shape ROWS:WARPS (quantization blocks and "
+                         "warps per program), e.g. 4:4,8:4,8:8 (default: the kernel's own)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                     help="JSON file, or a directory for hybrid8-<YYYYMMDD>.json")
     args = ap.parse_args(argv)
@@ -281,9 +284,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for system in systems:
                 if system in GPU_SYSTEMS and threads != (args.threads or [None])[0]:
                     continue  # GPU rows once
-                row = run_row(system, args)
-                rows.append(row)
-                _print_row(row)
+                for launch in (args.triton_launch or [None]) if system == "hybrid8_gpu_triton" else [None]:
+                    row = _run_with_launch(system, args, launch)
+                    rows.append(row)
+                    _print_row(row)
     finally:  # main() is also called in-process (tests): leave the caller's thread settings as they were
         torch.set_num_threads(saved[0])
         if saved[1] is None:
@@ -309,6 +313,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def _run_with_launch(system: str, args: argparse.Namespace, launch: tuple[int, int] | None) -> dict[str, Any]:
+    """`run_row` with the Triton kernel's launch shape set to `launch` (rows, warps) for the row, then restored."""
+    if launch is None:
+        return run_row(system, args)
+    from lazytrain_hf.optim._triton_kernel import LAUNCH
+
+    saved = dict(LAUNCH)
+    LAUNCH.update(rows=launch[0], num_warps=launch[1])
+    try:
+        row = run_row(system, args)
+    finally:
+        LAUNCH.update(saved)
+    row["extra"]["triton_launch"] = {"rows": launch[0], "num_warps": launch[1]}
+    return row
+
+
+def _launches(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        try:
+            r, w = (int(x) for x in part.split(":"))
+        except ValueError:
+            r = w = 0
+        if r < 1 or r & (r - 1) or w not in (1, 2, 4, 8, 16):
+            raise argparse.ArgumentTypeError(f"expected ROWS:WARPS pairs (ROWS a power of two, WARPS 1-16 a power "
+                                             f"of two) such as 4:4,8:8, but got {part!r}")
+        out.append((r, w))
+    return out
+
+
 def _thread_counts(text: str) -> list[int]:
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
@@ -322,6 +356,8 @@ def _thread_counts(text: str) -> list[int]:
 def _print_row(row: dict[str, Any]) -> None:
     ex = row["extra"]
     thr = str(ex.get("threads", "gpu"))
+    if "triton_launch" in ex:
+        thr = f"{ex['triton_launch']['rows']}:{ex['triton_launch']['num_warps']}"
     if row["status"] != "ok":
         print(f"{row['system']:28s} {thr:>3s} {row['status']}: {row['reason']}")
         return

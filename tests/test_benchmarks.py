@@ -116,3 +116,20 @@ def test_bench_optim_bad_arguments_exit_before_running(tmp_path, capsys, argv, m
         bench_optim.main([*argv, "--out", str(tmp_path / "b.json")])
     assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "b.json").exists()
+
+
+def test_bench_optim_triton_launch_sweep_restores_the_kernel_launch(tmp_path):
+    """--triton-launch repeats the Triton row per launch shape (unsupported without CUDA, still one row each) and
+    leaves the kernel's own launch shape as it was; malformed shapes are argument errors."""
+    import pytest
+
+    from benchmarks import bench_optim
+    from lazytrain_hf.optim._triton_kernel import LAUNCH
+
+    before = dict(LAUNCH)
+    doc = bench_optim.main(["--params", "4096", "--systems", "hybrid8_gpu_triton", "--triton-launch", "2:2,8:4",
+                            "--steps", "5", "--warmup", "1", "--out", str(tmp_path / "o.json")])
+    assert len(doc["rows"]) == 2 and LAUNCH == before
+    for bad in ("3:4", "4:3", "4", "x:y"):
+        with pytest.raises(SystemExit):
+            bench_optim.main(["--systems", "hybrid8_gpu_triton", "--triton-launch", bad])

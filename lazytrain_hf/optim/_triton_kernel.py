@@ -30,9 +30,11 @@ from torch import Tensor
 from ._cpu_kernel import kernel_lookup_table
 from .quant import LUT_EXP_RANGE, LUT_MANT_BITS
 
-__all__ = ["triton_status", "triton_adamw_step", "triton_supports", "ROWS_PER_PROGRAM"]
+__all__ = ["triton_status", "triton_adamw_step", "triton_supports", "LAUNCH"]
 
-ROWS_PER_PROGRAM = 4  # quantization blocks per Triton program (a [ROWS, block] tile)
+# Launch shape: quantization blocks per Triton program (a [rows, block] tile) and warps per program. Speed only,
+# never a result bit (blocks are independent); `benchmarks/bench_optim.py --triton-launch` sweeps it.
+LAUNCH = {"rows": 4, "num_warps": 4}
 _MAX_BLOCK = 4096
 
 
@@ -158,7 +160,8 @@ def triton_adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper:
 
     p_arg, g_arg = bits(param.view(-1)), bits(grad.reshape(-1))
     nblocks = -(-n // block_size)
-    grid = (-(-nblocks // ROWS_PER_PROGRAM),)
+    rows, warps = LAUNCH["rows"], LAUNCH["num_warps"]
+    grid = (-(-nblocks // rows),)
     dummy = state["absmax1"]  # pointer arguments a mode does not read
     kernel = _kernel(dev.type != "cuda")
     kernel[grid](
@@ -168,6 +171,6 @@ def triton_adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper:
         _f32(hyper.clip_coef), _f32(hyper.beta2), w1c, _f32(1.0 - hyper.beta2), _f32(hyper.eps), _f32(hyper.decay),
         _f32(-hyper.step_size), _f32(hyper.bc2_sqrt),
         half, shift, kmask, low_mask, key_off, half - 1,
-        BLOCK=block_size, ROWS=ROWS_PER_PROGRAM, MODE=mode, P_BF16=p_bf16, G_BF16=grad.dtype == torch.bfloat16,
-        LERP_LOW=lerp_low, num_warps=4, enable_fp_fusion=False,
+        BLOCK=block_size, ROWS=rows, MODE=mode, P_BF16=p_bf16, G_BF16=grad.dtype == torch.bfloat16,
+        LERP_LOW=lerp_low, num_warps=warps, enable_fp_fusion=False,
     )
