@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s8t | s8b | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s8t | s8b | s8c | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -98,6 +98,17 @@ for stage in "$@"; do
            timeout 90 $PIN $H --systems stock_trainer --caps none --batch-sizes 8,16 --budget-s 85 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 120 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 170 $PIN $H --systems lazytrain_milp --caps 80 --batch-sizes 64 --budget-s 165 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s8c)   # 1 GPU (~8 min): the C++ kernel's 8-bit loop in dynamic chunks (a static split waited for the thread that
+           # shares its core with the launching thread): its standalone rate, then the worker's in-step rate and the step
+           # at 24 GiB B=16 (with the stock reference), 8 and 32
+           LAZYTRAIN_CPU_LOOKUP=gather timeout 40 $PIN python3 -m benchmarks.bench_optim --threads 16 --params 67108864 \
+             --master-weights kahan --grad-dtype bf16 --systems hybrid8_cpp --out "$OUT/hybrid8-s8c.json" 2>&1 | grep -v Warning
+           HRES=${HARNESS_OUT:-$OUT/7b-s8c-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --out $HRES --min-start-s 40"
+           timeout 70 $PIN $H --systems stock_trainer --caps none --batch-sizes 16 --budget-s 65 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 120 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 120 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 130 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s8)    # 1 GPU (~8 min): where issue 3's batch 8 / 16 gap goes (NOTES "Next GPU session (written end of session 7)"):
            # the CPU's vector extensions, MILP at 24 GiB B=8 and 16 with the update counters, then the C++ kernel at
            # 4 / 8 / 12 / 16 threads, unbound and with OMP_PROC_BIND=close (session 7: 8 threads only 3.5x one)

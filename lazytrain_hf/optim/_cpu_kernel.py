@@ -2,7 +2,7 @@
 
 Per quantization block (kept in L1), two passes: (1) dequantize m and v -> AdamW (clip coefficient folded into the
 gradient) -> write the parameter (fp32, or bf16 from an fp32 master / Kahan-compensated) -> new m and v into a
-per-thread buffer and their absmax; (2) requantize m and v. OpenMP threads take contiguous ranges of whole blocks.
+per-thread buffer and their absmax; (2) requantize m and v. OpenMP threads take dynamic chunks of whole blocks.
 With AVX2 and FMA (the native build on x86) both passes are hand-vectorized; otherwise (the portable build, other
 architectures) a generic path does the same fp32 operations in the same order: both give the same bits (except
 which NaN survives where two NaNs meet: the compiler's operand order).
@@ -563,7 +563,9 @@ inline void prefetch_block(const Args& a, int64_t s, int64_t len) {
   }
 }
 
-// 8-bit states: threads take contiguous ranges of whole blocks; per block: prefetch of a block about 512
+constexpr int kDynamicChunk = 64;  // quantization blocks a thread takes at a time (16K elements at B = 256)
+
+// 8-bit states: threads take chunks of whole blocks; per block: prefetch of a block about 512
 // elements ahead, pass 1, new scales, pass 2 (requantize; Note [v floor] in lazytrain_hf/optim/quant.py for the
 // second moment).
 template <int LK, typename PT, typename GT, int MM>
@@ -579,7 +581,11 @@ void adamw_q8(const Args& a, const Hyper& h) {
     const size_t bytes = static_cast<size_t>((B * 4 + 63) / 64) * 64;
     float* mbuf = static_cast<float*>(std::aligned_alloc(64, bytes));
     float* vbuf = static_cast<float*>(std::aligned_alloc(64, bytes));
-#pragma omp for schedule(static)
+    // Dynamic chunks of ~16K elements, not one static range per thread: inside a training step a core is shared
+    // with the launching thread and the copy engines' traffic, and a static split waits for its slowest thread
+    // (the worker measured 2.25-2.5 G params/s in steps against 3.0-3.75 alone, benchmarks/NOTES.md session 8).
+    // Blocks are independent: the same bits whichever thread runs a block.
+#pragma omp for schedule(dynamic, kDynamicChunk)
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t s = b * B;
       const int64_t len = std::min(B, n - s);

@@ -268,3 +268,20 @@ def test_cpp_vector_lanes_equal_scalar_tail_bitwise(master, gdtype):
             finite = torch.isfinite(mst[0:7]) | torch.isfinite(mst[8:15])
             assert torch.equal(mst[0:7][finite].view(torch.int32), mst[8:15][finite].view(torch.int32)), trial
             assert torch.equal(torch.isnan(mst[0:7]), torch.isnan(mst[8:15])), trial
+
+
+def test_cpp_thread_count_does_not_change_bits():
+    """The 8-bit loop hands out dynamic chunks of 64 blocks (robust to a core shared with the launching thread):
+    which thread runs a block must not change a bit. 200k elements: 13 chunks over 1 and 3 threads."""
+    requires_cpu_kernel()
+    p, grad, opt = _prepared_state(torch.bfloat16, torch.bfloat16, "kahan", "8bit", 200_000, 256)
+    out = []
+    for threads in (1, 3):
+        q, st = p.detach().clone(), copy.deepcopy(opt.state[p])
+        st["step"] += 1
+        hyper = F.AdamWHyper(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=st["step"],
+                             clip_coef=0.5)
+        F.adamw_step(q, grad, st, hyper, opt._books_for(p.device), block_size=256, kernel="cpp", threads=threads)
+        out.append([q] + [v for v in st.values() if isinstance(v, torch.Tensor)])
+    for a, b in zip(*out, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
