@@ -63,6 +63,7 @@ __all__ = [
     "adamw_step_cpp",
     "adamw_step_bnb_cuda",
     "select_kernel",
+    "triton_self_check",
     "cpu_kernel_choice",
     "gpu_kernel_choice",
     "bitsandbytes_cuda_status",
@@ -267,6 +268,64 @@ def cpp_kernel_self_check(threads: int) -> tuple[bool, str]:
     return True, "ok"
 
 
+@functools.cache
+def triton_self_check(device: torch.device | str) -> tuple[bool, str]:
+    """``(ok, reason)``: does the Triton update kernel compile and run on ``device``, and give the C++ kernel's bits?
+    Once per process and device, before the first GPU-side update uses it: 70,000 elements on a GPU (many programs, a
+    partial last block; 2,600 on the CPU, where the interpreter runs it) in the executor's configuration (bf16 weights, Kahan compensation, 8-bit states, bf16
+    gradients, a clip coefficient), against the C++ kernel on the CPU (bit-equal), or against the torch reference
+    within one bf16 ulp where the C++ kernel is unavailable. ~1-2 s the first time (Triton's compile).
+
+    Why: ``import triton`` can succeed where compiling or running the kernel fails (an unsupported GPU, a broken
+    toolchain); a failure here falls back to bitsandbytes' kernel before any training step depends on it.
+    """
+    device = torch.device(device)
+    ok, reason = triton_status()
+    if not ok:
+        return False, reason
+    saved = getattr(_deferral, "queue", None)
+    _deferral.queue = None  # the check runs now, even when called while the executor queues updates
+    try:
+        gen = torch.Generator().manual_seed(0)
+        n, block = (70_000 if device.type == "cuda" else 2_600), 256  # CPU: Triton's interpreter, ~1000x slower
+        p0 = (torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16)
+        g = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+        books = Codebooks.for_device("cpu")
+        st: dict[str, Any] = {"step": 1, "kahan": (torch.randn(n, generator=gen) * 1e-5).to(torch.bfloat16)}
+        st["state1"], st["absmax1"] = quantize_blockwise(torch.randn(n, generator=gen) * 1e-4, books.qmap1, block,
+                                                         mids=books.mids1)
+        st["state2"], st["absmax2"] = quantize_blockwise(torch.rand(n, generator=gen) * 1e-7, books.qmap2, block,
+                                                         mids=books.mids2, nonzero_floor=True)
+        hyper = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 2, clip_coef=0.37)
+        ref_kernel = "cpp" if load_cpu_kernel() is not None else "torch"
+        q_ref, s_ref = p0.clone(), {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.items()}
+        adamw_step(q_ref, g, s_ref, hyper, books, block_size=block, kernel=ref_kernel, threads=1)
+        q, s = p0.to(device), {k: v.to(device) if isinstance(v, Tensor) else v for k, v in st.items()}
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            triton_adamw_step(q, g.to(device), s, hyper, Codebooks.for_device(device), block_size=block)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure means: fall back
+            return False, f"the Triton kernel failed to run on {device}: {type(e).__name__}: {str(e).strip()[-300:]}"
+        q, s = q.cpu(), {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
+        if ref_kernel == "cpp":
+            differ = [k for k in ("state1", "state2", "absmax1", "absmax2", "kahan")
+                      if not torch.equal(s[k].view(torch.uint8), s_ref[k].view(torch.uint8))]
+            if not torch.equal(q.view(torch.int16), q_ref.view(torch.int16)):
+                differ.insert(0, "param")
+            if differ:
+                return False, f"the Triton kernel's {', '.join(differ)} differ from the C++ kernel's bits on {device}"
+        else:
+            bad = int(((q.float() - q_ref.float()).abs() > (q_ref.float().abs() * 2.0**-7).clamp(min=1e-30)).sum())
+            if bad:
+                return False, f"{bad} of {n} parameters differ from the torch reference by more than one bf16 ulp"
+    finally:
+        _deferral.queue = saved
+    return True, "ok"
+
+
 def _cpp_supports(param: Tensor, grad: Tensor, state: dict[str, Any]) -> str | None:
     """None when the fused CPU kernel can run this update, else the reason it cannot."""
     if param.dtype not in DTYPE_CODES:
@@ -285,7 +344,7 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
 
     Raises:
         RuntimeError: ``LAZYTRAIN_CPU_KERNEL=cpp`` but the fused kernel cannot be built, or
-            ``LAZYTRAIN_GPU_KERNEL=triton`` but ``triton`` does not import.
+            ``LAZYTRAIN_GPU_KERNEL=triton`` but ``triton`` does not import or the kernel fails its self-check.
         ValueError: bad ``LAZYTRAIN_CPU_KERNEL`` / ``LAZYTRAIN_GPU_KERNEL`` value.
     """
     dev = param.device.type
@@ -329,7 +388,15 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
                           "(%s); using bitsandbytes' kernel (several times slower with Kahan compensation).",
                           reason)
             elif triton_supports(param, grad, state, block_size) is None:
-                return "triton"  # else (fp32 states, odd block sizes): bitsandbytes or torch, below
+                checked, why = triton_self_check(param.device)
+                if checked:
+                    return "triton"
+                if choice == "triton":
+                    raise RuntimeError(f"{GPU_KERNEL_ENV}=triton but the Triton update kernel failed its self-check: "
+                                       f"{why}")
+                _log_once("triton-check", "Hybrid8bitOptimizer: the fused Triton update kernel failed its self-check "
+                          "(%s); using bitsandbytes' kernel. Please report it with your GPU model.", why)
+            # else (fp32 states, odd block sizes, a failed check): bitsandbytes or torch, below
         eight_bit = state["state1"].dtype == torch.uint8
         if eight_bit and block_size != BNB_BLOCK_SIZE:
             _log_once("bnb-block", "Hybrid8bitOptimizer: bitsandbytes' CUDA kernel uses %d-element blocks, but "

@@ -157,3 +157,36 @@ def test_cuda_kernel_choice_prefers_triton_and_obeys_the_environment(monkeypatch
     assert F.select_kernel(p, p, st, 256) in ("bnb", "torch")
     monkeypatch.setenv(F.GPU_KERNEL_ENV, "torch")
     assert F.select_kernel(p, p, copy.deepcopy(st), 256) == "torch"
+
+
+def test_self_check_passes_and_reports_failures(monkeypatch):
+    """The self-check the CUDA kernel choice runs once per device: passes where the kernel gives the C++ bits (here
+    the interpreter), and names what went wrong when the kernel raises or changes a bit (then select_kernel falls
+    back to bitsandbytes' kernel, or raises under LAZYTRAIN_GPU_KERNEL=triton)."""
+    check = F.triton_self_check.__wrapped__  # uncached
+    assert check("cpu") == (True, "ok")
+    real = F.triton_adamw_step
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX toolchain missing")
+
+    monkeypatch.setattr(F, "triton_adamw_step", broken)
+    ok, why = check("cpu")
+    assert not ok and "failed to run" in why and "PTX toolchain missing" in why
+
+    def off_by_one_code(param, grad, state, hyper, books, *, block_size):
+        real(param, grad, state, hyper, books, block_size=block_size)
+        state["state2"][7] ^= 1
+
+    monkeypatch.setattr(F, "triton_adamw_step", off_by_one_code)
+    ok, why = check("cpu")
+    assert not ok and "state2" in why and "C++ kernel's bits" in why
+
+
+def test_self_check_runs_now_inside_deferred_launches():
+    """Called while the executor queues GPU-side updates (`deferred_launches`), the check still runs its updates
+    (the queue would otherwise swallow them and compare untouched tensors), and leaves the queue as it was."""
+    with F.deferred_launches() as queue:
+        assert F.triton_self_check.__wrapped__("cpu") == (True, "ok")
+        assert queue == []
+        assert F._deferral.queue is queue
