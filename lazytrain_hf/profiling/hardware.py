@@ -6,7 +6,7 @@ read of a temporary file) and caches the result per machine fingerprint in
 ``~/.cache/lazytrain_hf/hardware-<fingerprint>.json`` (directory overridable with ``LAZYTRAIN_CACHE_DIR``). On a
 machine without CUDA it returns the defaults marked ``measured=False``. The optimizer update rates are timed with
 `optimizer_rate` (the Hybrid8bitOptimizer's own kernels: the C++ CPU kernel on this process's CPU threads, and
-bitsandbytes' 8-bit kernel on the GPU) unless passed in.
+the fused Triton kernel on the GPU, or bitsandbytes' where Triton is missing) unless passed in.
 """
 
 from __future__ import annotations
@@ -110,16 +110,16 @@ def _positive(x: Any, allow_zero: bool = False) -> bool:
 
 
 #: One H200 and its host, measured 2026-11-29 (benchmarks/NOTES.md): pinned H2D 50.8 GB/s, D2H 54.1 GB/s, about 33 GB/s
-#: each way when both run; bf16 GEMM 8192^3 787 TFLOPS; virtual disk with O_DIRECT write 1.0 GB/s, read 1.5 GB/s;
-#: bitsandbytes 8-bit AdamW on the GPU 34 G params/s. CPU optimizer: 2.2 G params/s, the project's fused C++ 8-bit
-#: kernel on the 16 cores with Kahan master weights inside a training step (benchmarks/NOTES.md; its micro-benchmark
-#: reached 2.6-2.8 G/s with fp32 masters). Memory: 143,771 MiB GPU, 128 GiB host. A probe there (2026-11-29) read
+#: each way when both run; bf16 GEMM 8192^3 787 TFLOPS; virtual disk with O_DIRECT write 1.0 GB/s, read 1.5 GB/s.
+#: Optimizer rates as of session 8 (2026-11-30): Hybrid8 with Kahan master weights on the GPU through the fused Triton
+#: kernel 70 G params/s (64 Mi params); on the 16 cores through the C++ kernel 3.6 G params/s inside training steps
+#: (its dynamic chunks; 3.7-3.9 alone). Memory: 143,771 MiB GPU, 128 GiB host. A probe there (2026-11-29) read
 #: H2D 55.0, D2H 54.8 GB/s, 49.5 GB/s each way when both ran (256 MiB copies on two streams), 791 TFLOPS; these
 #: defaults keep DESIGN's more conservative 33 GB/s.
 H200_DEFAULTS = HardwareProfile(
     h2d_gbps=50.8, d2h_gbps=54.1, bidir_gbps=33.0, nvme_read_gbps=1.5, nvme_write_gbps=1.0, gpu_tflops=787.0,
-    cpu_optim_params_per_s=2.2e9, gpu_optim_params_per_s=34.0e9, gpu_memory_bytes=143_771 * MIB,
-    host_memory_bytes=128 * GIB, measured=False, source="H200 machine figures, 2026-11-29 (benchmarks/NOTES.md)",
+    cpu_optim_params_per_s=3.6e9, gpu_optim_params_per_s=70.0e9, gpu_memory_bytes=143_771 * MIB,
+    host_memory_bytes=128 * GIB, measured=False, source="H200 machine figures, 2026-11-29/30 (benchmarks/NOTES.md)",
     device_name="NVIDIA H200 (defaults)")
 
 
