@@ -97,7 +97,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         fp32_state_params (iterable of Tensor, defaults to None): parameters that always keep fp32 states.
 
     Raises:
-        ValueError: any invalid hyperparameter (all problems listed at once, each with the value received).
+        ValueError: any invalid hyperparameter, or a bad LAZYTRAIN_CPU_KERNEL / LAZYTRAIN_GPU_KERNEL value (all
+            problems listed at once, each with the value received).
     """
 
     def __init__(
@@ -121,6 +122,11 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             master_weights=master_weights.lower() if isinstance(master_weights, str) else master_weights,
         )
         problems = _validate_group(defaults)
+        for choice in (F.cpu_kernel_choice, F.gpu_kernel_choice):  # the kernel overrides, read at each update:
+            try:                                                    # a typo fails here, not after a first step
+                choice()
+            except ValueError as e:
+                problems.append(str(e))
         if problems:
             raise ValueError("Invalid Hybrid8bitOptimizer arguments:\n  - " + "\n  - ".join(problems))
         # id(param) of parameters that always keep fp32 states

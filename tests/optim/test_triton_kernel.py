@@ -190,3 +190,16 @@ def test_self_check_runs_now_inside_deferred_launches():
         assert F.triton_self_check.__wrapped__("cpu") == (True, "ok")
         assert queue == []
         assert F._deferral.queue is queue
+
+
+def test_a_bad_kernel_override_fails_when_the_optimizer_is_built(monkeypatch):
+    """LAZYTRAIN_GPU_KERNEL / LAZYTRAIN_CPU_KERNEL are read at each update; a typo must fail before training, when
+    the optimizer is constructed (both named at once), not at the first GPU-side update after a whole step."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    monkeypatch.setenv(F.GPU_KERNEL_ENV, "tritton")
+    monkeypatch.setenv(F.CPU_KERNEL_ENV, "c++")
+    with pytest.raises(ValueError) as err:
+        Hybrid8bitOptimizer([torch.nn.Parameter(torch.zeros(4))])
+    assert "LAZYTRAIN_GPU_KERNEL must be one of" in str(err.value) and "'tritton'" in str(err.value)
+    assert "LAZYTRAIN_CPU_KERNEL must be one of" in str(err.value)
