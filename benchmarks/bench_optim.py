@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [s for s in systems if s not in SYSTEMS + GPU_SYSTEMS]
     if unknown or not systems:
         ap.error(f"--systems: unknown {unknown or args.systems!r}; choose from {SYSTEMS + GPU_SYSTEMS}")
+    if args.triton_launch and "hybrid8_gpu_triton" not in systems:
+        ap.error("--triton-launch sweeps the hybrid8_gpu_triton row: add it to --systems")
     rows = []
     print(f"{'system':28s} {'thr':>3s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} "
           f"{'moments':>8s}")
@@ -345,7 +347,7 @@ def _launches(text: str) -> list[tuple[int, int]]:
 
 def _thread_counts(text: str) -> list[int]:
     try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
+        counts = [int(x) for x in text.split(",")]  # an empty entry (1,,2) is a typo, not a skip
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:

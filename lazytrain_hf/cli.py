@@ -169,14 +169,29 @@ def plan(args: argparse.Namespace) -> int:
 
 def _add_probe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-dir", default=None, help="directory whose disk is measured for the NVMe tier")
-    p.add_argument("--device", default="auto", help="cuda | cpu | auto")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or auto (cuda when available; default)")
 
 
 def probe(args: argparse.Namespace) -> int:
-    """Measure (or, without a GPU, report the defaults of) PCIe, NVMe, GEMM and optimizer rates; cached per machine."""
+    """Measure (or, without a GPU, report the defaults of) PCIe, NVMe, GEMM and optimizer rates; cached per machine.
+
+    Raises:
+        ValueError: a --device that is not cuda, cuda:N, cpu or auto.
+    """
+    import torch
+
     from .profiling.hardware import probe as run_probe
 
-    prof = run_probe(args.device, nvme_dir=args.nvme_dir)
+    device = args.device.strip().lower()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"--device must be cuda, cuda:N, cpu or auto, but got {args.device!r}")
+    prof = run_probe(dev, nvme_dir=args.nvme_dir)
     print(json.dumps(prof.to_dict() if hasattr(prof, "to_dict") else prof.__dict__, indent=1, default=str))
     return 0
 

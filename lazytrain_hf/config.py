@@ -42,11 +42,23 @@ def parse_bytes(value: int | float | str | None) -> int | None:
 def cpu_threads() -> int:
     """CPU threads for this process's optimizer kernel: the cores it may use divided among the ranks on this host
     (LOCAL_WORLD_SIZE, set by torchrun / accelerate launch; torchrun also sets OMP_NUM_THREADS=1, which would leave
-    the CPU optimizer on one core). Single process: torch.get_num_threads(). Override: LAZYTRAIN_CPU_THREADS."""
+    the CPU optimizer on one core). Single process: torch.get_num_threads(). Override: LAZYTRAIN_CPU_THREADS.
+
+    Raises:
+        ValueError: LAZYTRAIN_CPU_THREADS is set but not an integer >= 1.
+    """
     import torch
 
-    if os.environ.get("LAZYTRAIN_CPU_THREADS"):
-        return max(1, int(os.environ["LAZYTRAIN_CPU_THREADS"]))
+    raw = os.environ.get("LAZYTRAIN_CPU_THREADS", "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"environment LAZYTRAIN_CPU_THREADS must be an integer >= 1 (the CPU optimizer's "
+                             f"threads), but got {os.environ['LAZYTRAIN_CPU_THREADS']!r}; unset it for the default")
+        return n
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     if local <= 1:
         return torch.get_num_threads()

@@ -51,12 +51,19 @@ def looks_like_local_path(name: str, *, data: bool = False) -> bool:
 def missing_data_error(path: Path, split: str) -> FileNotFoundError:
     """The error for a local data `source` that does not exist, naming the Hub alternative."""
     return FileNotFoundError(
-        f"math data set not found: '{path}' does not exist. Fix: point `source` (CLI: --set data.source=PATH) at a "
+        f"math data set not found: '{path}' does not exist{_resolved(path)}. Fix: point `source` (CLI: "
+        f"--set data.source=PATH; Python: load_math_dataset(source=PATH)) at a "
         f"JSONL file, or at a directory "
         f"containing '{split}.jsonl' ({SCHEMA_HELP}); or pass a Hugging Face Hub id instead, such as "
         "'meta-math/MetaMathQA', or 'openai/gsm8k' with the config 'main' (recipe: --set data.hub_config=main; "
         "loading from the Hub needs network access)."
     )
+
+
+def _resolved(path: Path) -> str:
+    """' (here: /abs/path)' for a relative path, which is read from the working directory; '' otherwise."""
+    p = Path(path).expanduser()
+    return "" if p.is_absolute() else f" (relative to the working directory: {p.absolute()})"
 
 
 def match_schema(columns: Container[str]) -> tuple[str, str, str] | None:

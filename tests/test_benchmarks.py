@@ -133,3 +133,7 @@ def test_bench_optim_triton_launch_sweep_restores_the_kernel_launch(tmp_path):
     for bad in ("3:4", "4:3", "4", "x:y"):
         with pytest.raises(SystemExit):
             bench_optim.main(["--systems", "hybrid8_gpu_triton", "--triton-launch", bad])
+    with pytest.raises(SystemExit):  # a sweep of a row that is not run
+        bench_optim.main(["--systems", "hybrid8_cpp", "--triton-launch", "4:4"])
+    with pytest.raises(SystemExit):
+        bench_optim.main(["--systems", "hybrid8_cpp", "--threads", "1,,2"])

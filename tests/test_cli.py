@@ -138,3 +138,15 @@ def test_every_shipped_recipe_validates(recipe):
     from lazytrain_hf.recipe import load_recipe
 
     load_recipe(Path(__file__).resolve().parents[1] / "recipes" / recipe)
+
+
+def test_probe_command_defaults_and_bad_device(capsys, monkeypatch):
+    """`lazytrain-hf probe` with no options (--device auto) reports the profile (here, without CUDA: the defaults,
+    measured false) instead of passing "auto" to torch.device; an unknown device is one clear error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["probe"]) == 0
+    prof = json.loads(capsys.readouterr().out)
+    assert prof["measured"] is False and prof["h2d_gbps"] > 0
+    for bad in ("banana", "mps"):
+        assert cli.main(["probe", "--device", bad]) == 2
+        assert "--device must be cuda, cuda:N, cpu or auto" in capsys.readouterr().err

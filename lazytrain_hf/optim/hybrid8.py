@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..config import cpu_threads
 from . import functional as F
 from .quant import num_blocks, zero_code
 
@@ -97,8 +98,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         fp32_state_params (iterable of Tensor, defaults to None): parameters that always keep fp32 states.
 
     Raises:
-        ValueError: any invalid hyperparameter, or a bad LAZYTRAIN_CPU_KERNEL / LAZYTRAIN_GPU_KERNEL value (all
-            problems listed at once, each with the value received).
+        ValueError: any invalid hyperparameter, or a bad LAZYTRAIN_CPU_KERNEL / LAZYTRAIN_GPU_KERNEL /
+            LAZYTRAIN_CPU_THREADS value (all problems listed at once, each with the value received).
     """
 
     def __init__(
@@ -122,8 +123,9 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             master_weights=master_weights.lower() if isinstance(master_weights, str) else master_weights,
         )
         problems = _validate_group(defaults)
-        for choice in (F.cpu_kernel_choice, F.gpu_kernel_choice):  # the kernel overrides, read at each update:
-            try:                                                    # a typo fails here, not after a first step
+        # the environment overrides, read at each update: a typo fails here, not after a first step
+        for choice in (F.cpu_kernel_choice, F.gpu_kernel_choice, cpu_threads):
+            try:
                 choice()
             except ValueError as e:
                 problems.append(str(e))

@@ -199,7 +199,15 @@ def test_a_bad_kernel_override_fails_when_the_optimizer_is_built(monkeypatch):
 
     monkeypatch.setenv(F.GPU_KERNEL_ENV, "tritton")
     monkeypatch.setenv(F.CPU_KERNEL_ENV, "c++")
+    monkeypatch.setenv("LAZYTRAIN_CPU_THREADS", "banana")
     with pytest.raises(ValueError) as err:
         Hybrid8bitOptimizer([torch.nn.Parameter(torch.zeros(4))])
     assert "LAZYTRAIN_GPU_KERNEL must be one of" in str(err.value) and "'tritton'" in str(err.value)
     assert "LAZYTRAIN_CPU_KERNEL must be one of" in str(err.value)
+    assert "LAZYTRAIN_CPU_THREADS must be an integer >= 1" in str(err.value) and "'banana'" in str(err.value)
+    for bad in ("0", "-3"):  # were silently taken as 1
+        monkeypatch.setenv("LAZYTRAIN_CPU_THREADS", bad)
+        with pytest.raises(ValueError, match="LAZYTRAIN_CPU_THREADS"):
+            F.cpu_threads()
+    monkeypatch.setenv("LAZYTRAIN_CPU_THREADS", " 3 ")
+    assert F.cpu_threads() == 3
