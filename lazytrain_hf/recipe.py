@@ -26,7 +26,6 @@ from typing import Any
 import yaml
 
 from .config import LazyTrainConfig
-from .sources import local_data_file
 
 __all__ = ["Recipe", "load_recipe", "training_argument_fields"]
 
@@ -250,12 +249,6 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
             problems.append(f"training.{k} must be {wanted}, but got {training[k]!r}")
     if "output_dir" not in training:
         problems.append("training.output_dir is required (where checkpoints and metrics are written)")
-    data = parts.get("data")
-    if isinstance(getattr(data, "source", None), str):  # a missing local data set, listed with the rest
-        try:
-            local_data_file(data.source, data.train_split)
-        except (FileNotFoundError, ValueError) as e:
-            problems.append(f"data.source: {e}")
     lazy = raw.get("lazytrain") or {}
     if isinstance(lazy, dict):  # LazyTrainConfig checks its own bool fields
         lazy = _read_bool_words(lazy, {f.name for f in dataclasses.fields(LazyTrainConfig) if str(f.type) == "bool"})
