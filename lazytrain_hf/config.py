@@ -39,6 +39,16 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def did_you_mean(bad: list[str], known: Any, prefix: str) -> str:
+    """' (did you mean training.max_steps?)' for the unknown keys `bad` that have a close key in `known` (difflib,
+    cutoff 0.8), else ''."""
+    import difflib
+
+    hints = [f"{prefix}.{m[0]}" for k in bad
+             if (m := difflib.get_close_matches(str(k), sorted(map(str, known)), n=1, cutoff=0.8))]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def cpu_threads() -> int:
     """CPU threads for this process's optimizer kernel: the cores it may use divided among the ranks on this host
     (LOCAL_WORLD_SIZE, set by torchrun / accelerate launch; torchrun also sets OMP_NUM_THREADS=1, which would leave
@@ -266,7 +276,8 @@ class LazyTrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:  # one error: the unknown keys and whatever else is wrong with the known ones
-            msg = f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}"
+            msg = (f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}"
+                   + did_you_mean(unknown, known, "lazytrain_config"))
             try:
                 cls(**{k: v for k, v in value.items() if k in known})
             except (ValueError, TypeError) as e:  # its problem lines, without its own heading

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from .config import LazyTrainConfig
+from .config import LazyTrainConfig, did_you_mean
 
 __all__ = ["Recipe", "load_recipe", "training_argument_fields"]
 
@@ -222,7 +222,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         known = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(values) - known)
         if bad:
-            problems.append(f"unknown key(s) {[f'{sec}.{k}' for k in bad]}; allowed in {sec}: {sorted(known)}")
+            problems.append(f"unknown key(s) {[f'{sec}.{k}' for k in bad]}; allowed in {sec}: {sorted(known)}"
+                            + did_you_mean(bad, known, sec))
         parts[sec] = cls(**{k: v for k, v in values.items() if k in known})
         for f in dataclasses.fields(cls):
             v = getattr(parts[sec], f.name)
@@ -243,7 +244,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
             problems.append(f"training.{k} must be true or false, but got {training[k]!r}")
     bad = sorted(set(training) - ta_fields)
     if bad:
-        problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields")
+        problems.append(f"unknown key(s) {[f'training.{k}' for k in bad]}: not TrainingArguments fields"
+                        + did_you_mean(bad, ta_fields, "training"))
     for k, (integer, ok, wanted) in _TRAINING_CHECKS.items():
         if k in training and not (_number(training[k], integer) and ok(training[k])):
             problems.append(f"training.{k} must be {wanted}, but got {training[k]!r}")

@@ -178,3 +178,17 @@ def test_data_files_with_other_columns_fail_before_the_imports(tmp_path):
         check_data_columns(bad)
     with pytest.raises(ValueError, match="is not JSON Lines"):
         check_data_columns(broken)
+
+
+def test_unknown_recipe_keys_suggest_the_close_one():
+    """A typo of a known key names the key it probably meant (difflib); a key far from every known one does not."""
+    import pytest
+
+    from lazytrain_hf.recipe import load_recipe
+
+    with pytest.raises(ValueError) as e:
+        load_recipe(RECIPE, ["training.max_step=10", "lazytrain.polcy=milp", "data.max_lenght=3", "model.zzz=1"])
+    text = str(e.value)
+    for hint in ("did you mean training.max_steps?", "did you mean lazytrain.policy?", "did you mean data.max_length?"):
+        assert hint in text, text
+    assert "model.zzz" in text and "did you mean model." not in text
