@@ -80,8 +80,9 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
       warning is logged. The stock HF Trainer would write NaN into the weights instead (documented difference).
     - **Layer-wise updates**: `step_params` updates a subset (the streaming executor calls it per layer) with the
       same clip coefficient; `set_grad_source` reads fp32 gradients from the executor's host buffers.
-    - **Kernels** per device behind `lazytrain_hf.optim.functional`: fused C++ on CPU (pure-torch fallback),
-      bitsandbytes on CUDA, pure torch elsewhere.
+    - **Kernels** per device behind `lazytrain_hf.optim.functional`: fused C++ on CPU (pure-torch fallback); on
+      CUDA a fused Triton kernel for 8-bit states (the C++ kernel's bits; bitsandbytes where Triton is missing or
+      fails its self-check, and for fp32 states); pure torch elsewhere.
 
     Args:
         params: parameters or param-group dicts (groups may override any default below).
