@@ -232,7 +232,7 @@ def _spec(args: argparse.Namespace, suite: dict[str, Any], system: str, model: s
           batch_sizes: list[int], steps: int | None = None, warmup: int | None = None) -> dict[str, Any]:
     return dict(system=system, model=model, gpu_cap_gib=cap, batch_sizes=batch_sizes, seq_len=args.seq_len,
                 steps=args.steps if steps is None else steps, warmup=args.warmup if warmup is None else warmup,
-                device=args.device, data_dir=args.data_dir, rows_per_pass=8, checkpoint_every=4,
+                device=args.device, data_dir=args.data_dir, rows_per_pass=args.rows_per_pass, checkpoint_every=4,
                 master_weights="kahan", loss_chunk_tokens=2048, embedding_states=args.embedding_states,
                 zero_stage=args.zero_stage)
 
@@ -329,6 +329,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None, help="stop starting work, and kill at, this many seconds")
     p.add_argument("--min-start-s", type=float, default=45.0, help="do not start a process with less time left")
     p.add_argument("--embedding-states", choices=["8bit", "fp32"], default="8bit")
+    p.add_argument("--rows-per-pass", type=int, default=8,
+                   help="LazyTrain rows: lazytrain_config.max_rows_per_pass (sequences per layer pass; default 8)")
     p.add_argument("--zero-stage", type=int, choices=[2, 3], default=3)
     p.add_argument("--data-dir", default=None,
                    help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR, else <repo>/../shared/data/gsm8k)")
@@ -343,6 +345,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
     if args.warmup < 0:
         p.error(f"--warmup must be at least 0 (got {args.warmup})")
+    if args.rows_per_pass < 1:
+        p.error(f"--rows-per-pass must be at least 1 (got {args.rows_per_pass})")
     if any(B < 1 for B in args.batch_sizes or []):
         p.error(f"every --batch-sizes entry must be at least 1 (got {args.batch_sizes})")
     for k in ("budget_s", "timeout_s"):   # 0 would silently mean "none" / "the suite default"
@@ -391,6 +395,11 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
     if other_seq:   # rows are keyed by system, model, cap and batch: a resume would keep them as if measured now
         raise SystemExit(f"benchmarks.run: {args.out} holds rows at seq_len {other_seq}, not {args.seq_len}: pass "
                          "another --out, or the same --seq-len to resume it")
+    other_rows = sorted({(r.get("extra") or {}).get("lazytrain_config", {}).get("max_rows_per_pass")
+                         for r in res.doc["rows"]} - {args.rows_per_pass, None})
+    if other_rows:  # the same reason, for LazyTrain rows
+        raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows at --rows-per-pass {other_rows}, not "
+                         f"{args.rows_per_pass}: pass another --out, or the same --rows-per-pass to resume it")
     systems = [s for s in ORDER if s in (args.systems or ORDER)]
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         for model in args.models or suite["models"]:

@@ -256,11 +256,19 @@ def test_out_folder_and_rows_of_another_seq_len_are_refused(tmp_path, capsys, mo
     with pytest.raises(SystemExit, match=r"seq_len \[32\], not 64"):
         run.main(["--suite", "smoke", "--systems", "stock_trainer", "--seq-len", "64", "--data-dir", str(data),
                   "--out", str(out)])
+    # the same for LazyTrain rows of another --rows-per-pass (lazytrain_config.max_rows_per_pass in extra)
+    out2 = tmp_path / "r.json"
+    res = run.Results(out2, "smoke", "test")
+    res.put([row(system="lazytrain_milp", model="qwen3-tiny", gpu_cap_gib=None, batch_size=1, seq_len=32,
+                 status="ok", extra={"lazytrain_config": {"max_rows_per_pass": 8}})])
+    with pytest.raises(SystemExit, match=r"--rows-per-pass \[8\], not 16"):
+        run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--rows-per-pass", "16", "--data-dir", str(data),
+                  "--out", str(out2)])
 
 
 @pytest.mark.parametrize("bad", [["--batch-sizes", "0"], ["--steps", "0"], ["--seq-len", "0"], ["--warmup", "-1"],
                                  ["--budget-s", "0"], ["--timeout-s", "-1"], ["--caps", "-5"],
-                                 ["--max-batch-limit", "0"]])
+                                 ["--max-batch-limit", "0"], ["--rows-per-pass", "0"]])
 def test_non_positive_sizes_are_refused_before_any_worker(bad, capsys):
     from benchmarks.run import parse_args
 
