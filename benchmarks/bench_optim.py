@@ -33,6 +33,7 @@ The JSON follows shared/RESULTS_FORMAT.md (suite "hybrid8"; params_per_s and sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -44,6 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -121,16 +123,9 @@ def _hybrid8_gpu(args: argparse.Namespace, kernel: str) -> tuple[Callable[[], No
     norm = torch.tensor(2.0, device="cuda")
 
     def step() -> None:
-        saved = os.environ.get(GPU_KERNEL_ENV)
-        os.environ[GPU_KERNEL_ENV] = kernel
-        try:
+        with mock.patch.dict(os.environ, {GPU_KERNEL_ENV: kernel}):
             opt.clip_grad_norm(1.0, norm=norm)
             opt.step()
-        finally:
-            if saved is None:
-                del os.environ[GPU_KERNEL_ENV]
-            else:
-                os.environ[GPU_KERNEL_ENV] = saved
 
     step()
     return step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
@@ -275,8 +270,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     print(f"{'system':28s} {'thr':>3s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} "
           f"{'moments':>8s}")
-    saved = torch.get_num_threads(), os.environ.get("LAZYTRAIN_CPU_THREADS")
-    try:
+    # main() is also called in-process (tests): leave the caller's thread settings and environment as they were
+    with mock.patch.dict(os.environ), contextlib.ExitStack() as restore:
+        restore.callback(torch.set_num_threads, torch.get_num_threads())
         for threads in args.threads or [None]:
             if threads:
                 # the C++ kernel takes lazytrain_hf.config.cpu_threads(), which LAZYTRAIN_CPU_THREADS overrides
@@ -290,12 +286,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     row = _run_with_launch(system, args, launch)
                     rows.append(row)
                     _print_row(row)
-    finally:  # main() is also called in-process (tests): leave the caller's thread settings as they were
-        torch.set_num_threads(saved[0])
-        if saved[1] is None:
-            os.environ.pop("LAZYTRAIN_CPU_THREADS", None)
-        else:
-            os.environ["LAZYTRAIN_CPU_THREADS"] = saved[1]
     for threads in sorted({r["extra"].get("threads") for r in rows} - {None}):
         fused = next((r for r in rows if r["system"] == "torch_adamw_fused_fp32" and r["status"] == "ok"
                       and r["extra"].get("threads") == threads), None)
@@ -321,12 +311,8 @@ def _run_with_launch(system: str, args: argparse.Namespace, launch: tuple[int, i
         return run_row(system, args)
     from lazytrain_hf.optim._triton_kernel import LAUNCH
 
-    saved = dict(LAUNCH)
-    LAUNCH.update(rows=launch[0], num_warps=launch[1])
-    try:
+    with mock.patch.dict(LAUNCH, rows=launch[0], num_warps=launch[1]):
         row = run_row(system, args)
-    finally:
-        LAUNCH.update(saved)
     row["extra"]["triton_launch"] = {"rows": launch[0], "num_warps": launch[1]}
     return row
 

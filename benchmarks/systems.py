@@ -217,11 +217,10 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
         kw.update(lazytrain_config=cfg, bf16=True)
         from lazytrain_hf.optim.functional import gpu_kernel_choice, triton_status
 
+        forced = gpu_kernel_choice()  # the GPU-side updates' kernel: "triton" unless forced or triton is missing
         extra.update(optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)", lazytrain_config=cfg,
                      embedding_states=spec.get("embedding_states", "8bit"),
-                     # the GPU-side updates' kernel for 8-bit states: "triton" unless forced or triton is missing
-                     gpu_update_kernel=gpu_kernel_choice() if gpu_kernel_choice() != "auto"
-                     else "triton" if triton_status()[0] else "bnb")
+                     gpu_update_kernel=forced if forced != "auto" else "triton" if triton_status()[0] else "bnb")
     return cls(**kw), extra
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._cpu_kernel import kernel_lookup_table
+from ._cpu_kernel import CpuTables
 from .quant import LUT_EXP_RANGE, LUT_MANT_BITS
 
 __all__ = ["triton_status", "triton_adamw_step", "triton_supports", "LAUNCH"]
@@ -78,32 +78,27 @@ def _kernel(interpret: bool):
     import importlib.util
     import os
     from pathlib import Path
+    from unittest import mock
 
     spec = importlib.util.spec_from_file_location("lazytrain_hf.optim._triton_source_interpreted",
                                                   Path(__file__).with_name("_triton_source.py"))
     module = importlib.util.module_from_spec(spec)
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
         spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
     return module.hybrid8_adamw
 
 
-_luts: dict[tuple[str, int | None], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+_tables_on: dict[tuple[str, int | None], CpuTables] = {}
 
 
-def _tables(books: Any, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(qmap1, qmap2, lut1, lut2) on `device` (the kernel's lookup tables, `kernel_lookup_table`), cached."""
+def _tables(books: Any, device: torch.device) -> CpuTables:
+    """The C++ kernel's tables (`CpuTables`: maps and lookup tables) of `books`' maps, on `device`, cached."""
     key = (device.type, device.index)
-    hit = _luts.get(key)
+    hit = _tables_on.get(key)
     if hit is None:
-        q1, q2 = books.qmap1.to(device).float().contiguous(), books.qmap2.to(device).float().contiguous()
-        hit = _luts[key] = (q1, q2, kernel_lookup_table(q1.cpu()).to(device), kernel_lookup_table(q2.cpu()).to(device))
+        t = books.cpu if getattr(books, "cpu", None) is not None else CpuTables.build(books.qmap1, books.qmap2)
+        hit = _tables_on[key] = CpuTables(t.qmap1.to(device), t.qmap2.to(device), t.lut1.to(device),
+                                          t.lut2.to(device), t.half)
     return hit
 
 
@@ -143,8 +138,7 @@ def triton_adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper:
     n = param.numel()
     if n == 0:
         return
-    q1, q2, lut1, lut2 = _tables(books, dev)
-    half = lut1.numel() // 2
+    tab = _tables(books, dev)
     shift = 23 - LUT_MANT_BITS
     kmask = (1 << (8 + LUT_MANT_BITS)) - 1
     low_mask = (1 << shift) - 1
@@ -167,10 +161,10 @@ def triton_adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper:
     kernel[grid](
         p_arg, g_arg, state["state1"].view(-1), state["state2"].view(-1), state["absmax1"], state["absmax2"],
         master.view(-1) if master is not None else dummy, bits(kahan.view(-1)) if kahan is not None else dummy,
-        q1, q2, lut1, lut2, n, nblocks,
+        tab.qmap1, tab.qmap2, tab.lut1, tab.lut2, n, nblocks,
         _f32(hyper.clip_coef), _f32(hyper.beta2), w1c, _f32(1.0 - hyper.beta2), _f32(hyper.eps), _f32(hyper.decay),
         _f32(-hyper.step_size), _f32(hyper.bc2_sqrt),
-        half, shift, kmask, low_mask, key_off, half - 1,
+        tab.half, shift, kmask, low_mask, key_off, tab.half - 1,
         BLOCK=block_size, ROWS=rows, MODE=mode, P_BF16=p_bf16, G_BF16=grad.dtype == torch.bfloat16,
         LERP_LOW=lerp_low, num_warps=warps, enable_fp_fusion=False,
     )

@@ -259,7 +259,7 @@ def cpp_kernel_self_check(threads: int) -> tuple[bool, str]:
         where = f"{master} master, {gdtype} gradients, {threads} threads"
         if not (bool(torch.isfinite(q_c).all()) and bool(torch.isfinite(v_c).all())):
             return False, f"non-finite results ({where})"
-        bad = int(((q_c - q_t).abs() > (q_t.abs() * 2.0**-7).clamp(min=1e-30)).sum())
+        bad = _beyond_one_bf16_ulp(q_c, q_t)
         if bad:
             return False, f"{bad} of {n} parameters differ from the torch reference by more than one bf16 ulp ({where})"
         rtol = 2.0**-15 if master == "kahan" else 1e-6
@@ -272,8 +272,8 @@ def cpp_kernel_self_check(threads: int) -> tuple[bool, str]:
 def triton_self_check(device: torch.device | str) -> tuple[bool, str]:
     """``(ok, reason)``: does the Triton update kernel compile and run on ``device``, and give the C++ kernel's bits?
     Once per process and device, before the first GPU-side update uses it: 70,000 elements on a GPU (many programs, a
-    partial last block; 2,600 on the CPU, where the interpreter runs it) in the executor's configuration (bf16 weights, Kahan compensation, 8-bit states, bf16
-    gradients, a clip coefficient), against the C++ kernel on the CPU (bit-equal), or against the torch reference
+    partial last block; 2,600 on the CPU, where the interpreter runs it) in the executor's configuration (bf16
+    weights, Kahan compensation, 8-bit states, bf16 gradients, a clip coefficient), against the C++ kernel on the CPU (bit-equal), or against the torch reference
     within one bf16 ulp where the C++ kernel is unavailable. ~1-2 s the first time (Triton's compile).
 
     Why: ``import triton`` can succeed where compiling or running the kernel fails (an unsupported GPU, a broken
@@ -283,47 +283,48 @@ def triton_self_check(device: torch.device | str) -> tuple[bool, str]:
     ok, reason = triton_status()
     if not ok:
         return False, reason
-    saved = getattr(_deferral, "queue", None)
-    _deferral.queue = None  # the check runs now, even when called while the executor queues updates
+    # `_adamw_step_now` and `triton_adamw_step` directly: the check runs now even inside `deferred_launches`
+    gen = torch.Generator().manual_seed(0)
+    n, block = (70_000 if device.type == "cuda" else 2_600), 256  # CPU: Triton's interpreter, ~1000x slower
+    p0 = (torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16)
+    g = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+    books = Codebooks.for_device("cpu")
+    st: dict[str, Any] = {"step": 1, "kahan": (torch.randn(n, generator=gen) * 1e-5).to(torch.bfloat16)}
+    st["state1"], st["absmax1"] = quantize_blockwise(torch.randn(n, generator=gen) * 1e-4, books.qmap1, block,
+                                                     mids=books.mids1)
+    st["state2"], st["absmax2"] = quantize_blockwise(torch.rand(n, generator=gen) * 1e-7, books.qmap2, block,
+                                                     mids=books.mids2, nonzero_floor=True)
+    hyper = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 2, clip_coef=0.37)
+    ref_kernel = "cpp" if load_cpu_kernel() is not None else "torch"
+    q_ref, s_ref = p0.clone(), {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.items()}
+    _adamw_step_now(q_ref, g, s_ref, hyper, books, block, ref_kernel, 1)
+    q, s = p0.to(device), {k: v.to(device) if isinstance(v, Tensor) else v for k, v in st.items()}
     try:
-        gen = torch.Generator().manual_seed(0)
-        n, block = (70_000 if device.type == "cuda" else 2_600), 256  # CPU: Triton's interpreter, ~1000x slower
-        p0 = (torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16)
-        g = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
-        books = Codebooks.for_device("cpu")
-        st: dict[str, Any] = {"step": 1, "kahan": (torch.randn(n, generator=gen) * 1e-5).to(torch.bfloat16)}
-        st["state1"], st["absmax1"] = quantize_blockwise(torch.randn(n, generator=gen) * 1e-4, books.qmap1, block,
-                                                         mids=books.mids1)
-        st["state2"], st["absmax2"] = quantize_blockwise(torch.rand(n, generator=gen) * 1e-7, books.qmap2, block,
-                                                         mids=books.mids2, nonzero_floor=True)
-        hyper = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 2, clip_coef=0.37)
-        ref_kernel = "cpp" if load_cpu_kernel() is not None else "torch"
-        q_ref, s_ref = p0.clone(), {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.items()}
-        adamw_step(q_ref, g, s_ref, hyper, books, block_size=block, kernel=ref_kernel, threads=1)
-        q, s = p0.to(device), {k: v.to(device) if isinstance(v, Tensor) else v for k, v in st.items()}
-        try:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            triton_adamw_step(q, g.to(device), s, hyper, Codebooks.for_device(device), block_size=block)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        except Exception as e:  # noqa: BLE001 - any compile or launch failure means: fall back
-            return False, f"the Triton kernel failed to run on {device}: {type(e).__name__}: {str(e).strip()[-300:]}"
-        q, s = q.cpu(), {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
-        if ref_kernel == "cpp":
-            differ = [k for k in ("state1", "state2", "absmax1", "absmax2", "kahan")
-                      if not torch.equal(s[k].view(torch.uint8), s_ref[k].view(torch.uint8))]
-            if not torch.equal(q.view(torch.int16), q_ref.view(torch.int16)):
-                differ.insert(0, "param")
-            if differ:
-                return False, f"the Triton kernel's {', '.join(differ)} differ from the C++ kernel's bits on {device}"
-        else:
-            bad = int(((q.float() - q_ref.float()).abs() > (q_ref.float().abs() * 2.0**-7).clamp(min=1e-30)).sum())
-            if bad:
-                return False, f"{bad} of {n} parameters differ from the torch reference by more than one bf16 ulp"
-    finally:
-        _deferral.queue = saved
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        triton_adamw_step(q, g.to(device), s, hyper, Codebooks.for_device(device), block_size=block)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: fall back
+        return False, f"the Triton kernel failed to run on {device}: {type(e).__name__}: {str(e).strip()[-300:]}"
+    q, s = q.cpu(), {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
+    if ref_kernel == "cpp":
+        differ = [k for k in ("state1", "state2", "absmax1", "absmax2", "kahan")
+                  if not torch.equal(s[k].view(torch.uint8), s_ref[k].view(torch.uint8))]
+        if not torch.equal(q.view(torch.int16), q_ref.view(torch.int16)):
+            differ.insert(0, "param")
+        if differ:
+            return False, f"the Triton kernel's {', '.join(differ)} differ from the C++ kernel's bits on {device}"
+    else:
+        bad = _beyond_one_bf16_ulp(q.float(), q_ref.float())
+        if bad:
+            return False, f"{bad} of {n} parameters differ from the torch reference by more than one bf16 ulp"
     return True, "ok"
+
+
+def _beyond_one_bf16_ulp(x: Tensor, ref: Tensor) -> int:
+    """How many elements of fp32 `x` differ from `ref` by more than one bf16 ulp of `ref` (the self-checks' rule)."""
+    return int(((x - ref).abs() > (ref.abs() * 2.0**-7).clamp(min=1e-30)).sum())
 
 
 def _cpp_supports(param: Tensor, grad: Tensor, state: dict[str, Any]) -> str | None:
