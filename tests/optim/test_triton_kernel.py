@@ -211,3 +211,25 @@ def test_a_bad_kernel_override_fails_when_the_optimizer_is_built(monkeypatch):
             F.cpu_threads()
     monkeypatch.setenv("LAZYTRAIN_CPU_THREADS", " 3 ")
     assert F.cpu_threads() == 3
+
+
+def test_device_tables_are_built_from_codebooks_without_cpu_tables():
+    """CUDA codebooks carry no CPU tables: the kernel builds its own with `CpuTables.build` from the maps. The same
+    path on the CPU (codebooks stripped of their tables, a device key the cache has not seen) gives the C++ bits."""
+    import dataclasses
+
+    from lazytrain_hf.optim import _triton_kernel
+
+    books = F.Codebooks.for_device("cpu")
+    bare = dataclasses.replace(books, cpu=None)
+    gen = torch.Generator().manual_seed(5)
+    n = 700
+    p = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
+    g = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+    st = _state(n, "kahan", p, gen, 256, books)
+    hyper = F.AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=4, clip_coef=0.5)
+    p1, st1, p2, st2 = p.clone(), _clone(st), p.clone(), _clone(st)
+    F.adamw_step(p1, g, st1, hyper, books, block_size=256, kernel="cpp")
+    _triton_kernel._tables_on.pop(("cpu", None), None)  # build now, from `bare`
+    triton_adamw_step(p2, g, st2, hyper, bare, block_size=256)
+    _assert_same_bits(p1, st1, p2, st2)
