@@ -234,7 +234,7 @@ def _spec(args: argparse.Namespace, suite: dict[str, Any], system: str, model: s
                 steps=args.steps if steps is None else steps, warmup=args.warmup if warmup is None else warmup,
                 device=args.device, data_dir=args.data_dir, rows_per_pass=args.rows_per_pass, checkpoint_every=4,
                 master_weights="kahan", loss_chunk_tokens=2048, embedding_states=args.embedding_states,
-                zero_stage=args.zero_stage)
+                zero_stage=args.zero_stage, keep_gpu_grads=not args.no_kept_grads)
 
 
 def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, system: str, model: str,
@@ -332,6 +332,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows-per-pass", type=int, default=8,
                    help="LazyTrain rows: lazytrain_config.max_rows_per_pass (sequences per layer pass; default 8)")
     p.add_argument("--zero-stage", type=int, choices=[2, 3], default=3)
+    p.add_argument("--no-kept-grads", action="store_true",
+                   help="LazyTrain rows: lazytrain_config.keep_gpu_grads=False (every gradient goes to the host)")
     p.add_argument("--data-dir", default=None,
                    help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR, else <repo>/../shared/data/gsm8k)")
     p.add_argument("--out", required=True)
@@ -395,11 +397,14 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
     if other_seq:   # rows are keyed by system, model, cap and batch: a resume would keep them as if measured now
         raise SystemExit(f"benchmarks.run: {args.out} holds rows at seq_len {other_seq}, not {args.seq_len}: pass "
                          "another --out, or the same --seq-len to resume it")
-    other_rows = sorted({(r.get("extra") or {}).get("lazytrain_config", {}).get("max_rows_per_pass")
-                         for r in res.doc["rows"]} - {args.rows_per_pass, None})
-    if other_rows:  # the same reason, for LazyTrain rows
-        raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows at --rows-per-pass {other_rows}, not "
-                         f"{args.rows_per_pass}: pass another --out, or the same --rows-per-pass to resume it")
+    for key, value, flag in (("max_rows_per_pass", args.rows_per_pass, f"--rows-per-pass {args.rows_per_pass}"),
+                             ("keep_gpu_grads", not args.no_kept_grads,
+                              "--no-kept-grads" if args.no_kept_grads else "kept gradients (no --no-kept-grads)")):
+        other = sorted({(r.get("extra") or {}).get("lazytrain_config", {}).get(key) for r in res.doc["rows"]}
+                       - {value, None}, key=str)
+        if other:  # the same reason, for LazyTrain rows
+            raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows with {key}={other}, not {flag}: "
+                             "pass another --out, or the same setting to resume it")
     systems = [s for s in ORDER if s in (args.systems or ORDER)]
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         for model in args.models or suite["models"]:

@@ -208,6 +208,7 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                "activation_tier": "gpu", "max_rows_per_pass": spec.get("rows_per_pass", 8),
                "master_weights": spec.get("master_weights", "kahan"),
                "loss_chunk_tokens": spec.get("loss_chunk_tokens", 2048),
+               "keep_gpu_grads": spec.get("keep_gpu_grads", True),
                "gpu_memory_budget": f"{cap}GiB" if cap else None, "cap_gpu_memory": bool(cap),
                # calibrate the MILP plan on the warm-up steps (the first two are never used: the overlapped
                # optimizer allocates its states in step 2), so the timed steps run one plan, predicted before them.
@@ -284,6 +285,8 @@ def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                                 "measured_cpu_rates": cal.cpu_rates, "step_ms": cal.step_ms,
                                 "predicted_step_s_before": cal.predicted_before_ms and cal.predicted_before_ms / 1e3}
     extra["gpu_updated_layers"] = sum(lp.optimizer_device == "gpu" for lp in sched.layers)
+    extra["keep_grads"] = sched.keep_grads  # the plan kept their gradients on the GPU (kept_grad_gib at the end)
+    extra["kept_grad_gib"] = ex.stats.extra.get("kept_grad_bytes", 0.0) / GIB
     extra["planned_cpu_optim_params_per_s"] = sched.solver.get("cpu_optim_params_per_s")
     return row, extra
 

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory the plan may use, e.g. 100GiB (default: 90%% of the profile's RAM)")
     parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size B (default 16)")
     parser.add_argument("--seq-len", type=int, default=1024, help="sequence length T (default 1024)")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                        help="micro-batches per optimizer step, as TrainingArguments (default 1; above 1 the "
+                             "GPU-updated layers' gradients go to the host, where they are summed)")
     parser.add_argument("--nvme-dir", default=None, help="directory for the NVMe activation tier (enables it)")
     parser.add_argument("--nvme-budget", default=None,
                         help="bytes the NVMe tier may write, e.g. 200GiB (default: 90%% of the free space)")
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     def build(batch: int) -> Any:
         return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
                                    nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model,
-                                   **_OPTIMIZER_LAYOUT)
+                                   kept_grads=args.gradient_accumulation_steps == 1, **_OPTIMIZER_LAYOUT)
 
     cm = build(args.batch_size)
     nvme_asked = (sizes["nvme_budget"] if args.nvme_dir else 0)  # None: defaulted (free disk)
@@ -175,7 +178,8 @@ def _plan_inputs(args: argparse.Namespace, config: dict[str, Any], hardware: dic
     fixed = {k: getattr(args, k) for k in _FIXED_DEFAULTS}
     return plan_inputs(config, args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes, hardware,
                        policy=args.policy, rows_per_pass=args.rows_per_pass, gpu_optimizer=args.gpu_optimizer,
-                       gpu_memory_margin=args.gpu_memory_margin, fixed=fixed, **_OPTIMIZER_LAYOUT)
+                       gpu_memory_margin=args.gpu_memory_margin, fixed=fixed,
+                       kept_grads=args.gradient_accumulation_steps == 1, **_OPTIMIZER_LAYOUT)
 
 
 def _fixed_knobs(args: argparse.Namespace) -> list[str]:
@@ -216,6 +220,8 @@ def _check_numbers(args: argparse.Namespace) -> list[str]:
         problems.append(f"--batch-size must be >= 1, but got {args.batch_size}")
     if args.seq_len < 1:
         problems.append(f"--seq-len must be >= 1, but got {args.seq_len}")
+    if args.gradient_accumulation_steps < 1:
+        problems.append(f"--gradient-accumulation-steps must be >= 1, but got {args.gradient_accumulation_steps}")
     if not 1 <= args.prefetch_depth <= 3:
         problems.append(f"--prefetch-depth must be in [1, 3], but got {args.prefetch_depth}")
     if args.checkpoint_every < 1:
@@ -330,8 +336,11 @@ def _print_prediction(sched: Any, cm: Any) -> None:
     flops = 6 * cm.num_params_total() * cm.tokens_per_step / (p["step_ms"] / 1e3) / 1e12
     kept = sum(lp.retain for lp in sched.layers)
     rebuilt = p.get("recomputed_layers", 0)
+    on_gpu = sum(lp.optimizer_device == "gpu" for lp in sched.layers)
     print(f"\npolicy {sched.policy}, prefetch depth {sched.prefetch_depth}, {len(sched.segments())} segments; in "
-          f"backward {kept} layers kept, {len(sched.layers) - kept - rebuilt} re-forwarded, {rebuilt} rebuilt")
+          f"backward {kept} layers kept, {len(sched.layers) - kept - rebuilt} re-forwarded, {rebuilt} rebuilt; "
+          f"{on_gpu} layers updated on the GPU" + (", their gradients kept there" if on_gpu and sched.keep_grads
+                                                  else ""))
     print(f"predicted step {p['step_ms']:.1f} ms (simulated {p.get('simulated_step_ms', float('nan')):.1f} ms), "
           f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS (6ND)")
     print(f"  compute {p['compute_ms']:.1f} ms + re-forward / rebuild {p['recompute_ms']:.1f} ms + GPU optimizer "
@@ -366,6 +375,8 @@ def output_stem(args: argparse.Namespace, policy: str) -> str:
             parts.append(f"gap{args.mip_gap:g}")
     if not args.gpu_optimizer:
         parts.append("cpu-optimizer")
+    if args.gradient_accumulation_steps != 1:
+        parts.append(f"ga{args.gradient_accumulation_steps}")
     if args.rows_per_pass is not None:
         parts.append(f"rows{args.rows_per_pass}")
     nvme_named = policy == "fixed" and args.tier == "nvme"  # "every4-nvme-prefetch1" says it already

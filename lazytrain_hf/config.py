@@ -130,6 +130,10 @@ class LazyTrainConfig:
             GPU (run at the layer's next load, streamed states; needs overlap_optimizer and a CUDA device); the
             plan moves a layer only where the cost model predicts a shorter step. Measured on an H200 (Qwen2.5-7B shape, 24 GiB
             cap, 16 cores): 1.5x the CPU-only MILP plan at batch 8, 1.14x at batch 64 (benchmarks/NOTES.md).
+        keep_gpu_grads (bool, defaults to True): a GPU-updated layer keeps its gradient on the GPU from its
+            backward to its update at the next load, instead of sending it D2H and back H2D (2 bytes per parameter
+            each way); the plan budgets the GPU memory it holds. Only with gradient_accumulation_steps 1 (with
+            accumulation the host sums the gradients); False sends every gradient to the host.
         dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
             "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
             states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is
@@ -179,6 +183,7 @@ class LazyTrainConfig:
     max_rows_per_pass: int | None = None
     overlap_optimizer: bool = True
     gpu_layer_updates: bool = True
+    keep_gpu_grads: bool = True
     dp_updates: str = "auto"
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None

@@ -261,8 +261,14 @@ def test_out_folder_and_rows_of_another_seq_len_are_refused(tmp_path, capsys, mo
     res = run.Results(out2, "smoke", "test")
     res.put([row(system="lazytrain_milp", model="qwen3-tiny", gpu_cap_gib=None, batch_size=1, seq_len=32,
                  status="ok", extra={"lazytrain_config": {"max_rows_per_pass": 8}})])
-    with pytest.raises(SystemExit, match=r"--rows-per-pass \[8\], not 16"):
+    with pytest.raises(SystemExit, match=r"max_rows_per_pass=\[8\], not --rows-per-pass 16"):
         run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--rows-per-pass", "16", "--data-dir", str(data),
+                  "--out", str(out2)])
+    # and of the other kept-gradients setting (lazytrain_config.keep_gpu_grads)
+    res.put([row(system="lazytrain_milp", model="qwen3-tiny", gpu_cap_gib=None, batch_size=2, seq_len=32,
+                 status="ok", extra={"lazytrain_config": {"max_rows_per_pass": 8, "keep_gpu_grads": True}})])
+    with pytest.raises(SystemExit, match=r"keep_gpu_grads=\[True\], not --no-kept-grads"):
+        run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--no-kept-grads", "--data-dir", str(data),
                   "--out", str(out2)])
 
 

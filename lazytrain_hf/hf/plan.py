@@ -81,7 +81,7 @@ def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.
     cm = analytic_cost_model(trainer.model.config, B, seq_len, hardware, gpu_bytes=gpu, host_bytes=host,
                              nvme_bytes=nvme, loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
                              master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                             rows_per_pass=cfg.max_rows_per_pass)
+                             rows_per_pass=cfg.max_rows_per_pass, kept_grads=_kept_grads(trainer))
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
                                            trainer.plan_layer_costs)
     if compute_scale != 1.0:
@@ -106,7 +106,13 @@ def _inputs(trainer: Any, seq_len: int, hardware: Any) -> dict[str, Any]:
                        rows_per_pass=cfg.max_rows_per_pass,
                        gpu_optimizer=_gpu_optimizer(trainer), loss_chunk_tokens=cfg.loss_chunk_tokens,
                        state_dtype=cfg.state_dtype, master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                       gpu_memory_margin=cfg.gpu_memory_margin)
+                       gpu_memory_margin=cfg.gpu_memory_margin, kept_grads=_kept_grads(trainer))
+
+
+def _kept_grads(trainer: Any) -> bool:
+    """GPU-updated layers keep their gradients on the GPU (`keep_gpu_grads`) only with one micro-batch per step
+    (streaming/grads.py)."""
+    return trainer.lazy_config.keep_gpu_grads and trainer.args.gradient_accumulation_steps == 1
 
 
 def _master_weights(cfg: Any) -> str:

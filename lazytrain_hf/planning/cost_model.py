@@ -53,6 +53,11 @@ class CostModel:
         retained_bytes: bytes a retained layer holds from its forward to its backward (its activations for the
             whole micro-batch and its output). Empty: saved_bytes + act_bytes. Differs when the executor runs
             each layer over the micro-batch in row chunks: then saved_bytes / the work fields are one chunk's.
+        kept_grad_bytes: bytes of the layer's gradient the executor keeps on the GPU from its backward to its
+            on-GPU update at the next forward (`Schedule.keep_grads`), when that update runs there (o_i = 1): part
+            of `grad_bytes` (not sent D2H), of `gpu_optim_h2d_bytes` (not sent back up) and of
+            `gpu_optim_work_bytes` (not staged), held instead from B(i) to F(i) of the next step. Empty: none kept
+            (gradient accumulation: the host sums them).
 
     Resident parts and the loss head (scalars):
         resident_bytes: bytes always on the GPU: embedding, lm_head, final norm, rotary tables.
@@ -102,6 +107,7 @@ class CostModel:
     gpu_optim_d2h_bytes: list[int]
     gpu_optim_work_bytes: list[int]
     retained_bytes: list[int] = field(default_factory=list)
+    kept_grad_bytes: list[int] = field(default_factory=list)
     resident_bytes: int = 0
     head_ms: float = 0.0
     head_work_bytes: int = 0
@@ -155,6 +161,17 @@ class CostModel:
         if self.retained_bytes and len(self.retained_bytes) != n:
             problems.append(f"retained_bytes must be empty or have one entry per layer ({n}), "
                             f"but got {len(self.retained_bytes)}")
+        self.kept_grad_bytes = list(self.kept_grad_bytes)
+        if self.kept_grad_bytes and len(self.kept_grad_bytes) != n:
+            problems.append(f"kept_grad_bytes must be empty or have one entry per layer ({n}), "
+                            f"but got {len(self.kept_grad_bytes)}")
+        elif self.kept_grad_bytes and not problems:
+            for i, k in enumerate(self.kept_grad_bytes):
+                cap = min(self.grad_bytes[i], self.gpu_optim_h2d_bytes[i], self.gpu_optim_work_bytes[i])
+                if not (_finite_nonneg(k) and k <= cap):
+                    problems.append(f"kept_grad_bytes[{i}]={k!r} must be >= 0 and at most grad_bytes, "
+                                    f"gpu_optim_h2d_bytes and gpu_optim_work_bytes ({cap})")
+                    break
         if problems:
             raise ValueError("Invalid CostModel: " + "; ".join(problems))
 
@@ -182,6 +199,29 @@ class CostModel:
     def retained(self, i: int) -> int:
         """Bytes layer i holds on the GPU when retained (see `retained_bytes`)."""
         return int(self.retained_bytes[i]) if self.retained_bytes else int(self.saved_bytes[i] + self.act_bytes[i])
+
+    def kept(self, i: int) -> int:
+        """Bytes of layer i's gradient kept on the GPU when its update runs there (`kept_grad_bytes`; 0: none)."""
+        return int(self.kept_grad_bytes[i]) if self.kept_grad_bytes else 0
+
+    @property
+    def keeps_grads(self) -> bool:
+        """Whether GPU-updated layers keep their gradients on the GPU (the plan's `Schedule.keep_grads`)."""
+        return any(self.kept_grad_bytes)
+
+    def without_kept(self) -> CostModel:
+        """A copy in which no gradient is kept on the GPU (every gradient goes to the host)."""
+        return dataclasses.replace(self, kept_grad_bytes=[])
+
+    def gpu_optim_up_bytes(self, i: int) -> int:
+        """H2D bytes of layer i's on-GPU update on top of its weights: `gpu_optim_h2d_bytes` less the kept
+        gradient."""
+        return int(self.gpu_optim_h2d_bytes[i]) - self.kept(i)
+
+    def gpu_optim_workspace_bytes(self, i: int) -> int:
+        """GPU bytes the on-GPU update of layer i stages while it runs: `gpu_optim_work_bytes` less the kept
+        gradient (held elsewhere, see `memory_terms`)."""
+        return int(self.gpu_optim_work_bytes[i]) - self.kept(i)
 
     def slot_bytes(self, prefetch_depth: int) -> int:
         """GPU bytes of the weight slots: (depth + 1) slots per layer kind, each the kind's largest layer."""

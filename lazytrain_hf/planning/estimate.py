@@ -139,7 +139,7 @@ def unit_terms(cm: CostModel) -> list[UnitTerms]:
         # F(i): the optional on-GPU optimizer update of layer i, then its no-grad forward; stash boundary i+1.
         names.append((f"F{i}", i))
         compute.append(Lin(cm.fwd_ms[i]).add(cm.gpu_optim_ms(i), ("o", i)))
-        h_bytes.append(Lin(cm.param_bytes[i]).add(cm.gpu_optim_h2d_bytes[i], ("o", i)))
+        h_bytes.append(Lin(cm.param_bytes[i]).add(cm.gpu_optim_up_bytes(i), ("o", i)))
         db = Lin().add(cm.gpu_optim_d2h_bytes[i], ("o", i))
         write, stash = Lin(), Lin()
         sb = Lin()
@@ -167,7 +167,8 @@ def unit_terms(cm: CostModel) -> list[UnitTerms]:
         # The segment's start boundary is fetched (and read from NVMe) before the segment's first backward unit,
         # B(e-1): charged to the unit that ends a segment whose start is offloaded (z_j, zn_j).
         h_bytes.append(Lin(cm.param_bytes[j]).add(cm.param_bytes[j], ("x", j)).add(a_max, ("z", j)))
-        d_bytes.append(Lin(cm.grad_bytes[j] + (cm.embed_grad_bytes if j == 0 else 0)))
+        # a GPU-updated layer's kept gradient stays on the GPU (`CostModel.kept_grad_bytes`)
+        d_bytes.append(Lin(cm.grad_bytes[j] + (cm.embed_grad_bytes if j == 0 else 0)).add(-cm.kept(j), ("o", j)))
         writes.append(Lin())
         reads.append(Lin().add(a_max / (cm.nvme_read_gbps * 1e6), ("zn", j)))
     h_ms = 1.0 / (cm.h2d_gbps * 1e6)  # ms per byte, H2D alone
@@ -236,7 +237,9 @@ def memory_terms(cm: CostModel, prefetch_depth: int) -> MemoryTerms:
     plus recomputed inputs), the peak is the maximum of
         forward i:  base + Q_i + A_i (1 - g_i) + A_i + fwd_work_i + 2 W_opt ygo
         head:       base + Q_{L-1} + A_{L-1} + head_work + 2 W_opt ygo + d A_max yoff
-        backward j: base + Q_j + m_j + (1 - r_j) S_j + max(fwd_work_j, bwd_work_j) + 2 G_j + d A_max yoff
+        backward j: base + Q_j + m_j + (1 - r_j) S_j + max(fwd_work_j, bwd_work_j) + 2 G_j + d A_max yoff + K_j
+    plus, in forward i, K'_i = sum_{l >= i} kept_l o_l (kept gradients of the previous backward not yet consumed by
+    their update) and in backward j K_j = sum_{l >= j} kept_l o_l (those this backward has kept so far);
     where base = resident + reserve + (d + 1) slots per kind, W_opt the largest on-GPU optimizer workspace,
     ygo = any on-GPU update ((d + 1) workspaces per layer kind, counted as 2 W_opt above for d = 1 and one kind),
     yoff = any offloaded boundary (d of them may be prefetched at once).
@@ -246,7 +249,7 @@ def memory_terms(cm: CostModel, prefetch_depth: int) -> MemoryTerms:
     a_max = max(cm.act_bytes)
     # on-GPU update workspaces: the executor stages each update in its slot's set (streaming/executor.py), so up to
     # depth + 1 sets per layer structure exist during forward (2 for one structure at depth 1: double-buffered)
-    w_opt = (prefetch_depth + 1) * len(set(cm.layer_kind)) * max(cm.gpu_optim_work_bytes)
+    w_opt = (prefetch_depth + 1) * len(set(cm.layer_kind)) * max(cm.gpu_optim_workspace_bytes(i) for i in range(L))
     base = cm.resident_bytes + cm.gpu_reserve_bytes + cm.slot_bytes(prefetch_depth)
     stored = [Lin().add(cm.act_bytes[i], ("g", i)).add(cm.retained(i), ("r", i)) for i in range(L)]
     fetched = [Lin().add(cm.act_bytes[i], ("k", i)).add(cm.act_bytes[i], ("n", i)) for i in range(L)]
@@ -257,6 +260,10 @@ def memory_terms(cm: CostModel, prefetch_depth: int) -> MemoryTerms:
     head.add(prefetch_depth * a_max, ("yoff", 0))
     bwd = [Lin(cm.saved_bytes[j] + max(cm.fwd_work_bytes[j], cm.bwd_work_bytes[j]) + 2 * cm.grad_bytes[j])
            .add(-cm.saved_bytes[j], ("r", j)).add(prefetch_depth * a_max, ("yoff", 0)) for j in range(L)]
+    for i in range(L):  # kept gradients: from B(k) to the update in F(k) of the next step, k >= i
+        for k in range(i, L):
+            fwd[i].add(cm.kept(k), ("o", k))
+            bwd[i].add(cm.kept(k), ("o", k))
     host = Lin(cm.host_fixed_bytes).add(2 * a_max, ("ynv", 0))
     nvme = Lin()
     for i in range(L):
@@ -391,7 +398,7 @@ def _event_times(cm: CostModel, units: list[UnitTerms], vals: Mapping[Key, float
                 starts.append(opt_done)
                 if vals.get(("o", i), 0.0) > 0.5:
                     if i:
-                        up_ms = (cm.gpu_optim_h2d_bytes[i] + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
+                        up_ms = (cm.gpu_optim_up_bytes(i) + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
                         after = e_prev - cm.fwd_ms[i - 1] + up_ms
                     if i >= 2:
                         starts.append(DE[u - 2])

@@ -138,7 +138,7 @@ def _layer_classes(cm: CostModel) -> list[list[int]]:
     for i in range(cm.num_layers):
         sig = (cm.layer_kind[i], cm.fwd_ms[i], cm.bwd_ms[i], cm.param_bytes[i], cm.grad_bytes[i],
                cm.act_bytes[i], cm.saved_bytes[i], cm.num_params[i], cm.gpu_optim_h2d_bytes[i],
-               cm.gpu_optim_d2h_bytes[i], cm.fwd_work_bytes[i], cm.bwd_work_bytes[i])
+               cm.gpu_optim_d2h_bytes[i], cm.fwd_work_bytes[i], cm.bwd_work_bytes[i], cm.kept(i))
         classes.setdefault(sig, []).append(i)
     return list(classes.values())
 
@@ -496,7 +496,7 @@ class _PlanMilp:
                 # up once layer i-1's update is done (its forward started), and after the D2H of unit F(i-2),
                 # which holds layer i-2's states
                 if i:
-                    up_ms = (cm.gpu_optim_h2d_bytes[i] + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
+                    up_ms = (cm.gpu_optim_up_bytes(i) + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
                     self._ge(HE[u], E[u - 1] - cm.fwd_ms[i - 1] + up_ms - big_m_ms * (1 - v["o", i]))
                 if i >= 2:
                     slack = workspace_slack_ms(cm, t)  # a small, tight big-M (see workspace_slack_ms)
@@ -1114,6 +1114,10 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
             each leaf first gets an LP rounding + local search plan, then (if that is not within the gap) a diving start
             from its LP (`_PlanMilp._dive`) and HiGHS.
 
+    Kept gradients (`cm.kept_grad_bytes`): they save PCIe but hold GPU memory across the step boundary, so the
+    plan is solved with and without them (half the time limit each) and the faster one is returned, its
+    `keep_grads` set accordingly.
+
     Returns:
         A `Schedule` with `solver` = {status, mip_gap, solve_ms, objective_ms, dual_bound_ms, depths: [...]} (the
         gap is over the depths solved: best objective against their smallest dual bound) and `predicted` =
@@ -1129,6 +1133,28 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
         `fixed` variant within every budget is used, else the memory-only MILP's plan; status "fallback_fixed" /
         "fallback_min_memory"; InfeasiblePlanError when neither fits).
     """
+    if not (cm.keeps_grads and gpu_optimizer):
+        return _solve_milp(cm, prefetch_depths, time_limit_s, mip_rel_gap, warm_start, symmetry_breaking,
+                           gpu_optimizer, fingerprint, search)
+    fp = fingerprint or _fingerprint(cm.to_dict())
+    plans: list[Schedule] = []
+    error: InfeasiblePlanError | None = None
+    for variant in (cm, cm.without_kept()):
+        try:
+            plans.append(_solve_milp(variant, prefetch_depths, time_limit_s / 2, mip_rel_gap, warm_start,
+                                     symmetry_breaking, gpu_optimizer, fp, search))
+        except InfeasiblePlanError as e:  # kept gradients take memory: the plan without them may still fit
+            error = e  # the last (without them) names the smaller budgets
+    if not plans:
+        assert error is not None
+        raise error
+    return min(plans, key=lambda s: s.predicted["step_ms"])
+
+
+def _solve_milp(cm: CostModel, prefetch_depths: tuple[int, ...], time_limit_s: float, mip_rel_gap: float,
+                warm_start: bool, symmetry_breaking: bool, gpu_optimizer: bool, fingerprint: str,
+                search: bool) -> Schedule:
+    """`solve_milp` for one cost model (kept gradients as `cm` says)."""
     depths = sorted(set(prefetch_depths))
     problems = []
     if not depths or any(not 1 <= d <= 8 for d in depths):
@@ -1201,6 +1227,7 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
                       f"{[r.status for r in results]}); using {what}. Raise {TIME_LIMIT_HINT} for a faster plan.",
                       stacklevel=2)
         sched.fingerprint = fp
+        sched.keep_grads = cm.keeps_grads
         status = "fallback_fixed" if sched.policy == "fixed" else "fallback_min_memory"
         sched.solver = {"status": status, "mip_gap": None, "solve_ms": total_ms, "objective_ms": None,
                         "depths": per_depth}
@@ -1220,6 +1247,7 @@ def solve_milp(cm: CostModel, *, prefetch_depths: tuple[int, ...] = (1, 2, 3), t
     sched = best.schedule
     assert sched is not None
     sched.fingerprint = fp
+    sched.keep_grads = cm.keeps_grads  # the plan counted the kept gradients' memory
     sched.solver = {"status": status, "mip_gap": _nan_none(gap), "solve_ms": total_ms,
                     "objective_ms": best.objective, "dual_bound_ms": _nan_none(bound if math.isfinite(bound) else
                                                                                math.nan), "depths": per_depth}

@@ -75,6 +75,7 @@ def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_eve
         sched = fixed_schedule(cost_model.num_layers, checkpoint_every=checkpoint_every, tier=tier,
                                prefetch_depth=prefetch_depth, fingerprint=fp)
         sched.layers[0].tier = "gpu"  # boundary 0 (the embedding output) stays on the GPU
+        sched.keep_grads = cost_model.keeps_grads
         if tier == "nvme" and cost_model.nvme_bytes <= 0:
             raise ValueError("the fixed policy with tier='nvme' needs an NVMe budget (nvme_bytes > 0, an nvme_dir)")
         sched.predicted = evaluate(cost_model, sched).as_predicted(cost_model.tokens_per_step)

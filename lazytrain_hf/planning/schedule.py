@@ -47,6 +47,9 @@ class Schedule:
         policy: "fixed" or "milp" (who made it).
         layers: one LayerPlan per decoder layer.
         prefetch_depth: decoder layers whose weights are streamed ahead of compute (slots = depth + 1).
+        keep_grads: the GPU-updated layers' gradients stay on the GPU from their backward to the update at the
+            next load (no D2H and H2D of them: 2 bytes per parameter each way); the plan counts their memory
+            (`CostModel.kept_grad_bytes`). False in files written before this field existed.
         fingerprint: `plan_fingerprint` of what the plan was made for (model, batch shape, budgets, hardware, the
             plan-shaping options); `solver["fingerprint_inputs"]` holds a hash per input, to name what differs.
         solver: status, mip_gap, solve_ms (MILP only).
@@ -56,6 +59,7 @@ class Schedule:
     policy: str
     layers: list[LayerPlan]
     prefetch_depth: int = 1
+    keep_grads: bool = False
     fingerprint: str = ""
     solver: dict[str, Any] = field(default_factory=dict)
     predicted: dict[str, Any] = field(default_factory=dict)
@@ -145,7 +149,7 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
                 rows_per_pass: int | None = None,
                 gpu_optimizer: bool = True, loss_chunk_tokens: int = 2048, state_dtype: str = "8bit",
                 master_weights: str = "fp32", block_size: int = 256, gpu_memory_margin: float = 0.12,
-                fixed: dict[str, Any] | None = None) -> dict[str, Any]:
+                fixed: dict[str, Any] | None = None, kept_grads: bool = True) -> dict[str, Any]:
     """Everything a plan depends on, by name: the one definition of a schedule's fingerprint, shared by the
     `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the user asked for them (before the GPU
     margin), None where the default was taken: the defaults are resolved differently by the CLI (the profile's
@@ -162,6 +166,7 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
         "policy": policy, "fixed": fixed if policy == "fixed" else None, "rows_per_pass": rows_per_pass,
         "gpu_optimizer": bool(gpu_optimizer), "loss_chunk_tokens": loss_chunk_tokens, "state_dtype": state_dtype,
         "master_weights": master_weights, "block_size": block_size, "gpu_memory_margin": float(gpu_memory_margin),
+        "kept_grads": bool(kept_grads),
     }
 
 

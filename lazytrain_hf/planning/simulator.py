@@ -152,11 +152,13 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
             # two state workspaces: upload after the previous GPU update ran and the one before it went back
             prev_comp = gopt_done[-1][0] if gopt_done else None
             prev2_down = gopt_done[-2][1] if len(gopt_done) >= 2 else None
-            gup = g.task("h2d", cm.gpu_optim_h2d_bytes[i], f"opt state L{i}", [prev_comp, prev2_down])
+            gup = g.task("h2d", cm.gpu_optim_up_bytes(i), f"opt state L{i}", [prev_comp, prev2_down])
             gcomp = g.task("compute", cm.gpu_optim_ms(i), f"opt L{i}", [gup, d2h_dep()])
             gdown[i] = g.task("d2h", cm.gpu_optim_d2h_bytes[i], f"opt state L{i}", [gcomp])
             gopt_done.append((gcomp, gdown[i]))
-            g.buffer(cm.gpu_optim_work_bytes[i], gup, [gdown[i]])
+            g.buffer(cm.gpu_optim_workspace_bytes(i), gup, [gdown[i]])
+            if cm.kept(i):  # kept in the previous backward, consumed by this update
+                g.buffer(cm.kept(i), None, [gcomp])
         kind = cm.layer_kind[i]
         wf = g.task("h2d", cm.param_bytes[i], f"W L{i}", [cpu_opt[i], slot_dep(kind)])
         f = g.task("compute", cm.fwd_ms[i], f"fwd L{i}", [wf, gcomp, emb_opt if i == 0 else None,
@@ -232,8 +234,11 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
                 g.buffers[saved] = (g.buffers[saved][0], first, [b])
             else:
                 g.buffers[retained_buf[j]] = (g.buffers[retained_buf[j]][0], g.buffers[retained_buf[j]][1], [b])
-            grad = g.task("d2h", cm.grad_bytes[j] + (cm.embed_grad_bytes if j == 0 else 0), f"grad L{j}", [b])
+            kept = cm.kept(j) if on_gpu_opt[j] else 0  # stays on the GPU for the next step's update
+            grad = g.task("d2h", cm.grad_bytes[j] - kept + (cm.embed_grad_bytes if j == 0 else 0), f"grad L{j}", [b])
             g.buffer(cm.grad_bytes[j], b, [grad])
+            if kept:
+                g.buffer(kept, b, [])
             unit_d2h.append([grad])
             if j in rec_out:
                 g.buffers[rec_out[j]] = (g.buffers[rec_out[j]][0], g.buffers[rec_out[j]][1], [b])

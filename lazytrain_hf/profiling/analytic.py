@@ -194,7 +194,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         linear_attention_efficiency: float = 0.25, loss_chunk_tokens: int = 2048,
                         state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                         gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
-                        resident_optimizer: str = "gpu", name: str = "") -> CostModel:
+                        resident_optimizer: str = "gpu", kept_grads: bool = True, name: str = "") -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
 
     Args:
@@ -215,6 +215,9 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         resident_optimizer: where the embedding / lm_head / norm update runs: "gpu" (the executor: their states
             and gradients stay on the GPU; measured there: 4.39 GB of states for Qwen2.5-7B with 8-bit moments and
             Kahan, i.e. the layers' bytes per parameter) or "cpu" (states on the host, gradients sent back).
+        kept_grads: GPU-updated layers keep their bf16 gradients on the GPU from backward to the update
+            (`CostModel.kept_grad_bytes`, `Schedule.keep_grads`); the executor does so with one micro-batch per
+            optimizer step only, so pass False with gradient accumulation.
 
     Raises:
         ValueError: non-positive batch or sequence length, unknown state_dtype / master_weights.
@@ -283,6 +286,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         gpu_optim_h2d_bytes=[int(gpu_opt_b * p) for p in params],
         gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in params],
         gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(params, gpu_opt_tmp)], retained_bytes=retained,
+        kept_grad_bytes=[BF16 * p for p in params] if kept_grads else [],
         resident_bytes=int(resident_gpu_b * resident_params), head_ms=head_flops / matmul_efficiency / peak,
         head_work_bytes=int(head_work),
         head_grad_bytes=0 if on_gpu else BF16 * (shape.lm_head_params + shape.norm_params),

@@ -204,6 +204,7 @@ class StreamingExecutor:
         # the sets are freed at the end of forward (`_release_staging`)
         self._stage: dict[int, dict[tuple, torch.Tensor]] = {}  # id(slot) -> its staging copies
         self._launches: dict[int, tuple] = {}  # id(slot) -> (slot, layer, queued update, copy-back list)
+        self._staging_layer: int | None = None  # the layer whose GPU-side update is being staged
         self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
@@ -253,6 +254,13 @@ class StreamingExecutor:
         self._segment_end = dict(schedule.segments())  # segment start -> end
         if self.updater is not None:
             self.updater.set_device_layers(self._device_layers())
+        self._set_kept_layers()
+
+    def _set_kept_layers(self) -> None:
+        """Gradients of GPU-updated layers stay on the device from backward to the update (`Schedule.keep_grads`,
+        streaming/grads.py): only with an attached optimizer, whose deferred update consumes them."""
+        keep = self.schedule.keep_grads and self.updater is not None
+        self.grads.keep_layers = self._device_layers() if keep else set()
 
     def _device_layers(self) -> set[int]:
         return {i for i, lp in enumerate(self.schedule.layers) if lp.optimizer_device == "gpu"}
@@ -272,6 +280,7 @@ class StreamingExecutor:
                 self._load_filter.remove()
             self._load_filter = optimizer.register_load_state_dict_pre_hook(self.shard.load_filter(layer_params))
         self.updater.set_device_layers(self._device_layers())
+        self._set_kept_layers()
 
     def _before_load(self, layer: int) -> None:
         if self.updater is None:
@@ -387,6 +396,8 @@ class StreamingExecutor:
                 t = bufs[(name, what)] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             return t.copy_(src, non_blocking=cuda)
 
+        kept = self.grads.is_kept(layer)  # g is then the kept device gradient (`grad_source`): no H2D
+
         def stage(p: torch.Tensor, g: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
             name = names[id(p)]
             sp = specs[name]
@@ -394,12 +405,15 @@ class StreamingExecutor:
             dev_state = {k: staged(name, k, v) if torch.is_tensor(v) and v.dim() > 0 else v
                          for k, v in state.items()}
             back.append((p, on_device, state, dev_state))
-            return on_device, staged(name, "grad", g), dev_state
+            return on_device, g if kept else staged(name, "grad", g), dev_state
 
+        self._staging_layer = layer
         try:
             with F.deferred_launches() as launches:
                 self.updater.optimizer.step_deferred(self.updater.layer_params[layer], snapshot, stage)
         finally:
+            self._staging_layer = None
+            self.grads.drop(layer)  # the queued launches hold the views they read
             self.updater.device_done(layer)
         self.device_updates += 1
         if back:  # else: skipped step (non-finite norm) or no gradients
@@ -437,14 +451,20 @@ class StreamingExecutor:
         return id(p) in self._param_specs
 
     def grad_source(self, p: torch.Tensor) -> torch.Tensor | None:
-        """fp32 accumulated gradient of `p`: the host buffer view for streamed params, else `p.grad`."""
+        """Accumulated gradient of `p`: the host buffer view for streamed params (a kept device gradient is copied
+        there first, except for the GPU-side update that consumes it), else `p.grad`."""
         hit = self._param_specs.get(id(p))
         if hit is None:
             return p.grad
-        pending = self.updater is not None and self.updater.is_pending(hit[0])  # Note [deferred gradients]
-        if not self.grads.has_grad(hit[0]) and not pending:
+        layer, spec = hit
+        pending = self.updater is not None and self.updater.is_pending(layer)  # Note [deferred gradients]
+        if not self.grads.has_grad(layer) and not pending:
             return None  # no backward reached this layer in the current window (like p.grad is None)
-        return self.store.grad_view(*hit)
+        if self.grads.is_kept(layer):
+            if layer == self._staging_layer:  # the GPU-side update reads it where it is
+                return self.grads.kept_view(layer, spec.dtype, spec.offset, spec.numel, spec.shape)
+            self.grads.materialize(layer)
+        return self.store.grad_view(layer, spec)
 
     def state_alloc(self, p: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
         """Optimizer-state memory for a streamed parameter: exact-size page-locked host memory (`PinnedArena`);
@@ -508,6 +528,8 @@ class StreamingExecutor:
 
     def zero_grad(self) -> None:
         self.grads.zero()
+        pending = {i for i in range(self.num_layers) if self.updater is not None and self.updater.is_pending(i)}
+        self.grads.drop_stale(pending)
         for p in self.resident_parameters():
             p.grad = None
 
@@ -687,7 +709,8 @@ class StreamingExecutor:
         # the training thread blocked on deferred CPU updates (an upper bound of their exposed time: the GPU may
         # still run queued work meanwhile), and how long the CPU worker took for the last step's updates
         up = self.updater
-        extra = {"optimizer_wait_ms": up.wait_s * 1e3 if up is not None else 0.0}
+        extra = {"optimizer_wait_ms": up.wait_s * 1e3 if up is not None else 0.0,
+                 "kept_grad_bytes": float(self.grads.kept_bytes)}  # held on the device into the next step
         if up is not None and up.last_run_s is not None:
             extra["cpu_update_ms"] = up.last_run_s * 1e3
             extra["cpu_update_params"] = float(up.last_run_params)

@@ -17,6 +17,13 @@ device; under NCCL the reduction is enqueued after the layer's backward and only
 Sharded updates (`shard`, streaming/shard.py): the gradient is SUM-reduced to the layer's owner only; other ranks
 skip its D2H copy, its norm and its host buffer (the layer reports no gradient there, `has_grad`), and only
 record `grads_free` once the reduction has read the slot.
+
+Kept gradients (`keep_layers`: the schedule's GPU-updated layers, `Schedule.keep_grads`): the layer's update runs
+on the device at its next load, so its gradient need not cross PCIe twice (D2H here, H2D again for the update).
+With one micro-batch in the window the slot's gradient is copied device to device into a kept buffer instead
+(the norm as above); the host buffer is then stale until `materialize` copies the kept one out (anything that
+reads host gradients calls it first: `grad_source`, a second micro-batch, `flush`-time readers). The update
+consumes the kept buffer (`kept_view`) and `drop`s it.
 """
 
 from __future__ import annotations
@@ -73,12 +80,89 @@ class GradSink:
         self.staging_bytes = 0
         self.instrument = False  # record compute-stream stalls on gradient copies (exposed D2H), as WeightStreamer
         self.stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.keep_layers: set[int] = set()  # layers whose gradients stay on the device (see the module docstring)
+        # layer -> (dtype -> kept gradient, flat like the slot's; event after its copy, None on CPU)
+        self._kept: dict[int, tuple[dict[torch.dtype, torch.Tensor], torch.cuda.Event | None]] = {}
 
     def has_grad(self, layer: int) -> bool:
         return layer not in self._fresh
 
     def begin_microbatch(self) -> None:
         self.microbatches += 1
+        if self.microbatches == 2:  # accumulation: the host buffers sum from here on
+            self.materialize_all()
+
+    # ---- kept gradients -------------------------------------------------------------------------------------
+    def is_kept(self, layer: int) -> bool:
+        return layer in self._kept
+
+    @property
+    def kept_bytes(self) -> int:
+        """Device bytes of the kept gradients now held."""
+        return sum(t.numel() * t.element_size() for bufs, _ in self._kept.values() for t in bufs.values())
+
+    def kept_view(self, layer: int, dtype: torch.dtype, offset: int, numel: int, shape: torch.Size) -> torch.Tensor:
+        """One parameter's kept gradient (a view into the layer's kept buffer of `dtype`, the host layout). CUDA:
+        the current stream is ordered after the kept copy first."""
+        bufs, ev = self._kept[layer]
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return bufs[dtype][offset:offset + numel].view(shape)
+
+    def drop(self, layer: int) -> None:
+        """Forget `layer`'s kept gradient (its update has been queued on the compute stream, which may still read
+        it: the allocator reuses the memory only after that stream's work, and after the copy on the D2H stream,
+        `record_stream` at the copy)."""
+        self._kept.pop(layer, None)
+
+    def materialize(self, layer: int) -> None:
+        """Copy `layer`'s kept gradient into its host buffer (blocking) and forget it; a no-op when none is kept."""
+        hit = self._kept.pop(layer, None)
+        if hit is None:
+            return
+        bufs, _ = hit
+        host = self.store.buffers[layer].grads
+        if not self.cuda:
+            for dt, k in bufs.items():
+                host[dt].copy_(k)
+            return
+        with torch.cuda.stream(self.d2h_stream):  # after the kept copy (same stream)
+            for dt, k in bufs.items():
+                host[dt].copy_(k, non_blocking=True)
+            done = self._record()
+        done.synchronize()
+
+    def materialize_all(self) -> None:
+        for layer in sorted(self._kept):
+            self.materialize(layer)
+
+    def drop_stale(self, pending: set[int]) -> None:
+        """A new window: forget the kept gradients no pending update will read (`pending`: layers whose deferred
+        update is still to run), so they hold no device memory through the next forward."""
+        for layer in [i for i in self._kept if i not in pending]:
+            del self._kept[layer]
+
+    def _keep(self, slot: Slot, layer: int, grads: list[torch.Tensor], works: list) -> None:
+        """Copy the slot's gradients into a kept device buffer (device to device) and add their squares to `sq`."""
+        if not self.cuda:
+            for g in grads:
+                self.sq += sq_norm(g)
+            self._kept[layer] = ({dt: g.clone() for dt, g in slot.grads.items()}, None)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        bufs = {dt: torch.empty_like(g) for dt, g in slot.grads.items()}  # compute-stream memory
+        self.d2h_stream.wait_stream(compute)
+        with torch.cuda.stream(self.d2h_stream):
+            for w in works:
+                w.wait()
+            for g in grads:
+                self.sq += sq_norm(g)
+            for dt, g in slot.grads.items():
+                bufs[dt].copy_(g, non_blocking=True)
+                bufs[dt].record_stream(self.d2h_stream)
+            ev = self._record()
+        slot.grads_free = ev
+        self._kept[layer] = (bufs, ev)
 
     @property
     def norm_from_device(self) -> bool:
@@ -93,7 +177,8 @@ class GradSink:
             g.zero_()
 
     def push(self, slot: Slot, layer: int) -> None:
-        """After layer `layer`'s backward on `slot`: send its grads to the host (async on CUDA)."""
+        """After layer `layer`'s backward on `slot`: send its grads to the host (async on CUDA), or keep them on the
+        device (`keep_layers`, first micro-batch of the window)."""
         if self.shard is not None:
             dst = self.shard.owner(layer)
             if dst != self.shard.dp.rank:
@@ -103,13 +188,19 @@ class GradSink:
         first = layer in self._fresh
         self._fresh.discard(layer)
         grads = list(slot.grads.values())
-        self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads)
+        keep = first and layer in self.keep_layers and self.microbatches <= 1
+        self.materialize(layer)  # a kept gradient of this window (not first) or a stale one (first): host first
+        if not keep:
+            self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads)
         direct = first and all(host[dt].dtype == g.dtype for dt, g in slot.grads.items())
         if not self.cuda:
             if self.shard is not None:
                 self.dp.reduce_(grads, self.dp.rank)
             elif self.dp is not None:
                 self.dp.all_reduce_(grads)
+            if keep:
+                self._keep(slot, layer, grads, [])
+                return
             for dt, g in slot.grads.items():
                 self.sq += sq_norm(g)
                 host[dt].copy_(g) if first else host[dt].add_(g)
@@ -124,6 +215,9 @@ class GradSink:
             works = self.dp.all_reduce_async(grads)  # after this layer's backward, on the NCCL stream
         elif self.dp is not None:
             self.dp.all_reduce_(grads)
+        if keep:
+            self._keep(slot, layer, grads, works)
+            return
         self.d2h_stream.wait_stream(compute)
         with torch.cuda.stream(self.d2h_stream):
             for w in works:
@@ -200,7 +294,8 @@ class GradSink:
         self._pending.remove(p)
 
     def flush(self) -> None:
-        """Make every pushed gradient visible in the host buffers (end of a micro-batch)."""
+        """Make every pushed gradient visible in the host buffers (end of a micro-batch); kept gradients stay on the
+        device (`materialize`)."""
         if self.cuda:
             self.d2h_stream.synchronize()
         while self._pending:

@@ -132,15 +132,17 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
             "--seq-len", "64", "--max-batch", "0", "--hardware", "defaults")
     prints = {}
     for name, extra in {"default": (), "rows": ("--rows-per-pass", "1"), "cpu-opt": ("--no-gpu-optimizer",),
-                        "fixed": ("--policy", "fixed")}.items():
+                        "fixed": ("--policy", "fixed"), "accum": ("--gradient-accumulation-steps", "2")}.items():
         out = tmp_path / name
         assert cli_plan.run(_args(*base, *extra, "--out-dir", str(out))) == 0
         prints[name] = Schedule.from_json(next(out.glob("*.schedule.json")))
     capsys.readouterr()
-    assert len({s.fingerprint for s in prints.values()}) == 4
+    assert len({s.fingerprint for s in prints.values()}) == 5
+    assert prints["default"].keep_grads and not prints["accum"].keep_grads  # accumulation: gradients to the host
     # the Trainer's fingerprint for the same inputs (a CPU device: H200 defaults, no GPU-side updates)
     cfg = LazyTrainConfig(gpu_memory_budget="1GiB", host_memory_budget="4GiB")
-    trainer = SimpleNamespace(lazy_config=cfg, args=SimpleNamespace(per_device_train_batch_size=2),
+    trainer = SimpleNamespace(lazy_config=cfg,
+                              args=SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1),
                               model=SimpleNamespace(config=resolve_config("qwen3-tiny")),
                               executor=SimpleNamespace(device=torch.device("cpu")), plan_layer_costs={},
                               plan_free_gpu_bytes=None, train_dataset={"input_ids": [[1] * 64]})

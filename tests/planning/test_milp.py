@@ -21,7 +21,7 @@ from lazytrain_hf.planning import (
 )
 from lazytrain_hf.planning.milp import fixed_candidates, milp_value, min_gpu_bytes
 
-from .conftest import GIB, HOST_FIXED, A, backward_peak_all_cpu_tier, small_cm
+from .conftest import GIB, HOST_FIXED, A, P, backward_peak_all_cpu_tier, small_cm
 
 # --- regimes -------------------------------------------------------------------------------------------------------
 
@@ -176,6 +176,9 @@ def _varied_cms() -> list[CostModel]:
                  embed_optim_params=50_000_000),
         small_cm(6, gpu_bytes=20 * GIB, nvme_bytes=50 * GIB, nvme_read_gbps=1.5, nvme_write_gbps=1.0,
                  pinned_host_bytes=HOST_FIXED + 2 * A),
+        # GPU-updated layers keep their gradients on the GPU (CostModel.kept_grad_bytes)
+        small_cm(6, gpu_bytes=9 * GIB, cpu_optim_params_per_s=5e8, h2d_gbps=12.0, d2h_gbps=12.5, bidir_gbps=8.0,
+                 kept_grad_bytes=[P] * 6),
     ]
 
 
@@ -201,7 +204,7 @@ def test_milp_rows_encode_the_linear_model_exactly():
             assert step == pytest.approx(est.step_ms, rel=1e-6)
             assert peak == pytest.approx(est.peak_gpu_bytes, rel=1e-6)
             checked += 1
-    assert checked == 12
+    assert checked == 16
 
 
 def test_linear_model_values_satisfy_every_milp_row():
@@ -273,13 +276,14 @@ def _brute_force(cm: CostModel, retain: bool, optimizer: bool) -> float:
     return best
 
 
-@pytest.mark.parametrize("retain,optimizer,gpu_gib", [(False, True, 6.8), (True, False, 11.0)])
-def test_milp_optimum_equals_brute_force(retain, optimizer, gpu_gib):
+@pytest.mark.parametrize("retain,optimizer,gpu_gib,kept", [(False, True, 6.8, False), (True, False, 11.0, False),
+                                                            (False, True, 6.8, True)])
+def test_milp_optimum_equals_brute_force(retain, optimizer, gpu_gib, kept):
     """The MILP's proven optimum (gap 0) equals the best of all schedules under the linear model (tiers and
-    optimizer placement; tiers and retention), without the symmetry-breaking orderings; with them (the default)
-    it stays within the 1% gap of it."""
+    optimizer placement, with and without kept gradients; tiers and retention), without the symmetry-breaking
+    orderings; with them (the default) it stays within the 1% gap of it."""
     cm = small_cm(4, gpu_bytes=int(gpu_gib * GIB), cpu_optim_params_per_s=2e9, h2d_gbps=12.0, d2h_gbps=12.0,
-                  bidir_gbps=8.0, pinned_host_bytes=HOST_FIXED + 2 * A)
+                  bidir_gbps=8.0, pinned_host_bytes=HOST_FIXED + 2 * A, kept_grad_bytes=[P] * 4 if kept else [])
     brute = _brute_force(cm, retain, optimizer)
     assert brute < float("inf")
     exact = solve_milp(cm, prefetch_depths=(1,), mip_rel_gap=0.0, symmetry_breaking=False, gpu_optimizer=optimizer)
@@ -316,3 +320,22 @@ def test_host_too_small_error_names_the_gpu_budget_to_pass_before_the_margin():
     assert need * 0.88 >= e.min_gpu_bytes_at_min_host and need < e.min_gpu_bytes_at_min_host / 0.88 + GIB / 50
     assert f"with that host budget, pass --gpu-memory / lazytrain_config.gpu_memory_budget of at least " \
            f"{need / GIB:.2f} GiB" in str(out)
+
+
+@pytest.mark.parametrize("gpu_gib", [6.7, 9.0, 20.0])
+def test_kept_gradients_are_planned_only_where_they_pay(gpu_gib):
+    """Kept gradients save PCIe but hold GPU memory: `solve_milp` solves with and without them and returns the
+    faster plan, `keep_grads` saying which (its prediction is that cost model's). Never slower than planning
+    without them; at 6.7 GiB they do not fit, with room (9, 20 GiB) they are kept and the step is shorter."""
+    cm = small_cm(6, gpu_bytes=int(gpu_gib * GIB), cpu_optim_params_per_s=5e8, h2d_gbps=12.0, d2h_gbps=12.5,
+                  bidir_gbps=8.0, kept_grad_bytes=[P] * 6)
+    both = solve_milp(cm, prefetch_depths=(1,), mip_rel_gap=0.0)
+    without = solve_milp(cm.without_kept(), prefetch_depths=(1,), mip_rel_gap=0.0)
+    assert not without.keep_grads
+    assert both.predicted["step_ms"] <= without.predicted["step_ms"] + 1e-6
+    used = cm if both.keep_grads else cm.without_kept()
+    assert evaluate(used, both).step_ms == pytest.approx(both.predicted["step_ms"], rel=1e-9)
+    if gpu_gib == 6.7:
+        assert not both.keep_grads
+    else:
+        assert both.keep_grads and both.predicted["step_ms"] < without.predicted["step_ms"] - 1.0

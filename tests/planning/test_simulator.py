@@ -10,7 +10,7 @@ import pytest
 from lazytrain_hf.planning import CostModel, LayerPlan, Schedule, evaluate, recompute_flags, simulate
 from lazytrain_hf.planning.simulator import LANES
 
-from .conftest import GIB, small_cm
+from .conftest import GIB, P, small_cm
 
 
 def test_two_layer_timeline_by_hand():
@@ -71,6 +71,8 @@ def _random_schedules(rng: random.Random, cm: CostModel, n: int) -> list[Schedul
     {},
     {"h2d_gbps": 12.0, "d2h_gbps": 12.5, "bidir_gbps": 8.0, "cpu_optim_params_per_s": 5e8},
     {"nvme_bytes": 50 * GIB, "embed_optim_params": 50_000_000, "cpu_optim_params_per_s": 2e9},
+    {"h2d_gbps": 12.0, "d2h_gbps": 12.5, "bidir_gbps": 8.0, "cpu_optim_params_per_s": 5e8,
+     "kept_grad_bytes": [P] * 8},
 ])
 def test_linear_model_tracks_the_simulator(overrides):
     """The MILP's linear model against the executor-order simulator on random schedules: within 10 % on step
@@ -83,6 +85,30 @@ def test_linear_model_tracks_the_simulator(overrides):
         assert sim.peak_gpu_bytes <= est.peak_gpu_bytes + 1
         assert {lane for lane, *_ in sim.events} <= set(LANES)
         assert all(e >= s0 for _, s0, e, _ in sim.events)
+
+
+def test_kept_gradients_skip_pcie_and_hold_gpu_memory_to_the_next_update():
+    """With `kept_grad_bytes` a GPU-updated layer's gradient is neither sent D2H in backward nor H2D for its
+    update: on slow PCIe the step gets shorter (linear model and simulator alike). The gradient stays on the GPU
+    from B(l) to F(l) of the next step: the memory bound adds sum_{l >= j} of them in backward j and in forward i
+    (and drops it from the update workspaces), and the simulated peak stays under the bound."""
+    from lazytrain_hf.planning.estimate import decision_values, memory_terms
+
+    over = dict(h2d_gbps=12.0, d2h_gbps=12.0, bidir_gbps=8.0, cpu_optim_params_per_s=1e8,
+                gpu_bytes=10**13, pinned_host_bytes=10**13)
+    plain, kept = small_cm(4, **over), small_cm(4, kept_grad_bytes=[P] * 4, **over)
+    s = Schedule("t", [LayerPlan(True, optimizer_device="gpu")] * 4)
+    assert evaluate(kept, s).step_ms < evaluate(plain, s).step_ms - 3 * P / 12e6  # >= 3 grads' D2H saved
+    assert simulate(kept, s).step_ms < simulate(plain, s).step_ms
+    assert simulate(kept, s).peak_gpu_bytes <= evaluate(kept, s).peak_gpu_bytes + 1
+    vals = decision_values(s)
+    mk, mp = memory_terms(kept, 1), memory_terms(plain, 1)
+    for j in range(4):
+        assert mk.bwd[j].value(vals) - mp.bwd[j].value(vals) == (4 - j) * P
+        assert mk.fwd[j].value(vals) - mp.fwd[j].value(vals) == (4 - j) * P - 2 * P  # two workspaces, no grad
+    assert mk.head.value(vals) - mp.head.value(vals) == -2 * P  # all consumed by the forward's updates
+    with pytest.raises(ValueError, match="kept_grad_bytes"):
+        small_cm(4, kept_grad_bytes=[2 * P] * 4)
 
 
 def test_mismatched_layer_count_is_an_error(cm4):

@@ -275,6 +275,41 @@ def run_with_slow_cpu_updates(device: str, sleep_s: float, monkeypatch,
     return x, L, streamed
 
 
+def test_kept_gradients_with_accumulation_and_reads_equal_host_gradients():
+    """Kept gradients (`Schedule.keep_grads`) under gradient accumulation (the second micro-batch moves them to
+    the host, which sums) and read through `grad_source` between backward and step (copied out first): the
+    gradients read and the weights after 3 steps equal those of the same schedule without keeping, bit for bit."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    base = load_model("qwen3-tiny", "float32", seed=7)
+    L = base.config.num_hidden_layers
+    lays = [LayerPlan(checkpoint=True, optimizer_device="gpu" if i in (0, 2) else "cpu") for i in range(L)]
+    weights, grads = {}, {}
+    for keep in (False, True):
+        model = copy.deepcopy(base)
+        ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", Schedule("milp", lays, keep_grads=keep))
+        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, min_8bit_size=256, master_weights="fp32")
+        opt.set_grad_source(ex.grad_source)
+        ex.attach_optimizer(opt)
+        grads[keep] = []
+        for step in range(3):
+            ex.zero_grad()
+            for mb in range(2 if step == 1 else 1):
+                ids, mask, labels = random_batch(model.config.vocab_size, seed=20 + 2 * step + mb)
+                ex.forward_backward(ids, labels, mask)
+            if step == 2:  # a read between backward and step: layer 0's kept gradient goes to the host first
+                assert ex.grads.is_kept(0) == keep
+                grads[keep] = [ex.grad_source(p).clone() for p in ex.layers[0].parameters()]
+                assert not ex.grads.is_kept(0) and ex.grads.is_kept(2) == keep
+            opt.clip_grad_norm(1.0, ex.grad_norm())
+            opt.step()
+        ex.flush_updates()
+        weights[keep] = [p.detach().clone() for p in model.parameters()]
+        ex.close()
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True])) and grads[True]
+    assert all(torch.equal(a, b) for a, b in zip(weights[False], weights[True]))
+
+
 def test_waits_for_slow_cpu_updates_are_counted(monkeypatch):
     """The next forward blocks on a layer whose deferred CPU update is still running: stats.extra counts the
     training thread's wait (optimizer_wait_ms) and the worker's wall time and parameters for the step
@@ -285,23 +320,27 @@ def test_waits_for_slow_cpu_updates_are_counted(monkeypatch):
     assert x["cpu_update_ms"] >= 30.0 * L and x["optimizer_wait_ms"] > 10.0
 
 
-@pytest.mark.parametrize("placed, retain", [((0, 1, 3), ()), ((0, 1, 3), (1, 2)), ((0, 1, 2, 3), (0, 1, 2, 3))])
-def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain):
+@pytest.mark.parametrize("placed, retain, keep", [((0, 1, 3), (), False), ((0, 1, 3), (), True),
+                                                  ((0, 1, 3), (1, 2), True), ((0, 1, 2, 3), (0, 1, 2, 3), False),
+                                                  ((0, 1, 2, 3), (0, 1, 2, 3), True)])
+def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain, keep):
     """The GPU-side update path (schedule optimizer_device "gpu": staged at the layer's load, run at its first
     compute access, copied back; Note [GPU-side update ordering]) with retained layers, a CPU-tier boundary and
     row chunks, run on the CPU: bit-identical to updating every layer in the host worker, over 4 steps with
-    clipping; its staging copies are freed at the end of each forward."""
+    clipping; its staging copies are freed at the end of each forward. With `keep_grads` the placed layers'
+    gradients never reach the host (kept on the device from backward to the update; the last step's are
+    materialized for the host update at the flush)."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     base = load_model("qwen2-tiny", "bfloat16", seed=6)
     L = base.config.num_hidden_layers
     weights, norms = {}, {}
-    for dev_layers, kept in (((), ()), (placed, retain)):
-        lays = [LayerPlan(checkpoint=i % 2 == 0, tier="cpu" if i == 2 else "gpu", retain=i in kept,
+    for dev_layers, retained in (((), ()), (placed, retain)):
+        lays = [LayerPlan(checkpoint=i % 2 == 0, tier="cpu" if i == 2 else "gpu", retain=i in retained,
                           optimizer_device="gpu" if i in dev_layers else "cpu") for i in range(L)]
         model = copy.deepcopy(base)
-        ex = StreamingExecutor(model, LazyTrainConfig(max_rows_per_pass=1), "cpu", Schedule("milp", lays),
-                               host_grad_dtype="param")
+        ex = StreamingExecutor(model, LazyTrainConfig(max_rows_per_pass=1), "cpu",
+                               Schedule("milp", lays, keep_grads=keep), host_grad_dtype="param")
         opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, min_8bit_size=256,
                                   block_size=256, master_weights="kahan")
         opt.set_grad_source(ex.grad_source)
@@ -311,8 +350,14 @@ def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain):
         for step in range(4):
             ids, mask, labels = random_batch(model.config.vocab_size, seed=10 + step)
             ex.zero_grad()
+            d2h = ex.grads.d2h_bytes
             ex.forward_backward(ids, labels, mask)
             assert not ex._stage and not ex._launches  # staged copies freed once forward ran the updates
+            grad_bytes = [sum(t.numel() * t.element_size() for t in ex.store.buffers[i].grads.values())
+                          for i in range(L)]
+            kept = keep and bool(dev_layers)
+            assert ex.grads.kept_bytes == (sum(grad_bytes[i] for i in dev_layers) if kept else 0)
+            assert ex.grads.d2h_bytes - d2h == sum(grad_bytes) - (ex.grads.kept_bytes if kept else 0)
             if step and not dev_layers:  # the last step's host-worker updates were timed, and the wait on them
                 assert ex.stats.extra["cpu_update_ms"] > 0 and "optimizer_wait_ms" in ex.stats.extra
             n = ex.grad_norm()
@@ -320,6 +365,7 @@ def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain):
             opt.clip_grad_norm(0.5, n)
             opt.step()
         ex.flush_updates()
+        assert ex.grads.kept_bytes == 0  # read by the host updates of the flush
         assert ex.device_updates == 3 * len(dev_layers)  # steps 1-3 met a next load; step 4 flushed on the host
         weights[dev_layers] = {n: p.detach().clone() for n, p in model.named_parameters()}
         ex.close()

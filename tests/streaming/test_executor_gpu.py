@@ -61,10 +61,12 @@ def test_cuda_bf16_close_to_autograd():
         assert rel_err(ex.grad_source(p).cpu(), ref_grads[name].float()) < 5e-2, name
 
 
-@pytest.mark.parametrize("delay", ["none", "late-h2d", "late-compute"])
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("delay", ["none", "late-h2d", "late-compute", "late-d2h"])
 @pytest.mark.parametrize("state_dtype, model_dtype, gpu_kernel, tol", [
     ("fp32", "float32", "auto", 1e-4), ("8bit", "bfloat16", "bnb", 2e-2), ("8bit", "bfloat16", "triton", 0.0)])
-def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, gpu_kernel, tol, delay, monkeypatch):
+def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype, gpu_kernel, tol, delay, keep,
+                                                        monkeypatch):
     """Layers whose schedule says optimizer_device "gpu" are updated on the GPU at their next load (staged host
     states and gradient, copy-back on the D2H stream); the weights after 3 steps equal every update on the CPU:
     bit for bit with the Triton kernel for 8-bit states (the C++ kernel's arithmetic), within the two kernels'
@@ -74,7 +76,10 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
     rounding grows chaotically through Adam's m / sqrt(v) (one ulp on 1% of one layer's weights after step 1 gives
     2e-3 relative differences after step 3 on the CPU alone; 1.7e-7 in fp32). Measured on the H200 in fp32: 3.5e-5
     on the last layer's q_proj, <= 3.3e-6 elsewhere (bitsandbytes' 32-bit kernel vs the C++ one); a dropped weight
-    decay would differ by lr x wd x 3 = 3e-4, a wrong bias correction by far more."""
+    decay would differ by lr x wd x 3 = 3e-4, a wrong bias correction by far more.
+
+    `keep`: the placed layers' gradients stay on the GPU from backward to the update (`Schedule.keep_grads`); a
+    GPU sleep queued on the D2H stream ahead of every gradient push (late D2H) delays the kept copies."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
     from lazytrain_hf.optim.functional import GPU_KERNEL_ENV
     from lazytrain_hf.planning.fixed import fixed_schedule
@@ -102,6 +107,18 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
             return acquire(self, layer)
 
         monkeypatch.setattr(WeightStreamer, "acquire", late_acquire)
+    elif delay == "late-d2h":
+        from lazytrain_hf.streaming.grads import GradSink
+
+        push = GradSink.push
+
+        def late_push(self, slot, layer):
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h_stream):
+                torch.cuda._sleep(20_000_000)
+            push(self, slot, layer)
+
+        monkeypatch.setattr(GradSink, "push", late_push)
 
     base = load_model("qwen3-tiny", model_dtype, seed=6)
     weights = {}
@@ -110,6 +127,7 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
         sched = fixed_schedule(model.config.num_hidden_layers, 2, "cpu", 2)
         for i in placed:
             sched.layers[i].optimizer_device = "gpu"
+        sched.keep_grads = keep
         ex = StreamingExecutor(model, LazyTrainConfig(), "cuda", sched, host_grad_dtype="param")
         opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, state_dtype=state_dtype,
                                   min_8bit_size=1 if gpu_kernel == "triton" else 256, block_size=256,
@@ -120,9 +138,11 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
             ids, mask, labels = random_batch(model.config.vocab_size, seed=10 + step)
             ex.zero_grad()
             ex.forward_backward(ids, labels, mask)
+            assert ex.grads.is_kept(0) == (keep and bool(placed))
             opt.clip_grad_norm(1.0, ex.grad_norm())
             opt.step()
         ex.flush_updates()
+        assert ex.grads.kept_bytes == 0
         assert ex.device_updates == (2 * len(placed))  # steps 1 and 2 met a next load; step 3 flushed on the CPU
         weights[placed] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
         ex.close()
