@@ -41,7 +41,8 @@ from torch import Tensor
 from .quant import LUT_EXP_RANGE, LUT_MANT_BITS
 
 __all__ = ["load_cpu_kernel", "cpu_kernel_status", "CpuTables", "kernel_lookup_table", "cpu_adamw_step",
-           "cpu_quantize_blockwise", "DTYPE_CODES"]
+           "cpu_quantize_blockwise", "cpu_isa_choice", "resolve_isa", "isa_paths", "isa_bit_check", "DTYPE_CODES",
+           "ISA_ENV", "ISA_CODES"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ logger = logging.getLogger(__name__)
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1}
 # master modes shared with the C++ source
 MASTER_NONE, MASTER_FP32, MASTER_KAHAN = 0, 1, 2
-# lt_abi_version() of the source below (4: the kernel's lookup table layout of `CpuTables`)
-_ABI_VERSION = 4
+# lt_abi_version() of the source below (4: the kernel's lookup table layout of `CpuTables`; 5: the ISA argument)
+_ABI_VERSION = 5
 
 _SOURCE = r"""
 // lazytrain_hf Hybrid 8-bit AdamW: fused CPU kernel. No torch headers: called from Python through ctypes.
@@ -72,8 +73,19 @@ _SOURCE = r"""
 #include <cstring>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
+// GCC 12's AVX-512 headers trip -Wall's (maybe-)uninitialized checks on their own `_mm512_undefined_*` once
+// inlined (a false positive): silenced for the header's lines only
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define LT_AVX2 1
+// F for the 16-lane arithmetic, permutes, gathers and down-converts; BW / VL / DQ: not used by the code, but
+// required so that only Skylake-SP and later cores (not Xeon Phi) take the path
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define LT_AVX512 1
+#endif
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -82,7 +94,18 @@ _SOURCE = r"""
 namespace {
 
 enum DType { kF32 = 0, kBF16 = 1 };
-enum Lookup { kGather = 0, kScalar = 1 };  // table reads of the AVX2 path (the generic path ignores it)
+// code-search table reads of the AVX2 / AVX-512 paths (the generic path ignores it); the AVX2 path's
+// dequantizations too (the AVX-512 path keeps those tables in registers)
+enum Lookup { kGather = 0, kScalar = 1 };
+// vectorized paths; a build has the generic path and those its compiler flags allow (lt_isa_best and below)
+enum Isa { kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+#if defined(LT_AVX512)
+constexpr int kIsaBest = kIsaAvx512;
+#elif defined(LT_AVX2)
+constexpr int kIsaBest = kIsaAvx2;
+#else
+constexpr int kIsaBest = kIsaGeneric;
+#endif
 enum Master { kMasterNone = 0, kMasterFp32 = 1, kMasterKahan = 2 };
 
 inline float bf16_to_f32(uint16_t h) {
@@ -480,27 +503,275 @@ void quantize_block_avx2(const float* __restrict__ x, uint8_t* __restrict__ out,
   }
 }
 
-// Lookup mode of the AVX2 path (`Lookup`), set by lt_set_lookup / lt_calibrate_lookup.
-std::atomic<int> g_lookup{kScalar};
-
 #endif  // LT_AVX2
 
-// codes of x[0, len) * inv; floor: a non-zero x never takes the zero code z (it takes z +- 1, by its sign).
+#ifdef LT_AVX512
+
+// The AVX-512 path: the AVX2 path's operations in the same order on 16 lanes, so the same bits. Differences are
+// in data movement only: the dequantization tables live in registers (Table256), compares give mask registers,
+// and 32-bit lanes are narrowed with vpmovdw / vpmovdb (lanes hold 0..0xFFFF / 0..255, so the truncation keeps
+// every value, as the AVX2 path's saturating packs do).
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// as bf16_bits8_nonnan / bf16_fix_nan8
+inline __m512i bf16_bits16_nonnan(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+}
+
+inline __m512i bf16_fix_nan16(__m512i bits, __m512 f) {
+  return _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+inline void store_bf16x16(uint16_t* p, __m512i bits) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) { store_bf16x16(p, bf16_fix_nan16(bf16_bits16_nonnan(v), v)); }
+
+// as write_param8
+template <typename PT, int MM>
+inline void write_param16(PT* __restrict__ p, float* __restrict__ master, uint16_t* __restrict__ kahan, int64_t j,
+                          __m512 decay, __m512 step) {
+  __m512 pf;
+  if (MM == kMasterFp32) pf = _mm512_loadu_ps(master + j);
+  else if (MM == kMasterKahan) pf = _mm512_add_ps(load16(p + j), load16(kahan + j));
+  else pf = load16(p + j);
+  pf = _mm512_add_ps(_mm512_mul_ps(pf, decay), step);
+  if (MM == kMasterFp32) {
+    _mm512_storeu_ps(master + j, pf);
+    store16(p + j, pf);
+  } else if (MM == kMasterKahan) {
+    __m512i r = bf16_bits16_nonnan(pf);
+    const __m512 res = _mm512_sub_ps(pf, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+    __m512i c = bf16_bits16_nonnan(res);
+    if (__builtin_expect(_mm512_cmp_ps_mask(res, res, _CMP_UNORD_Q) != 0, 0)) {
+      r = bf16_fix_nan16(r, pf);
+      c = bf16_fix_nan16(c, res);
+    }
+    store_bf16x16(reinterpret_cast<uint16_t*>(p) + j, r);
+    store_bf16x16(kahan + j, c);
+  } else {
+    store16(p + j, pf);
+  }
+}
+
+// A 256-entry float table in 16 registers, read without memory accesses: vpermi2ps picks from a pair of
+// registers (32 entries) by index bits 0-4 (it ignores the higher bits), then three levels of blends pick one of
+// the 8 pairs' results by index bits 5, 6 and 7 (mask_blend(k, a, b): b where k is set). 8 permutes and 7 blends
+// per 16 lanes instead of a 16-element gather.
+struct Table256 {
+  __m512 t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15;
+  explicit Table256(const float* q)
+      : t0(_mm512_loadu_ps(q)), t1(_mm512_loadu_ps(q + 16)), t2(_mm512_loadu_ps(q + 32)),
+        t3(_mm512_loadu_ps(q + 48)), t4(_mm512_loadu_ps(q + 64)), t5(_mm512_loadu_ps(q + 80)),
+        t6(_mm512_loadu_ps(q + 96)), t7(_mm512_loadu_ps(q + 112)), t8(_mm512_loadu_ps(q + 128)),
+        t9(_mm512_loadu_ps(q + 144)), t10(_mm512_loadu_ps(q + 160)), t11(_mm512_loadu_ps(q + 176)),
+        t12(_mm512_loadu_ps(q + 192)), t13(_mm512_loadu_ps(q + 208)), t14(_mm512_loadu_ps(q + 224)),
+        t15(_mm512_loadu_ps(q + 240)) {}
+  // idx: 16 indices in 0..255, one per 32-bit lane -> table[idx]
+  inline __m512 operator()(__m512i idx) const {
+    const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+    // entries 0-63, 64-127, 128-191, 192-255 (bit 5 picks the upper 32 of each 64)
+    const __m512 s0 = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(t0, idx, t1),
+                                           _mm512_permutex2var_ps(t2, idx, t3));
+    const __m512 s1 = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(t4, idx, t5),
+                                           _mm512_permutex2var_ps(t6, idx, t7));
+    const __m512 s2 = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(t8, idx, t9),
+                                           _mm512_permutex2var_ps(t10, idx, t11));
+    const __m512 s3 = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(t12, idx, t13),
+                                           _mm512_permutex2var_ps(t14, idx, t15));
+    return _mm512_mask_blend_ps(b7, _mm512_mask_blend_ps(b6, s0, s1), _mm512_mask_blend_ps(b6, s2, s3));
+  }
+};
+
+inline __m512i codes16(const uint8_t* c) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+}
+
+// Pass 1 on one block, as update_block_avx2 (two loops; Kahan software-pipelined), 16 lanes. The dequantization
+// loop runs once per table so that only one table (16 of the 32 vector registers) is live at a time. LK: the
+// code search of pass 2 only.
+template <typename PT, typename GT, int MM>
+inline void update_block_avx512(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1,
+                                const uint8_t* c2, float s1, float s2, const float* qmap1, const float* qmap2,
+                                float* __restrict__ mbuf, float* __restrict__ vbuf, float* __restrict__ master,
+                                uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1,
+                                float* am2) {
+  const int64_t len16 = len & ~int64_t{15};
+  {
+    const Table256 t(qmap1);
+    const __m512 vs = _mm512_set1_ps(s1);
+    for (int64_t j = 0; j < len16; j += 16) _mm512_store_ps(mbuf + j, _mm512_mul_ps(t(codes16(c1 + j)), vs));
+  }
+  {
+    const Table256 t(qmap2);
+    const __m512 vs = _mm512_set1_ps(s2);
+    for (int64_t j = 0; j < len16; j += 16) _mm512_store_ps(vbuf + j, _mm512_mul_ps(t(codes16(c2 + j)), vs));
+  }
+  const __m512 clip = _mm512_set1_ps(h.clip), w1c = _mm512_set1_ps(h.w1c), beta2 = _mm512_set1_ps(h.beta2);
+  const __m512 w2 = _mm512_set1_ps(h.w2), eps = _mm512_set1_ps(h.eps), decay = _mm512_set1_ps(h.decay);
+  const __m512 nss = _mm512_set1_ps(h.nss), bc2 = _mm512_set1_ps(h.bc2);
+  const __mmask16 lerp_m = h.lerp_mask ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0);  // m as base
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512i b1 = _mm512_setzero_si512(), b2 = _mm512_setzero_si512();
+  auto moments = [&](int64_t j) {  // as update_block_avx2's
+    const __m512 gv = _mm512_mul_ps(load16(g + j), clip);
+    __m512 m = _mm512_load_ps(mbuf + j);
+    __m512 v = _mm512_load_ps(vbuf + j);
+    m = _mm512_fmadd_ps(w1c, _mm512_sub_ps(gv, m), _mm512_mask_blend_ps(lerp_m, gv, m));
+    v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(w2, gv), gv));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    const __m512 step = _mm512_div_ps(_mm512_mul_ps(nss, m), denom);
+    _mm512_store_ps(mbuf + j, m);
+    _mm512_store_ps(vbuf + j, v);
+    b1 = _mm512_max_epu32(b1, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
+    b2 = _mm512_max_epu32(b2, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+    return step;
+  };
+  if (MM != kMasterKahan) {
+    for (int64_t j = 0; j < len16; j += 16) write_param16<PT, MM>(p, master, kahan, j, decay, moments(j));
+  } else if (len16 > 0) {
+    __m512 prev = moments(0);
+    for (int64_t j = 16; j < len16; j += 16) {
+      const __m512 step = moments(j);
+      write_param16<PT, MM>(p, master, kahan, j - 16, decay, prev);
+      prev = step;
+    }
+    write_param16<PT, MM>(p, master, kahan, len16 - 16, decay, prev);
+  }
+  uint32_t r1 = _mm512_reduce_max_epu32(b1), r2 = _mm512_reduce_max_epu32(b2);
+  for (int64_t j = len16; j < len; ++j) {  // the last len % 16 elements, one at a time
+    float m = qmap1[c1[j]] * s1, v = qmap2[c2[j]] * s2;
+    update_one<PT, GT, MM>(p, g, m, v, master, kahan, j, h);
+    mbuf[j] = m;
+    vbuf[j] = v;
+    const uint32_t u1 = f32_bits(m) & 0x7FFFFFFFu, u2 = f32_bits(v) & 0x7FFFFFFFu;
+    r1 = u1 > r1 ? u1 : r1;
+    r2 = u2 > r2 ? u2 : r2;
+  }
+  *am1 = bits_f32(r1);
+  *am2 = bits_f32(r2);
+}
+
+struct QuantConsts16 {
+  __m512 inv;
+  __m512i kmask, key_off, key_max, zero, half, low_mask, m255, vz, one, down;
+  __m128i shift;
+  const int* lut;
+  QuantConsts16(const Codebook& cb, float inv_, int z) {
+    const KeyGeom kg(cb);
+    inv = _mm512_set1_ps(inv_);
+    kmask = _mm512_set1_epi32(static_cast<int>(kg.kmask));
+    key_off = _mm512_set1_epi32(kg.key_off);
+    key_max = _mm512_set1_epi32(kg.key_max);
+    zero = _mm512_setzero_si512();
+    half = _mm512_set1_epi32(static_cast<int>(cb.half));
+    low_mask = _mm512_set1_epi32(static_cast<int>(kg.low_mask));
+    m255 = _mm512_set1_epi32(255);
+    vz = _mm512_set1_epi32(z);
+    one = _mm512_set1_epi32(1);
+    down = _mm512_set1_epi32(z > 0 ? 1 : 0);
+    shift = _mm_cvtsi32_si128(static_cast<int>(kg.shift));
+    lut = reinterpret_cast<const int*>(cb.lut);
+  }
+};
+
+// The code-search table (2 x 6,401 entries) is far too large for registers: gathers or scalar loads, as lookup8.
+// Note the AVX-512 gather's argument order: (indices, base, scale).
 template <int LK>
+inline __m512i lookup16(const int* lut, __m512i key) {
+  if (LK == kScalar) {
+    alignas(64) int32_t k[16];
+    _mm512_store_si512(reinterpret_cast<__m512i*>(k), key);
+    return _mm512_setr_epi32(lut[k[0]], lut[k[1]], lut[k[2]], lut[k[3]], lut[k[4]], lut[k[5]], lut[k[6]],
+                             lut[k[7]], lut[k[8]], lut[k[9]], lut[k[10]], lut[k[11]], lut[k[12]], lut[k[13]],
+                             lut[k[14]], lut[k[15]]);
+  }
+  return _mm512_i32gather_epi32(key, lut, 4);
+}
+
+// as quant8, 16 lanes; the AVX2 path's all-ones compare results (subtracted, or and-ed with 1) become masked adds
+template <int LK, int FL>
+inline __m512i quant16(const float* x, const QuantConsts16& k) {
+  const __m512 raw = _mm512_loadu_ps(x);
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(raw, k.inv));
+  const __m512i s = _mm512_srai_epi32(u, 31);
+  __m512i key = _mm512_sub_epi32(_mm512_and_si512(_mm512_srl_epi32(u, k.shift), k.kmask), k.key_off);
+  key = _mm512_min_epi32(_mm512_max_epi32(key, k.zero), k.key_max);
+  key = _mm512_add_epi32(key, _mm512_and_si512(s, k.half));
+  const __m512i entry = lookup16<LK>(k.lut, key);
+  const __m512i low = _mm512_slli_epi32(_mm512_and_si512(_mm512_xor_si512(u, s), k.low_mask), 16);
+  __m512i c = _mm512_and_si512(entry, k.m255);
+  c = _mm512_mask_add_epi32(c, _mm512_cmpgt_epi32_mask(low, entry), c, k.one);
+  if (FL == kFloorZero0) {
+    c = _mm512_max_epi32(c, _mm512_min_epi32(_mm512_castps_si512(raw), k.one));
+  } else if (FL == kFloorAny) {
+    const __mmask16 atz = _mm512_cmpeq_epi32_mask(c, k.vz);
+    const __mmask16 pos = _mm512_cmp_ps_mask(raw, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __mmask16 neg = _mm512_cmp_ps_mask(raw, _mm512_setzero_ps(), _CMP_LT_OQ);
+    c = _mm512_mask_add_epi32(c, static_cast<__mmask16>(atz & pos), c, k.one);
+    c = _mm512_mask_sub_epi32(c, static_cast<__mmask16>(atz & neg), c, k.down);
+  }
+  return c;
+}
+
+template <int LK, int FL>
+void quantize_block_avx512(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
+                           const Codebook& cb, int z) {
+  const QuantConsts16 k(cb, inv, z);
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(quant16<LK, FL>(x + j, k)));
+  const KeyGeom kg(cb);
+  for (; j < len; ++j) {
+    uint32_t c = nearest_code(x[j] * inv, cb, kg);
+    if (FL != kFloorNone) c = floor_code(c, x[j], z);
+    out[j] = static_cast<uint8_t>(c);
+  }
+}
+
+#endif  // LT_AVX512
+
+// Lookup mode of the AVX2 / AVX-512 paths (`Lookup`), set by lt_set_lookup / lt_calibrate_lookup.
+std::atomic<int> g_lookup{kScalar};
+
+// codes of x[0, len) * inv with the ISA path's code search; floor: a non-zero x never takes the zero code z (it
+// takes z +- 1, by its sign).
+template <int ISA, int LK>
 void quantize_block(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
                     const Codebook& cb, int z, bool floor) {
+#ifdef LT_AVX512
+  if (ISA == kIsaAvx512) {
+    if (!floor) quantize_block_avx512<LK, kFloorNone>(x, out, len, inv, cb, z);
+    else if (z == 0) quantize_block_avx512<LK, kFloorZero0>(x, out, len, inv, cb, z);
+    else quantize_block_avx512<LK, kFloorAny>(x, out, len, inv, cb, z);
+    return;
+  }
+#endif
 #ifdef LT_AVX2
-  if (!floor) quantize_block_avx2<LK, kFloorNone>(x, out, len, inv, cb, z);
-  else if (z == 0) quantize_block_avx2<LK, kFloorZero0>(x, out, len, inv, cb, z);
-  else quantize_block_avx2<LK, kFloorAny>(x, out, len, inv, cb, z);
-#else
+  if (ISA == kIsaAvx2) {
+    if (!floor) quantize_block_avx2<LK, kFloorNone>(x, out, len, inv, cb, z);
+    else if (z == 0) quantize_block_avx2<LK, kFloorZero0>(x, out, len, inv, cb, z);
+    else quantize_block_avx2<LK, kFloorAny>(x, out, len, inv, cb, z);
+    return;
+  }
+#endif
   const KeyGeom kg(cb);
   for (int64_t j = 0; j < len; ++j) {
     uint32_t c = nearest_code(x[j] * inv, cb, kg);
     if (floor) c = floor_code(c, x[j], z);
     out[j] = static_cast<uint8_t>(c);
   }
-#endif
 }
 
 // AdamW on len elements, m and v (fp32) in place; with ABSMAX also their absmax (as abs_max). The generic path
@@ -527,7 +798,7 @@ void update_block(PT* __restrict__ p, const GT* __restrict__ g, float* __restric
   }
 }
 
-// Generic pass 1 (no AVX2): dequantize into the buffers, then AdamW in place.
+// Generic pass 1: dequantize into the buffers, then AdamW in place.
 template <typename PT, typename GT, int MM>
 inline void update_block_generic(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1,
                                  const uint8_t* c2, float s1, float s2, const float* qmap1, const float* qmap2,
@@ -568,7 +839,7 @@ constexpr int kDynamicChunk = 64;  // quantization blocks a thread takes at a ti
 // 8-bit states: threads take chunks of whole blocks; per block: prefetch of a block about 512
 // elements ahead, pass 1, new scales, pass 2 (requantize; Note [v floor] in lazytrain_hf/optim/quant.py for the
 // second moment).
-template <int LK, typename PT, typename GT, int MM>
+template <int ISA, int LK, typename PT, typename GT, int MM>
 void adamw_q8(const Args& a, const Hyper& h) {
   PT* const p = static_cast<PT*>(a.param);
   const GT* const g = static_cast<const GT*>(a.grad);
@@ -595,17 +866,28 @@ void adamw_q8(const Args& a, const Hyper& h) {
       uint8_t* c2 = static_cast<uint8_t*>(a.state2) + s;
       if (b + ahead < nblocks) prefetch_block<PT, GT, MM>(a, s + ahead * B, B);
       float am1 = 0.0f, am2 = 0.0f;
-#ifdef LT_AVX2
-      update_block_avx2<LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap, a.cb2.qmap,
-                                        mbuf, vbuf, master, kahan, len, h, &am1, &am2);
-#else
-      update_block_generic<PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap, a.cb2.qmap,
-                                       mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+      bool done = false;
+#ifdef LT_AVX512
+      if (ISA == kIsaAvx512) {
+        update_block_avx512<PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
+                                        a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+        done = true;
+      }
 #endif
+#ifdef LT_AVX2
+      if (ISA == kIsaAvx2) {
+        update_block_avx2<LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
+                                          a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+        done = true;
+      }
+#endif
+      if (!done)
+        update_block_generic<PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
+                                         a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
       a.absmax1[b] = am1;
       a.absmax2[b] = am2;
-      quantize_block<LK>(mbuf, c1, len, am1 > 0.0f ? 1.0f / am1 : 0.0f, a.cb1, 127, false);
-      quantize_block<LK>(vbuf, c2, len, am2 > 0.0f ? 1.0f / am2 : 0.0f, a.cb2, 0, true);
+      quantize_block<ISA, LK>(mbuf, c1, len, am1 > 0.0f ? 1.0f / am1 : 0.0f, a.cb1, 127, false);
+      quantize_block<ISA, LK>(vbuf, c2, len, am2 > 0.0f ? 1.0f / am2 : 0.0f, a.cb2, 0, true);
     }
     std::free(mbuf);
     std::free(vbuf);
@@ -631,28 +913,42 @@ void adamw_f32(const Args& a, const Hyper& h) {
   }
 }
 
+// isa: an `Isa` this build has (the caller checks). fp32 states take the generic path whatever the ISA.
 template <typename PT, typename GT, int MM>
-void adamw_impl(const Args& a, bool q8) {
+void adamw_impl(const Args& a, bool q8, int isa) {
   const bool lerp_low = std::fabs(a.w1) < 0.5f;
   const Hyper h{a.clip, a.beta2, lerp_low ? a.w1 : a.w1 - 1.0f, a.w2, a.eps, a.decay, a.neg_step_size,
                 a.bc2_sqrt, lerp_low ? 0xFFFFFFFFu : 0u};
   if (!q8) {
     adamw_f32<PT, GT, MM>(a, h);
-#ifdef LT_AVX2
-  } else if (g_lookup.load(std::memory_order_relaxed) == kGather) {
-    adamw_q8<kGather, PT, GT, MM>(a, h);
-#endif
-  } else {
-    adamw_q8<kScalar, PT, GT, MM>(a, h);
+    return;
   }
+  const bool gather = g_lookup.load(std::memory_order_relaxed) == kGather;
+  (void)gather;
+  (void)isa;
+#ifdef LT_AVX512
+  if (isa == kIsaAvx512) {
+    if (gather) adamw_q8<kIsaAvx512, kGather, PT, GT, MM>(a, h);
+    else adamw_q8<kIsaAvx512, kScalar, PT, GT, MM>(a, h);
+    return;
+  }
+#endif
+#ifdef LT_AVX2
+  if (isa == kIsaAvx2) {
+    if (gather) adamw_q8<kIsaAvx2, kGather, PT, GT, MM>(a, h);
+    else adamw_q8<kIsaAvx2, kScalar, PT, GT, MM>(a, h);
+    return;
+  }
+#endif
+  adamw_q8<kIsaGeneric, kScalar, PT, GT, MM>(a, h);
 }
 
 template <typename PT, typename GT>
-int dispatch_mode(const Args& a, int q8, int master_mode) {
+int dispatch_mode(const Args& a, int q8, int master_mode, int isa) {
   switch (master_mode) {
-    case kMasterNone: adamw_impl<PT, GT, kMasterNone>(a, q8 != 0); return 0;
-    case kMasterFp32: adamw_impl<PT, GT, kMasterFp32>(a, q8 != 0); return 0;
-    case kMasterKahan: adamw_impl<PT, GT, kMasterKahan>(a, q8 != 0); return 0;
+    case kMasterNone: adamw_impl<PT, GT, kMasterNone>(a, q8 != 0, isa); return 0;
+    case kMasterFp32: adamw_impl<PT, GT, kMasterFp32>(a, q8 != 0, isa); return 0;
+    case kMasterKahan: adamw_impl<PT, GT, kMasterKahan>(a, q8 != 0, isa); return 0;
   }
   return 2;
 }
@@ -661,80 +957,88 @@ int dispatch_mode(const Args& a, int q8, int master_mode) {
 
 extern "C" {
 
-int lt_abi_version() { return 4; }
+int lt_abi_version() { return 5; }
 
-// Returns 0 on success, 1 on an unsupported dtype, 2 on an unsupported mode.
+// The best `Isa` path this build has (every lower one is there too).
+int lt_isa_best() { return kIsaBest; }
+
+// Returns 0 on success, 1 on an unsupported dtype, 2 on an unsupported mode, 3 on an ISA path the build lacks.
 int lt_adamw_step(void* param, int param_dtype, const void* grad, int grad_dtype, int64_t n,
                   void* state1, void* state2, int state_8bit, float* absmax1, float* absmax2,
                   float* master, uint16_t* kahan, int master_mode, int64_t block,
                   const int32_t* lut1, const float* qmap1, const int32_t* lut2, const float* qmap2,
                   int64_t lut_half, int lut_k, int lut_m,
                   float clip, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
-                  float decay, float neg_step_size, float bc2_sqrt, int threads) {
+                  float decay, float neg_step_size, float bc2_sqrt, int threads, int isa) {
   Args a{param, grad, state1, state2, absmax1, absmax2, master, kahan, n, block,
          clip, beta2, one_minus_beta1, one_minus_beta2, eps, decay, neg_step_size, bc2_sqrt,
          Codebook{lut1, qmap1, lut_half, lut_k, lut_m}, Codebook{lut2, qmap2, lut_half, lut_k, lut_m}, threads};
+  if (isa < kIsaGeneric || isa > kIsaBest) return 3;
   if (master_mode == kMasterKahan && param_dtype != kBF16) return 2;
-  if (param_dtype == kF32 && grad_dtype == kF32) return dispatch_mode<float, float>(a, state_8bit, master_mode);
-  if (param_dtype == kF32 && grad_dtype == kBF16) return dispatch_mode<float, uint16_t>(a, state_8bit, master_mode);
-  if (param_dtype == kBF16 && grad_dtype == kF32) return dispatch_mode<uint16_t, float>(a, state_8bit, master_mode);
-  if (param_dtype == kBF16 && grad_dtype == kBF16) return dispatch_mode<uint16_t, uint16_t>(a, state_8bit, master_mode);
+  const int q8 = state_8bit;
+  if (param_dtype == kF32 && grad_dtype == kF32) return dispatch_mode<float, float>(a, q8, master_mode, isa);
+  if (param_dtype == kF32 && grad_dtype == kBF16) return dispatch_mode<float, uint16_t>(a, q8, master_mode, isa);
+  if (param_dtype == kBF16 && grad_dtype == kF32) return dispatch_mode<uint16_t, float>(a, q8, master_mode, isa);
+  if (param_dtype == kBF16 && grad_dtype == kBF16) return dispatch_mode<uint16_t, uint16_t>(a, q8, master_mode, isa);
   return 1;
 }
 
-// Blockwise quantization of fp32 x [n] (tests and tools): codes [n], absmax [ceil(n / block)].
-void lt_quantize_blockwise(const float* x, int64_t n, int64_t block, uint8_t* codes, float* absmax,
-                           const int32_t* lut, const float* qmap, int64_t lut_half,
-                           int lut_k, int lut_m, int zero, int nonzero_floor, int threads) {
+// Blockwise quantization of fp32 x [n] (tests and tools): codes [n], absmax [ceil(n / block)]. Returns 0, or 3
+// on an ISA path the build lacks.
+int lt_quantize_blockwise(const float* x, int64_t n, int64_t block, uint8_t* codes, float* absmax,
+                          const int32_t* lut, const float* qmap, int64_t lut_half,
+                          int lut_k, int lut_m, int zero, int nonzero_floor, int threads, int isa) {
+  if (isa < kIsaGeneric || isa > kIsaBest) return 3;
   const Codebook cb{lut, qmap, lut_half, lut_k, lut_m};
   const int64_t nblocks = (n + block - 1) / block;
   const int nthreads = std::max(1, threads);
-#ifdef LT_AVX2
   const bool gather = g_lookup.load(std::memory_order_relaxed) == kGather;
-#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 32768)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t s = b * block, len = std::min(block, n - s);
     const float am = abs_max(x + s, len);
     absmax[b] = am;
     const float inv = am > 0.0f ? 1.0f / am : 0.0f;
-#ifdef LT_AVX2
-    if (gather) {
-      quantize_block<kGather>(x + s, codes + s, len, inv, cb, zero, nonzero_floor != 0);
+    const float* xs = x + s;
+    uint8_t* cs = codes + s;
+    const bool fl = nonzero_floor != 0;
+#ifdef LT_AVX512
+    if (isa == kIsaAvx512) {
+      if (gather) quantize_block<kIsaAvx512, kGather>(xs, cs, len, inv, cb, zero, fl);
+      else quantize_block<kIsaAvx512, kScalar>(xs, cs, len, inv, cb, zero, fl);
       continue;
     }
 #endif
-    quantize_block<kScalar>(x + s, codes + s, len, inv, cb, zero, nonzero_floor != 0);
+#ifdef LT_AVX2
+    if (isa == kIsaAvx2) {
+      if (gather) quantize_block<kIsaAvx2, kGather>(xs, cs, len, inv, cb, zero, fl);
+      else quantize_block<kIsaAvx2, kScalar>(xs, cs, len, inv, cb, zero, fl);
+      continue;
+    }
+#endif
+    (void)gather;
+    quantize_block<kIsaGeneric, kScalar>(xs, cs, len, inv, cb, zero, fl);
   }
+  return 0;
 }
 
-// Table reads of the AVX2 path: 0 gathers, 1 scalar loads; -1 when the library has no AVX2 path.
-int lt_get_lookup() {
-#ifdef LT_AVX2
-  return g_lookup.load();
-#else
-  return -1;
-#endif
-}
+// Table reads of the AVX2 / AVX-512 paths: 0 gathers, 1 scalar loads; -1 when the library has neither.
+int lt_get_lookup() { return kIsaBest > kIsaGeneric ? g_lookup.load() : -1; }
 
 // Sets the table reads (0 or 1; ignored without an AVX2 path); returns lt_get_lookup().
 int lt_set_lookup(int mode) {
-#ifdef LT_AVX2
-  if (mode == kGather || mode == kScalar) g_lookup.store(mode);
-#else
-  (void)mode;
-#endif
+  if (kIsaBest > kIsaGeneric && (mode == kGather || mode == kScalar)) g_lookup.store(mode);
   return lt_get_lookup();
 }
 
-// Times both table-read modes on one thread (the 8-bit update of n synthetic elements: bf16 parameters, fp32
-// master and gradients, quantized normal moments, blocks of 256; `reps` alternating runs each, best run kept),
-// keeps the faster mode and returns lt_get_lookup(). seconds[0], seconds[1]: best time of gathers / scalar loads
-// (0 without an AVX2 path).
+// Times both table-read modes of the `isa` path on one thread (the 8-bit update of n synthetic elements: bf16
+// parameters, fp32 master and gradients, quantized normal moments, blocks of 256; `reps` alternating runs each,
+// best run kept), keeps the faster mode and returns lt_get_lookup(). seconds[0], seconds[1]: best time of gathers
+// / scalar loads (0 for the generic path, which has one mode, or an ISA the build lacks).
 int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* qmap1, const int32_t* lut2,
-                        const float* qmap2, int64_t lut_half, int lut_k, int lut_m, double* seconds) {
+                        const float* qmap2, int64_t lut_half, int lut_k, int lut_m, double* seconds, int isa) {
   seconds[0] = seconds[1] = 0.0;
-#ifdef LT_AVX2
+  if (isa <= kIsaGeneric || isa > kIsaBest) return lt_get_lookup();
   const int64_t B = 256, nb = (n + B - 1) / B;
   std::vector<uint16_t> p(n), p0(n);
   std::vector<float> g(n), master(n), master0(n), m(n), v(n), a1(nb), a2(nb), a10(nb), a20(nb);
@@ -761,8 +1065,8 @@ int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* q
     const int64_t s = b * B, len = std::min(B, n - s);
     a10[b] = abs_max(m.data() + s, len);
     a20[b] = abs_max(v.data() + s, len);
-    quantize_block<kScalar>(m.data() + s, s10.data() + s, len, 1.0f / a10[b], cb1, 127, false);
-    quantize_block<kScalar>(v.data() + s, s20.data() + s, len, 1.0f / a20[b], cb2, 0, true);
+    quantize_block<kIsaGeneric, kScalar>(m.data() + s, s10.data() + s, len, 1.0f / a10[b], cb1, 127, false);
+    quantize_block<kIsaGeneric, kScalar>(v.data() + s, s20.data() + s, len, 1.0f / a20[b], cb2, 0, true);
   }
   const int modes[2] = {kGather, kScalar};
   const int saved = g_lookup.load();
@@ -774,7 +1078,7 @@ int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* q
       const auto t0 = std::chrono::steady_clock::now();
       lt_adamw_step(p.data(), kBF16, g.data(), kF32, n, s1.data(), s2.data(), 1, a1.data(), a2.data(),
                     master.data(), nullptr, kMasterFp32, B, lut1, qmap1, lut2, qmap2, lut_half, lut_k, lut_m,
-                    1.0f, 0.999f, 0.1f, 0.001f, 1e-8f, 1.0f, -1e-4f, 0.5f, 1);
+                    1.0f, 0.999f, 0.1f, 0.001f, 1e-8f, 1.0f, -1e-4f, 0.5f, 1, isa);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       best[k] = std::min(best[k], dt);
     }
@@ -782,9 +1086,6 @@ int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* q
   seconds[0] = best[0];
   seconds[1] = best[1];
   g_lookup.store(reps > 0 ? (best[0] < best[1] ? kGather : kScalar) : saved);
-#else
-  (void)n; (void)reps; (void)lut1; (void)qmap1; (void)lut2; (void)qmap2; (void)lut_half; (void)lut_k; (void)lut_m;
-#endif
   return lt_get_lookup();
 }
 
@@ -801,13 +1102,17 @@ _ADAMW_ARGTYPES = [_P, _I, _P, _I, _I64,            # param, param_dtype, grad, 
                    _P, _P, _P, _P,                  # lut1, qmap1, lut2, qmap2
                    _I64, _I, _I,                    # lut_half, lut_k, lut_m
                    _F, _F, _F, _F, _F, _F, _F, _F,  # clip, beta2, 1-beta1, 1-beta2, eps, decay, -step_size, bc2_sqrt
-                   _I]                              # threads
-_QUANT_ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _I]
-_CALIBRATE_ARGTYPES = [_I64, _I, _P, _P, _P, _P, _I64, _I, _I, ctypes.POINTER(ctypes.c_double)]
+                   _I, _I]                          # threads, isa
+_QUANT_ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _I, _I]
+_CALIBRATE_ARGTYPES = [_I64, _I, _P, _P, _P, _P, _I64, _I, _I, ctypes.POINTER(ctypes.c_double), _I]
 
 LOOKUP_ENV = "LAZYTRAIN_CPU_LOOKUP"
-# table-read modes of the kernel's AVX2 path (lt_set_lookup); "auto" measures both once at load
+# table-read modes of the kernel's AVX2 / AVX-512 paths (lt_set_lookup); "auto" measures both once at load
 LOOKUP_MODES = {"gather": 0, "scalar": 1}
+ISA_ENV = "LAZYTRAIN_CPU_ISA"
+# the kernel's paths (`Isa` in the source), best first; a build has those up to lt_isa_best()
+ISA_CODES = {"avx512": 2, "avx2": 1, "generic": 0}
+_ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
 _CALIBRATION_ELEMENTS = 1 << 14
 _CALIBRATION_REPS = 15
 
@@ -847,33 +1152,179 @@ def _build() -> tuple[ctypes.CDLL, str]:
                 no_implicit_headers=True,
                 verbose=False,
             )
-            lib = ctypes.CDLL(path)
-            if lib.lt_abi_version() != _ABI_VERSION:
-                raise RuntimeError(f"unexpected ABI version {lib.lt_abi_version()} in {path}")
-            lib.lt_adamw_step.argtypes = _ADAMW_ARGTYPES
-            lib.lt_adamw_step.restype = _I
-            lib.lt_quantize_blockwise.argtypes = _QUANT_ARGTYPES
-            lib.lt_quantize_blockwise.restype = None
-            lib.lt_set_lookup.argtypes = [_I]
-            lib.lt_set_lookup.restype = _I
-            lib.lt_get_lookup.argtypes = []
-            lib.lt_get_lookup.restype = _I
-            lib.lt_calibrate_lookup.argtypes = _CALIBRATE_ARGTYPES
-            lib.lt_calibrate_lookup.restype = _I
-            return lib, variant
+            return bind_library(path), variant
         except Exception as e:  # noqa: BLE001 - any build/load failure means: fall back
             errors.append(f"{variant} build failed: {type(e).__name__}: {str(e).strip()[-400:]}")
     raise RuntimeError("; ".join(errors))
 
 
+def bind_library(path: str) -> ctypes.CDLL:
+    """Load a library built from `_SOURCE` and declare its entry points (also for tests' own builds)."""
+    lib = ctypes.CDLL(path)
+    if lib.lt_abi_version() != _ABI_VERSION:
+        raise RuntimeError(f"unexpected ABI version {lib.lt_abi_version()} in {path}")
+    lib.lt_adamw_step.argtypes = _ADAMW_ARGTYPES
+    lib.lt_adamw_step.restype = _I
+    lib.lt_quantize_blockwise.argtypes = _QUANT_ARGTYPES
+    lib.lt_quantize_blockwise.restype = _I
+    lib.lt_set_lookup.argtypes = [_I]
+    lib.lt_set_lookup.restype = _I
+    lib.lt_get_lookup.argtypes = []
+    lib.lt_get_lookup.restype = _I
+    lib.lt_calibrate_lookup.argtypes = _CALIBRATE_ARGTYPES
+    lib.lt_calibrate_lookup.restype = _I
+    lib.lt_isa_best.argtypes = []
+    lib.lt_isa_best.restype = _I
+    return lib
+
+
+def cpu_isa_choice() -> str:
+    """``LAZYTRAIN_CPU_ISA`` normalized: ``"auto"`` (unset) or one of `ISA_CODES`.
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if raw != "auto" and raw not in ISA_CODES:
+        raise ValueError(f"environment {ISA_ENV} must be one of {list(ISA_CODES)} (or unset), "
+                         f"but got {os.environ.get(ISA_ENV)!r}")
+    return raw
+
+
+def isa_paths(lib: ctypes.CDLL) -> list[str]:
+    """The ISA paths `lib` has, best first."""
+    return [name for name, code in ISA_CODES.items() if code <= lib.lt_isa_best()]
+
+
+def _auto_isa(lib: ctypes.CDLL) -> int:
+    """The path "auto" runs: the best one, unless the load-time bit check turned it down (`_configure_isa`)."""
+    return getattr(lib, "_lt_auto_isa", lib.lt_isa_best())
+
+
+def resolve_isa(lib: ctypes.CDLL, isa: str | None = None) -> str:
+    """The ISA path an update runs: `isa` if given, else ``LAZYTRAIN_CPU_ISA`` (read at each call), "auto" being the
+    best path of the build that passed the load-time bit check.
+
+    Raises:
+        ValueError: not "auto" or a name of `ISA_CODES`.
+        RuntimeError: a path this build lacks (the CPU or compiler has no AVX2 / AVX-512).
+    """
+    name = cpu_isa_choice() if isa is None else isa
+    if name == "auto":
+        return _ISA_NAMES[_auto_isa(lib)]
+    if name not in ISA_CODES:
+        raise ValueError(f"ISA path must be 'auto' or one of {list(ISA_CODES)}, but got {name!r}")
+    if ISA_CODES[name] > lib.lt_isa_best():
+        raise RuntimeError(f"{ISA_ENV}={name} but the fused CPU kernel was built without that path on this CPU "
+                           f"(it has: {', '.join(isa_paths(lib))})")
+    return name
+
+
+def isa_bit_check(lib: ctypes.CDLL, isa: str, ref: str, *, n: int = 3 * 256 + 77, seed: int = 0,
+                  steps: int = 1) -> str | None:
+    """Do the `isa` and `ref` paths of `lib` give the same bits? None if so, else what differs.
+
+    Each master mode with fp32 / bf16 parameters and gradients, both table-read modes, `n` elements in blocks of
+    256 (the last one partial, one all-zero), gradients with huge, infinite and NaN elements (the last step only:
+    before it, which NaN survives where two NaNs meet is the compiler's operand order, not the path's), `steps`
+    updates; then the quantizer with and without the floor. fp32 outputs compare NaN-for-NaN (the same reason);
+    everything else bit for bit.
+    """
+    from .quant import dynamic_map, zero_code
+
+    tables = CpuTables.build(dynamic_map(True), dynamic_map(False))
+    gen = torch.Generator().manual_seed(seed)
+    block = 256
+    nb = -(-n // block)
+    lookups = list(LOOKUP_MODES.values()) if lib.lt_get_lookup() >= 0 else [None]
+    saved = lib.lt_get_lookup()
+
+    def same(a: Tensor, b: Tensor) -> bool:
+        if a.dtype == torch.float32:
+            both_nan = torch.isnan(a) & torch.isnan(b)
+            return bool(((a.view(torch.int32) == b.view(torch.int32)) | both_nan).all())
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    configs = [(pd, gd, mm) for pd in (torch.float32, torch.bfloat16) for gd in (torch.float32, torch.bfloat16)
+               for mm in ("none", "fp32", "kahan") if not (mm == "kahan" and pd == torch.float32)]
+    try:
+        for pd, gd, mm in configs:
+            p0 = (torch.randn(n, generator=gen) * 0.05).to(pd)
+            grads = [torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3) * 1e-3
+                     for _ in range(steps)]
+            for g in grads:
+                g[block:2 * block] = 0.0                       # an all-zero block (its moments too, below)
+            last = grads[-1]
+            last[3::97], last[5::211], last[7::401], last[11::503] = float("inf"), float("nan"), 1e30, -float("inf")
+            s1 = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+            s2 = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+            s1[block:2 * block], s2[block:2 * block] = zero_code(tables.qmap1), zero_code(tables.qmap2)
+            a1, a2 = torch.rand(nb, generator=gen) * 1e-2, torch.rand(nb, generator=gen) * 1e-5
+            a1[1:2] = a2[1:2] = 0.0
+            mst = p0.float() + torch.randn(n, generator=gen) * 1e-4 if mm == "fp32" else None
+            kah = (torch.randn(n, generator=gen) * 1e-5).to(torch.bfloat16) if mm == "kahan" else None
+            for lk in lookups:
+                out = {}
+                for name in (isa, ref):
+                    if lk is not None:
+                        lib.lt_set_lookup(lk)
+                    ts = [t.clone() if t is not None else None for t in (p0, s1, s2, a1, a2, mst, kah)]
+                    for k, g in enumerate(grads):
+                        cpu_adamw_step(lib, tables, ts[0], g.to(gd), *ts[1:], block_size=block, clip_coef=0.37,
+                                       beta1=0.9, beta2=0.999, eps=1e-8, decay=1 - 2e-4, step_size=2e-3 / (k + 1),
+                                       bc2_sqrt=0.05 * (k + 1), threads=1, isa=name)
+                    out[name] = [t for t in ts if t is not None]
+                names = ["param", "state1", "state2", "absmax1", "absmax2", "master/kahan"]
+                bad = [nm for nm, x, y in zip(names, out[isa], out[ref]) if not same(x, y)]
+                if bad:
+                    return (f"{', '.join(bad)} differ ({pd} params, {gd} grads, master {mm}, table reads "
+                            f"{lk}, {steps} step(s))")
+        x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 4)
+        x[::17], x[block:2 * block] = 0.0, 0.0
+        for lk in lookups:
+            if lk is not None:
+                lib.lt_set_lookup(lk)
+            for signed in (True, False):
+                for floor in (False, True):
+                    xs = x if signed else x.abs()
+                    got = [cpu_quantize_blockwise(lib, tables, xs, signed=signed, block_size=block,
+                                                  nonzero_floor=floor, isa=name) for name in (isa, ref)]
+                    if not all(same(u, w) for u, w in zip(got[0], got[1])):
+                        return f"quantizer codes differ (signed {signed}, floor {floor}, table reads {lk})"
+    finally:
+        if saved >= 0:
+            lib.lt_set_lookup(saved)
+    return None
+
+
+def _configure_isa(lib: ctypes.CDLL) -> str:
+    """Sets the path "auto" runs and says which paths the build has. The AVX-512 path (which CI cannot run) must
+    give the AVX2 path's bits on this CPU (`isa_bit_check`, ~10 ms), or "auto" keeps AVX2 and says why."""
+    best = lib.lt_isa_best()
+    lib._lt_auto_isa = best
+    note = ""
+    if best == ISA_CODES["avx512"]:
+        try:
+            why = isa_bit_check(lib, "avx512", "avx2")
+        except Exception as e:  # noqa: BLE001 - a crash in the check must not take the kernel down with it
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            lib._lt_auto_isa = ISA_CODES["avx2"]
+            note = f"; avx512 turned down: its bits differ from avx2's ({why}), please report it"
+            logger.warning("fused CPU kernel: the AVX-512 path's bits differ from the AVX2 path's (%s); using AVX2",
+                           why)
+    return f"paths {', '.join(isa_paths(lib))}; auto: {_ISA_NAMES[lib._lt_auto_isa]}{note}"
+
+
 def _configure_lookup(lib: ctypes.CDLL) -> str:
-    """Pick the table reads of the kernel's AVX2 path (`LOOKUP_ENV`, else the faster one measured now); says which.
+    """Pick the table reads of the kernel's AVX2 / AVX-512 path (`LOOKUP_ENV`, else the faster one measured now,
+    on the path "auto" runs); says which.
 
     Both modes give bit-identical results; only their speed differs by CPU (gathers are slow on some cores, scalar
     loads cost more instructions). A bad `LOOKUP_ENV` value is logged and treated as unset.
     """
     if lib.lt_get_lookup() < 0:
-        return "generic path (no AVX2)"
+        return "generic path only"
     choice = os.environ.get(LOOKUP_ENV, "auto").strip().lower() or "auto"
     if choice in LOOKUP_MODES:
         lib.lt_set_lookup(LOOKUP_MODES[choice])
@@ -887,11 +1338,11 @@ def _configure_lookup(lib: ctypes.CDLL) -> str:
     seconds = (ctypes.c_double * 2)()
     mode = lib.lt_calibrate_lookup(_CALIBRATION_ELEMENTS, _CALIBRATION_REPS, _ptr(tables.lut1), _ptr(tables.qmap1),
                                    _ptr(tables.lut2), _ptr(tables.qmap2), tables.half, LUT_EXP_RANGE, LUT_MANT_BITS,
-                                   seconds)
+                                   seconds, _auto_isa(lib))
     name = next(k for k, v in LOOKUP_MODES.items() if v == mode)
     per = 1e9 / _CALIBRATION_ELEMENTS
-    return (f"table reads: {name} (measured on one thread: gather {seconds[0] * per:.2f} ns/param, "
-            f"scalar {seconds[1] * per:.2f} ns/param)")
+    return (f"table reads: {name} (measured on one thread, {_ISA_NAMES[_auto_isa(lib)]}: gather "
+            f"{seconds[0] * per:.2f} ns/param, scalar {seconds[1] * per:.2f} ns/param)")
 
 
 def load_cpu_kernel() -> ctypes.CDLL | None:
@@ -907,7 +1358,8 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
         if _status is None:
             try:
                 lib, variant = _build()
-                _status = (True, f"built ({variant}; {_configure_lookup(lib)})")
+                isa = _configure_isa(lib)
+                _status = (True, f"built ({variant}; {isa}; {_configure_lookup(lib)})")
                 _lib = lib
             except Exception as e:  # noqa: BLE001
                 _lib = None
@@ -916,10 +1368,17 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
 
 
 def cpu_kernel_status() -> tuple[bool, str]:
-    """``(available, reason)`` of the fused CPU kernel, building it if not tried yet."""
-    load_cpu_kernel()
+    """``(available, reason)`` of the fused CPU kernel, building it if not tried yet. When available, the reason
+    starts with the ISA path updates run now (``LAZYTRAIN_CPU_ISA`` as set at this call)."""
+    lib = load_cpu_kernel()
     assert _status is not None
-    return _status
+    if lib is None:
+        return _status
+    try:
+        now = f"ISA path {resolve_isa(lib)}"
+    except (ValueError, RuntimeError) as e:
+        now = f"ISA path unusable: {e}"
+    return True, f"{now}; {_status[1]}"
 
 
 @dataclass(frozen=True)
@@ -1003,6 +1462,7 @@ def cpu_adamw_step(
     step_size: float,
     bc2_sqrt: float,
     threads: int,
+    isa: str | None = None,
 ) -> None:
     """Run one fused AdamW update in place. All tensors CPU and contiguous with the same numel N.
 
@@ -1014,10 +1474,14 @@ def cpu_adamw_step(
         master: fp32 [N] master weights or None; kahan: bf16 [N] compensation or None (bf16 params only).
         decay: ``1 - lr * weight_decay``; step_size: ``lr / (1 - beta1**step)``;
         bc2_sqrt: ``sqrt(1 - beta2**step)``; clip_coef: multiplies the gradient; threads: OpenMP threads.
+        isa: the ISA path (`resolve_isa`: default ``LAZYTRAIN_CPU_ISA``, else the best); the same bits on every path.
 
     Raises:
-        ValueError: unsupported dtype or mode combination (the caller should have routed it to torch).
+        ValueError: unsupported dtype or mode combination (the caller should have routed it to torch), or a bad ISA
+            name.
+        RuntimeError: an ISA path the build lacks.
     """
+    code = ISA_CODES[resolve_isa(lib, isa)]
     q8 = state1.dtype == torch.uint8
     mode = MASTER_FP32 if master is not None else MASTER_KAHAN if kahan is not None else MASTER_NONE
     rc = lib.lt_adamw_step(
@@ -1026,7 +1490,7 @@ def cpu_adamw_step(
         _ptr(master), _ptr(kahan), mode, block_size,
         _ptr(tables.lut1), _ptr(tables.qmap1), _ptr(tables.lut2), _ptr(tables.qmap2),
         tables.half, LUT_EXP_RANGE, LUT_MANT_BITS,
-        clip_coef, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay, -step_size, bc2_sqrt, threads,
+        clip_coef, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay, -step_size, bc2_sqrt, threads, code,
     )
     if rc != 0:
         raise ValueError(f"fused CPU AdamW kernel refused param {param.dtype} / grad {grad.dtype} / "
@@ -1034,7 +1498,8 @@ def cpu_adamw_step(
 
 
 def cpu_quantize_blockwise(lib: ctypes.CDLL, tables: CpuTables, x: Tensor, *, signed: bool, block_size: int,
-                           nonzero_floor: bool = False, threads: int = 1) -> tuple[Tensor, Tensor]:
+                           nonzero_floor: bool = False, threads: int = 1,
+                           isa: str | None = None) -> tuple[Tensor, Tensor]:
     """The kernel's quantizer on fp32 CPU ``x`` [N] -> (uint8 codes [N], fp32 absmax [ceil(N / block_size)]).
 
     Same contract as `quant.quantize_blockwise` (used by tests to prove both give identical codes).
@@ -1045,6 +1510,7 @@ def cpu_quantize_blockwise(lib: ctypes.CDLL, tables: CpuTables, x: Tensor, *, si
     absmax = torch.empty(-(-n // block_size), dtype=torch.float32)
     lut, qmap = (tables.lut1, tables.qmap1) if signed else (tables.lut2, tables.qmap2)
     zero = 127 if signed else 0
+    code = ISA_CODES[resolve_isa(lib, isa)]
     lib.lt_quantize_blockwise(_ptr(x), n, block_size, _ptr(codes), _ptr(absmax), _ptr(lut), _ptr(qmap),
-                              tables.half, LUT_EXP_RANGE, LUT_MANT_BITS, zero, int(nonzero_floor), threads)
+                              tables.half, LUT_EXP_RANGE, LUT_MANT_BITS, zero, int(nonzero_floor), threads, code)
     return codes, absmax
