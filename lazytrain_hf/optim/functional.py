@@ -16,7 +16,9 @@ Kernels (`KERNELS`):
 
 - ``"torch"``: pure torch, any device, any float dtype; the reference the others are tested against.
 - ``"cpp"``: the fused one-pass CPU kernel (`_cpu_kernel`), fp32/bf16 params and grads, contiguous tensors.
-  ``LAZYTRAIN_CPU_KERNEL=torch|cpp`` forces the CPU choice (``cpp`` raises if the kernel cannot be built).
+  ``LAZYTRAIN_CPU_KERNEL=torch|cpp`` forces the CPU choice (``cpp`` raises if the kernel cannot be built);
+  ``LAZYTRAIN_CPU_ISA=avx512|avx2|generic`` forces its vectorized path (same bits on each; raises where the build
+  lacks it).
 - ``"triton"``: the fused one-pass GPU kernel for 8-bit states (`_triton_kernel`): the ``"cpp"`` kernel's
   arithmetic, so its bits equal the CPU update's (a layer updated on either side ends up identical); the CUDA
   default for 8-bit states where ``triton`` imports. On CPU tensors it runs in Triton's interpreter (tests only).
@@ -48,7 +50,15 @@ import torch
 from torch import Tensor
 
 from ..config import cpu_threads
-from ._cpu_kernel import DTYPE_CODES, CpuTables, cpu_adamw_step, cpu_kernel_status, load_cpu_kernel
+from ._cpu_kernel import (
+    DTYPE_CODES,
+    CpuTables,
+    cpu_adamw_step,
+    cpu_isa_choice,
+    cpu_kernel_status,
+    load_cpu_kernel,
+    resolve_isa,
+)
 from ._triton_kernel import triton_adamw_step, triton_status, triton_supports
 from .quant import code_midpoints, dequantize_blockwise, dynamic_map, num_blocks, quantize_blockwise, zero_code
 
@@ -65,6 +75,7 @@ __all__ = [
     "select_kernel",
     "triton_self_check",
     "cpu_kernel_choice",
+    "cpu_isa_choice",
     "gpu_kernel_choice",
     "bitsandbytes_cuda_status",
 ]
@@ -344,9 +355,10 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
     """Pick the kernel for one update (one of `KERNELS`); logs each fallback reason once.
 
     Raises:
-        RuntimeError: ``LAZYTRAIN_CPU_KERNEL=cpp`` but the fused kernel cannot be built, or
+        RuntimeError: ``LAZYTRAIN_CPU_KERNEL=cpp`` but the fused kernel cannot be built, ``LAZYTRAIN_CPU_ISA``
+            names a path the built kernel lacks, or
             ``LAZYTRAIN_GPU_KERNEL=triton`` but ``triton`` does not import or the kernel fails its self-check.
-        ValueError: bad ``LAZYTRAIN_CPU_KERNEL`` / ``LAZYTRAIN_GPU_KERNEL`` value.
+        ValueError: bad ``LAZYTRAIN_CPU_KERNEL`` / ``LAZYTRAIN_CPU_ISA`` / ``LAZYTRAIN_GPU_KERNEL`` value.
     """
     dev = param.device.type
     if dev == "cpu":
@@ -361,6 +373,7 @@ def select_kernel(param: Tensor, grad: Tensor, state: dict[str, Any], block_size
                       "update, several times slower. Install a C++ compiler with OpenMP (g++) to enable it.",
                       reason)
             return "torch"
+        resolve_isa(load_cpu_kernel())  # a forced path the build lacks fails here, before any update
         ok, reason = cpp_kernel_self_check(cpu_threads())
         if not ok:
             if choice == "cpp":

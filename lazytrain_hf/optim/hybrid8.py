@@ -99,8 +99,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         fp32_state_params (iterable of Tensor, defaults to None): parameters that always keep fp32 states.
 
     Raises:
-        ValueError: any invalid hyperparameter, or a bad LAZYTRAIN_CPU_KERNEL / LAZYTRAIN_GPU_KERNEL /
-            LAZYTRAIN_CPU_THREADS value (all problems listed at once, each with the value received).
+        ValueError: any invalid hyperparameter, or a bad LAZYTRAIN_CPU_KERNEL / LAZYTRAIN_CPU_ISA /
+            LAZYTRAIN_GPU_KERNEL / LAZYTRAIN_CPU_THREADS value (all problems listed at once, each with the value received).
     """
 
     def __init__(
@@ -125,7 +125,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         )
         problems = _validate_group(defaults)
         # the environment overrides, read at each update: a typo fails here, not after a first step
-        for choice in (F.cpu_kernel_choice, F.gpu_kernel_choice, cpu_threads):
+        for choice in (F.cpu_kernel_choice, F.cpu_isa_choice, F.gpu_kernel_choice, cpu_threads):
             try:
                 choice()
             except ValueError as e:
