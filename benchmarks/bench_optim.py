@@ -12,7 +12,9 @@ Rows (``system`` in the JSON):
   bnb_adamw8bit_gpu         bitsandbytes.optim.AdamW8bit
   torch_adamw_fused_fp32_gpu, torch_adamw_foreach_fp32_gpu   torch.optim.AdamW(fused / foreach), fp32
 
-``--threads 1,8,16`` repeats the CPU rows at each thread count (GPU rows run once). ``extra.moment_bytes_per_param``
+``--threads 1,8,16`` repeats the CPU rows at each thread count (GPU rows run once); ``--cpu-isa avx512,avx2``
+repeats the C++ kernel's rows on each ISA path (``LAZYTRAIN_CPU_ISA`` set around the row, ``extra.cpu_isa``; a
+path the build lacks gives an "unsupported" row). ``extra.moment_bytes_per_param``
 counts the moments and their absmax only (issue 4's <= 2.04 for 8-bit tensors); ``state_bytes_per_param`` adds
 master weights / Kahan buffers.
 
@@ -26,6 +28,7 @@ clock on CPU tensors (no device synchronization needed).
     python -m benchmarks.bench_optim                          # 8 M params, all rows, JSON to benchmarks/results/
     python -m benchmarks.bench_optim --params 67108864 --threads 16 --out /tmp/bench.json
     python -m benchmarks.bench_optim --master-weights kahan --grad-dtype bf16 --threads 16   # as the executor
+    python -m benchmarks.bench_optim --systems hybrid8_cpp --cpu-isa avx512,avx2 --threads 16   # ISA paths
 
 The JSON follows shared/RESULTS_FORMAT.md (suite "hybrid8"; params_per_s and state_bytes_per_param in extra).
 """
@@ -54,6 +57,7 @@ from lazytrain_hf.config import cpu_threads
 from .common import ROW_KEYS, git_commit, machine
 
 SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu"]
+CPP_SYSTEMS = ["hybrid8_cpp", "hybrid8_cpp_fp32_states"]   # the rows --cpu-isa repeats
 GPU_SYSTEMS = ["hybrid8_gpu", "hybrid8_gpu_triton", "bnb_adamw8bit_gpu", "torch_adamw_fused_fp32_gpu", "torch_adamw_foreach_fp32_gpu"]
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -252,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--triton-launch", type=_launches, default=None,
                     help="hybrid8_gpu_triton: repeat the row for each launch shape ROWS:WARPS (quantization blocks and "
                          "warps per program), e.g. 4:4,8:4,8:8 (default: the kernel's own)")
+    ap.add_argument("--cpu-isa", type=_isas, default=None,
+                    help="hybrid8_cpp rows: repeat them on each ISA path of the C++ kernel, e.g. avx512,avx2 "
+                         "(LAZYTRAIN_CPU_ISA; default: the environment's, else the best)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                     help="JSON file, or a directory for hybrid8-<YYYYMMDD>.json")
     args = ap.parse_args(argv)
@@ -267,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--systems: unknown {unknown or args.systems!r}; choose from {SYSTEMS + GPU_SYSTEMS}")
     if args.triton_launch and "hybrid8_gpu_triton" not in systems:
         ap.error("--triton-launch sweeps the hybrid8_gpu_triton row: add it to --systems")
+    if args.cpu_isa and not set(CPP_SYSTEMS) & set(systems):
+        ap.error(f"--cpu-isa sweeps the C++ kernel's rows: add one of {CPP_SYSTEMS} to --systems")
     rows = []
     print(f"{'system':28s} {'thr':>3s} {'dtype':5s} {'ms/step':>9s} {'M params/s':>11s} {'B/param':>8s} "
           f"{'moments':>8s}")
@@ -283,16 +292,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if system in GPU_SYSTEMS and threads != (args.threads or [None])[0]:
                     continue  # GPU rows once
                 for launch in (args.triton_launch or [None]) if system == "hybrid8_gpu_triton" else [None]:
-                    row = _run_with_launch(system, args, launch)
-                    rows.append(row)
-                    _print_row(row)
+                    for isa in (args.cpu_isa or [None]) if system in CPP_SYSTEMS else [None]:
+                        row = _run_with_isa(system, args, launch, isa)
+                        rows.append(row)
+                        _print_row(row)
     for threads in sorted({r["extra"].get("threads") for r in rows} - {None}):
         fused = next((r for r in rows if r["system"] == "torch_adamw_fused_fp32" and r["status"] == "ok"
                       and r["extra"].get("threads") == threads), None)
         if fused:
             print(f"{threads} threads, params/s / torch_adamw_fused_fp32's: " + ", ".join(
-                f"{r['system']} {r['extra']['params_per_s'] / fused['extra']['params_per_s']:.2f}"
+                f"{_label(r)} {r['extra']['params_per_s'] / fused['extra']['params_per_s']:.2f}"
                 for r in rows if r["status"] == "ok" and r["extra"].get("threads") == threads))
+        if args.cpu_isa and len(args.cpu_isa) > 1:   # each ISA path's rate against the first one's
+            for system in CPP_SYSTEMS:
+                by_isa = {r["extra"]["cpu_isa"]: r["extra"]["params_per_s"] for r in rows
+                          if r["system"] == system and r["status"] == "ok" and r["extra"].get("threads") == threads
+                          and "cpu_isa" in r["extra"]}
+                base = args.cpu_isa[0]
+                if base in by_isa and len(by_isa) > 1:
+                    print(f"{threads} threads, {system} params/s / {base}'s: " + ", ".join(
+                        f"{isa} {rate / by_isa[base]:.2f}" for isa, rate in by_isa.items()))
     result = {"suite": "hybrid8", "date": dt.date.today().isoformat(),
               "command": shlex.join(["python", "-m", "benchmarks.bench_optim", *(sys.argv[1:] if argv is None else argv)]),
               "git_commit": git_commit(), "machine": machine(), "rows": rows}
@@ -315,6 +334,37 @@ def _run_with_launch(system: str, args: argparse.Namespace, launch: tuple[int, i
         row = run_row(system, args)
     row["extra"]["triton_launch"] = {"rows": launch[0], "num_warps": launch[1]}
     return row
+
+
+def _run_with_isa(system: str, args: argparse.Namespace, launch: tuple[int, int] | None,
+                  isa: str | None) -> dict[str, Any]:
+    """`_run_with_launch` with the C++ kernel's ISA path forced to `isa` (``LAZYTRAIN_CPU_ISA``, read at each update)
+    for the row, then restored; a path the build lacks gives an "unsupported" row."""
+    if isa is None:
+        return _run_with_launch(system, args, launch)
+    from lazytrain_hf.optim._cpu_kernel import ISA_ENV, isa_paths, load_cpu_kernel
+
+    lib = load_cpu_kernel()
+    if lib is not None and isa not in isa_paths(lib):
+        row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
+        row.update(system=system, model=f"synthetic-{args.tensors}x", params=args.params, status="unsupported",
+                   reason=f"the C++ kernel built on this CPU has no {isa} path (it has {', '.join(isa_paths(lib))})",
+                   extra={"cpu_isa": isa, "threads": torch.get_num_threads()})
+        return row
+    with mock.patch.dict(os.environ, {ISA_ENV: isa}):
+        row = _run_with_launch(system, args, launch)
+    row["extra"]["cpu_isa"] = isa
+    return row
+
+
+def _isas(text: str) -> list[str]:
+    from lazytrain_hf.optim._cpu_kernel import ISA_CODES
+
+    names = [x.strip().lower() for x in text.split(",")]
+    if not names or any(x not in ISA_CODES for x in names):
+        raise argparse.ArgumentTypeError(f"expected ISA paths from {list(ISA_CODES)} such as avx512,avx2, but got "
+                                         f"{text!r}")
+    return names
 
 
 def _launches(text: str) -> list[tuple[int, int]]:
@@ -341,15 +391,20 @@ def _thread_counts(text: str) -> list[int]:
     return counts
 
 
+def _label(row: dict[str, Any]) -> str:
+    return row["system"] + (f" [{row['extra']['cpu_isa']}]" if "cpu_isa" in row["extra"] else "")
+
+
 def _print_row(row: dict[str, Any]) -> None:
     ex = row["extra"]
     thr = str(ex.get("threads", "gpu"))
     if "triton_launch" in ex:
         thr = f"{ex['triton_launch']['rows']}:{ex['triton_launch']['num_warps']}"
+    name = _label(row)
     if row["status"] != "ok":
-        print(f"{row['system']:28s} {thr:>3s} {row['status']}: {row['reason']}")
+        print(f"{name:28s} {thr:>3s} {row['status']}: {row['reason']}")
         return
-    print(f"{row['system']:28s} {thr:>3s} {ex['param_dtype']:5s} {row['optimizer_ms']:9.1f} "
+    print(f"{name:28s} {thr:>3s} {ex['param_dtype']:5s} {row['optimizer_ms']:9.1f} "
           f"{ex['params_per_s'] / 1e6:11.1f} {ex['state_bytes_per_param']:8.2f} {ex['moment_bytes_per_param']:8.2f}",
           flush=True)
 
