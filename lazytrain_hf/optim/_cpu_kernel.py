@@ -3,14 +3,22 @@
 Per quantization block (kept in L1), two passes: (1) dequantize m and v -> AdamW (clip coefficient folded into the
 gradient) -> write the parameter (fp32, or bf16 from an fp32 master / Kahan-compensated) -> new m and v into a
 per-thread buffer and their absmax; (2) requantize m and v. OpenMP threads take dynamic chunks of whole blocks.
-With AVX2 and FMA (the native build on x86) both passes are hand-vectorized; otherwise (the portable build, other
-architectures) a generic path does the same fp32 operations in the same order: both give the same bits (except
-which NaN survives where two NaNs meet: the compiler's operand order).
+
+Three paths (ISAs), each doing the same fp32 operations in the same order, so the same bits (except which NaN
+survives where two NaNs meet: the compiler's operand order): a generic one (compiled always, vectorized by the
+compiler), AVX2 + FMA (hand-vectorized, 8 lanes) and AVX-512 (16 lanes; compiled where the flags define
+AVX-512 F/BW/VL/DQ). The native build (``-march=native``) has every path its CPU allows, the portable build the
+generic one (without FMA there, its m update rounds twice: not the native paths' bits). The path is an argument of
+each call: ``LAZYTRAIN_CPU_ISA=avx512|avx2|generic`` forces one (read at each update; a path the build lacks
+raises), else the best one runs. The AVX-512 path must give the AVX2 path's bits on this CPU at load
+(`isa_bit_check`), else "auto" keeps AVX2 and the status says why. `cpu_kernel_status` names the path in use.
 
 Cost per element is dominated by four table reads (two dequantizations through the 256-entry maps, two searches
-for the nearest code through `kernel_lookup_table`). The AVX2 path does them with gathers or with scalar loads;
-which is faster depends on the CPU (scalar loads were 10-20% faster on the AMD Zen 3 cores measured; gathers are
-cheap on some other cores), so at load the library times both on one thread and keeps the faster
+for the nearest code through `kernel_lookup_table`). The AVX-512 path keeps each 256-entry map in 16 registers
+(vpermi2ps + blends, no memory access); the code-search table (2 x 6,401 entries) does not fit. The AVX2 path's
+four reads and the AVX-512 path's two code searches use gathers or scalar loads; which is faster depends on the CPU
+(scalar loads were 10-20% faster on the AMD Zen 3 cores measured; gathers are cheap on some other cores), so at
+load the library times both on one thread on the "auto" path and keeps the faster
 (``LAZYTRAIN_CPU_LOOKUP=gather|scalar`` forces one; `cpu_kernel_status` says which was picked and why). The
 choice changes speed only, never a result bit.
 
@@ -56,14 +64,16 @@ _ABI_VERSION = 5
 _SOURCE = r"""
 // lazytrain_hf Hybrid 8-bit AdamW: fused CPU kernel. No torch headers: called from Python through ctypes.
 // Per block of B elements (kept in L1), two passes: (1) dequantize m and v, AdamW, write the parameter, keep the
-// new m and v in a per-thread buffer and take their absmax; (2) requantize m and v. With AVX2 and FMA both passes
-// are hand-vectorized, 8 lanes at a time; otherwise a generic path that the compiler vectorizes where it can. Both
-// paths do the same fp32 operations in the same order on every element: results are bit-identical (except which
-// NaN survives where two NaNs meet, the compiler's operand order for a commutative operation).
-// Table reads (4 per element: 2 dequantizations, 2 code searches) dominate: on AVX2 they are done either with
-// gathers or with scalar loads (`Lookup`); which one is faster depends on the CPU (scalar loads on the AMD Zen 3
-// cores measured; gathers should win where they are cheap), so the library measures both once
-// (`lt_calibrate_lookup`) and uses the faster one. Both give the same values.
+// new m and v in a per-thread buffer and take their absmax; (2) requantize m and v. Paths (`Isa`, picked per call):
+// generic (the compiler vectorizes it where it can), AVX2 + FMA (8 lanes) and AVX-512 (16 lanes), each compiled
+// where the flags allow. All do the same fp32 operations in the same order on every element: results are
+// bit-identical (except which NaN survives where two NaNs meet, the compiler's operand order for a commutative
+// operation).
+// Table reads (4 per element: 2 dequantizations, 2 code searches) dominate. AVX-512 keeps the dequantization
+// tables in registers (Table256); the code searches, and all four on AVX2, use gathers or scalar loads
+// (`Lookup`); which one is faster depends on the CPU (scalar loads on the AMD Zen 3 cores measured; gathers should
+// win where they are cheap), so the library measures both once (`lt_calibrate_lookup`) and uses the faster one.
+// Both give the same values.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
