@@ -115,6 +115,10 @@ for stage in "$@"; do
            timeout 150 python3 -m pytest -q -m gpu tests/streaming/test_executor_gpu.py tests/optim/test_triton_kernel.py \
              -k "gpu_side_layer_updates or triton or cuda_kernel_choice" -rfE -p no:cacheprovider 2>&1 \
              | tee "$OUT/pytest-gpu-s9a.log" | tail -6
+           # the C++ kernel's AVX-512 path against AVX2 and generic, bit for bit (skipped where the CPU lacks it)
+           timeout 90 python3 -m pytest -q tests/optim/test_cpu_isa.py -rs -p no:cacheprovider 2>&1 \
+             | tee "$OUT/pytest-isa-s9a.log" | tail -4
+           python3 -c "from lazytrain_hf.optim._cpu_kernel import cpu_kernel_status; print(cpu_kernel_status())"
            HRES=${HARNESS_OUT:-$OUT/7b-s9a-$(date +%Y%m%d).json}
            NRES=${HARNESS_OUT_NOKEPT:-$OUT/7b-s9a-nokept-$(date +%Y%m%d).json}
            H="python3 -m benchmarks.run --suite 7b --min-start-s 40"
@@ -122,6 +126,19 @@ for stage in "$@"; do
            timeout 120 $PIN $H --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 120 $PIN $H --out $NRES --no-kept-grads --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 120 $PIN $H --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s9b)   # 1 GPU (~8 min): the C++ kernel's AVX-512 path against AVX2 alone (64 Mi params, Kahan, bf16 grads, 16
+           # threads), then in steps (MILP 24 GiB B=16, kept gradients, forced AVX2: against s9a's AVX-512 row), MILP
+           # B=8 without kept gradients, the stock reference B=8, MILP B=32 with them
+           timeout 60 $PIN python3 -m benchmarks.bench_optim --threads 16 --params 67108864 --master-weights kahan \
+             --grad-dtype bf16 --systems hybrid8_cpp --cpu-isa avx512,avx2 --out "$OUT/hybrid8-s9b-isa.json" 2>&1 | grep -v Warning
+           HRES=${HARNESS_OUT:-$OUT/7b-s9b-$(date +%Y%m%d).json}
+           ARES=${HARNESS_OUT_AVX2:-$OUT/7b-s9b-avx2-$(date +%Y%m%d).json}
+           NRES=${HARNESS_OUT_NOKEPT:-$OUT/7b-s9b-nokept-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --min-start-s 40"
+           LAZYTRAIN_CPU_ISA=avx2 timeout 120 $PIN $H --out $ARES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 120 $PIN $H --out $NRES --no-kept-grads --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 70 $PIN $H --out $HRES --systems stock_trainer --caps none --batch-sizes 8 --budget-s 65 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 130 $PIN $H --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s8d)   # 1 GPU (~6 min): 14 optimizer threads on the 16 cores (two left to the launching and copy threads, now that
            # the kernel's chunks are dynamic), MILP 24 GiB B=8, 16, 32: does the compute factor k fall?
            T=${LAZYTRAIN_CPU_THREADS:-$(nproc)}
