@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s9a | s9b | s9c | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s9a | s9b | s9c | s9d | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -150,6 +150,14 @@ for stage in "$@"; do
              timeout 120 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes $b --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            done
            timeout 130 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s9d)   # 1 GPU (~5.5 min): the stock B=16 reference that s9c's 70 s limit cut off, MILP 24 GiB B=16 again beside it,
+           # then B=32 with 16 rows per layer pass (half the layer passes)
+           HRES=${HARNESS_OUT:-$OUT/7b-s9d-$(date +%Y%m%d).json}
+           RRES=${HARNESS_OUT_ROWS:-$OUT/7b-s9d-rows16-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --min-start-s 40"
+           timeout 100 $PIN $H --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 95 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 120 $PIN $H --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 130 $PIN $H --out $RRES --rows-per-pass 16 --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s8d)   # 1 GPU (~6 min): 14 optimizer threads on the 16 cores (two left to the launching and copy threads, now that
            # the kernel's chunks are dynamic), MILP 24 GiB B=8, 16, 32: does the compute factor k fall?
            T=${LAZYTRAIN_CPU_THREADS:-$(nproc)}
