@@ -263,69 +263,6 @@ inline void update_one(PT* __restrict__ p, const GT* __restrict__ g, float& m, f
 
 #ifdef LT_AVX2
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// bf16 bits (in the low 16 bits of each lane) of 8 floats, rounded as f32_to_bf16
-// without the NaN case: right for every non-NaN lane
-inline __m256i bf16_bits8_nonnan(__m256 f) {
-  const __m256i u = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-}
-
-// NaN lanes of f -> canonical 0x7FC0 in bits
-inline __m256i bf16_fix_nan8(__m256i bits, __m256 f) {
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC0), nan);
-}
-
-inline __m256i bf16_bits8(__m256 f) { return bf16_fix_nan8(bf16_bits8_nonnan(f), f); }
-
-inline void store_bf16x8(uint16_t* p, __m256i bits) {
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(uint16_t* p, __m256 v) { store_bf16x8(p, bf16_bits8(v)); }
-
-// New parameter of 8 elements at j from its step (nss m) / denom: (old * decay) + step, written as the mode keeps
-// it (fp32 master and the parameter; the bf16 parameter and its bf16 compensation; the parameter alone).
-template <typename PT, int MM>
-inline void write_param8(PT* __restrict__ p, float* __restrict__ master, uint16_t* __restrict__ kahan, int64_t j,
-                         __m256 decay, __m256 step) {
-  __m256 pf;
-  if (MM == kMasterFp32) pf = _mm256_loadu_ps(master + j);
-  else if (MM == kMasterKahan) pf = _mm256_add_ps(load8(p + j), load8(kahan + j));
-  else pf = load8(p + j);
-  pf = _mm256_add_ps(_mm256_mul_ps(pf, decay), step);
-  if (MM == kMasterFp32) {
-    _mm256_storeu_ps(master + j, pf);
-    store8(p + j, pf);
-  } else if (MM == kMasterKahan) {
-    // rounded as bf16_bits8, the NaN fix-up only where needed: the residual is NaN where pf is NaN or infinite
-    // (pf NaN: the residual is NaN whatever r holds), so one test covers both roundings
-    __m256i r = bf16_bits8_nonnan(pf);
-    const __m256 res = _mm256_sub_ps(pf, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)));
-    __m256i c = bf16_bits8_nonnan(res);
-    const __m256 bad = _mm256_cmp_ps(res, res, _CMP_UNORD_Q);
-    if (__builtin_expect(!_mm256_testz_ps(bad, bad), 0)) {
-      r = bf16_fix_nan8(r, pf);
-      c = bf16_fix_nan8(c, res);
-    }
-    // one pack for both: [r0-3 c0-3 | r4-7 c4-7] -> [r0-7 | c0-7]
-    const __m256i rc = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, c), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(p) + j), _mm256_castsi256_si128(rc));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(kahan + j), _mm256_extracti128_si256(rc, 1));
-  } else {
-    store8(p + j, pf);
-  }
-}
-
 // Table reads of 8 lanes (`Lookup`): kGather: one AVX2 gather; kScalar: eight scalar loads (indices moved to
 // general registers), which some CPUs run faster than a gather. Same values either way.
 
@@ -358,69 +295,181 @@ inline __m256i lookup8(const int* lut, __m256i key) {
   return _mm256_i32gather_epi32(lut, key, 4);
 }
 
+// SIMD traits: the vector operations of the shared templates (update_block_simd, quantize_block_simd), one struct
+// per width: V8 (AVX2 + FMA, 8 lanes) here, V16 (AVX-512, 16 lanes) below. The templates run the same fp32
+// operations in the same order (and operand order) on either, so the same bits; the widths differ in data
+// movement only (dequantization, compare results as vectors or mask registers, narrowing).
+struct V8 {
+  using F = __m256;
+  using I = __m256i;
+  using Sel = __m256;  // the lerp base select: blendv reads the sign bit
+  static constexpr int kLanes = 8;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static I set1i(int x) { return _mm256_set1_epi32(x); }
+  static I zeroi() { return _mm256_setzero_si256(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const uint16_t* p) {  // bf16 -> fp32
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static F loada(const float* p) { return _mm256_load_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void storea(float* p, F v) { _mm256_store_ps(p, v); }
+  static Sel sel(uint32_t bits) { return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(bits))); }
+  static F blend(Sel k, F a, F b) { return _mm256_blendv_ps(a, b, k); }  // b where k
+  static I cast(F a) { return _mm256_castps_si256(a); }
+  static F casti(I a) { return _mm256_castsi256_ps(a); }
+  static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I umax(I a, I b) { return _mm256_max_epu32(a, b); }
+  static I srli16(I a) { return _mm256_srli_epi32(a, 16); }
+  static I slli16(I a) { return _mm256_slli_epi32(a, 16); }
+  static uint32_t reduce_umax(I b) {
+    alignas(32) uint32_t l[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(l), b);
+    uint32_t r = 0;
+    for (int q = 0; q < 8; ++q) r = l[q] > r ? l[q] : r;
+    return r;
+  }
+  // NaN lanes of f -> canonical 0x7FC0 in bits
+  static I fix_nan(I bits, F f) {
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC0), nan);
+  }
+  static bool any_nan(F f) {
+    const __m256 bad = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    return !_mm256_testz_ps(bad, bad);
+  }
+  // bf16 bits in the low 16 bits of each lane -> 8 bf16
+  static void store_bf16(uint16_t* p, I bits) {
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  // as two store_bf16 with one pack: [r0-3 c0-3 | r4-7 c4-7] -> [r0-7 | c0-7]
+  static void store_bf16_pair(uint16_t* p, uint16_t* q, I r, I c) {
+    const __m256i rc = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, c), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(rc));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_extracti128_si256(rc, 1));
+  }
+  // m and v of the first lenv (a multiple of 8) elements: both tables in one loop, reads as LK
+  template <int LK>
+  static void dequant(const uint8_t* c1, const uint8_t* c2, float s1, float s2, const float* qmap1,
+                      const float* qmap2, float* __restrict__ mbuf, float* __restrict__ vbuf, int64_t lenv) {
+    const __m256 vs1 = _mm256_set1_ps(s1), vs2 = _mm256_set1_ps(s2);
+    for (int64_t j = 0; j < lenv; j += 8) {
+      _mm256_store_ps(mbuf + j, dequant8<LK>(c1 + j, qmap1, vs1));
+      _mm256_store_ps(vbuf + j, dequant8<LK>(c2 + j, qmap2, vs2));
+    }
+  }
+};
+
+// bf16 bits (in the low 16 bits of each lane), rounded as f32_to_bf16 without the NaN case: right for every
+// non-NaN lane
+template <typename V>
+inline typename V::I bf16_bits_nonnan(typename V::F f) {
+  const typename V::I u = V::cast(f);
+  const typename V::I lsb = V::band(V::srli16(u), V::set1i(1));
+  return V::srli16(V::iadd(V::iadd(u, V::set1i(0x7FFF)), lsb));
+}
+
+template <typename V> inline void store_v(float* p, typename V::F v) { V::store(p, v); }
+template <typename V> inline void store_v(uint16_t* p, typename V::F v) {
+  V::store_bf16(p, V::fix_nan(bf16_bits_nonnan<V>(v), v));
+}
+
+// New parameter of one vector at j from its step (nss m) / denom: (old * decay) + step, written as the mode keeps
+// it (fp32 master and the parameter; the bf16 parameter and its bf16 compensation; the parameter alone).
+template <typename V, typename PT, int MM>
+inline void write_param(PT* __restrict__ p, float* __restrict__ master, uint16_t* __restrict__ kahan, int64_t j,
+                        typename V::F decay, typename V::F step) {
+  using F = typename V::F;
+  using I = typename V::I;
+  F pf;
+  if (MM == kMasterFp32) pf = V::load(master + j);
+  else if (MM == kMasterKahan) pf = V::add(V::load(p + j), V::load(kahan + j));
+  else pf = V::load(p + j);
+  pf = V::add(V::mul(pf, decay), step);
+  if (MM == kMasterFp32) {
+    V::store(master + j, pf);
+    store_v<V>(p + j, pf);
+  } else if (MM == kMasterKahan) {
+    // rounded as store_v, the NaN fix-up only where needed: the residual is NaN where pf is NaN or infinite
+    // (pf NaN: the residual is NaN whatever r holds), so one test covers both roundings
+    I r = bf16_bits_nonnan<V>(pf);
+    const F res = V::sub(pf, V::casti(V::slli16(r)));
+    I c = bf16_bits_nonnan<V>(res);
+    if (__builtin_expect(V::any_nan(res), 0)) {
+      r = V::fix_nan(r, pf);
+      c = V::fix_nan(c, res);
+    }
+    V::store_bf16_pair(reinterpret_cast<uint16_t*>(p) + j, kahan + j, r, c);
+  } else {
+    store_v<V>(p + j, pf);
+  }
+}
+
 // Pass 1 on one block: dequantize, AdamW, parameter write; new m and v into mbuf / vbuf; returns their absmax
 // (integer max over the float bits with the sign cleared, as abs_max). Two loops over the block: the table reads
-// first, into the buffers, then the arithmetic: in one loop the dependency chain per 8 elements (table reads ->
-// moments -> sqrt, two divisions -> parameter -> bf16 rounding) was too long for the out-of-order window to
-// overlap enough iterations (the split measured 4-14% faster with the block in cache; streaming from memory it
-// needs the prefetch in adamw_q8 to gain, 2-12%).
-template <int LK, typename PT, typename GT, int MM>
-inline void update_block_avx2(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1, const uint8_t* c2,
+// first, into the buffers (V::dequant), then the arithmetic: in one loop the dependency chain per vector (table
+// reads -> moments -> sqrt, two divisions -> parameter -> bf16 rounding) was too long for the out-of-order window to
+// overlap enough iterations (AVX2: the split measured 4-14% faster with the block in cache; streaming from memory
+// it needs the prefetch in adamw_q8 to gain, 2-12%).
+template <typename V, int LK, typename PT, typename GT, int MM>
+inline void update_block_simd(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1, const uint8_t* c2,
                               float s1, float s2, const float* qmap1, const float* qmap2,
                               float* __restrict__ mbuf, float* __restrict__ vbuf, float* __restrict__ master,
                               uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1, float* am2) {
-  const __m256 vs1 = _mm256_set1_ps(s1), vs2 = _mm256_set1_ps(s2);
-  const __m256 clip = _mm256_set1_ps(h.clip), w1c = _mm256_set1_ps(h.w1c), beta2 = _mm256_set1_ps(h.beta2);
-  const __m256 w2 = _mm256_set1_ps(h.w2), eps = _mm256_set1_ps(h.eps), decay = _mm256_set1_ps(h.decay);
-  const __m256 nss = _mm256_set1_ps(h.nss), bc2 = _mm256_set1_ps(h.bc2);
-  const __m256 lerp_mask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(h.lerp_mask)));
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
-  const int64_t len8 = len & ~int64_t{7};
-  for (int64_t j = 0; j < len8; j += 8) {  // dequantize m and v
-    _mm256_store_ps(mbuf + j, dequant8<LK>(c1 + j, qmap1, vs1));
-    _mm256_store_ps(vbuf + j, dequant8<LK>(c2 + j, qmap2, vs2));
-  }
-  __m256i b1 = _mm256_setzero_si256(), b2 = _mm256_setzero_si256();
+  using F = typename V::F;
+  using I = typename V::I;
+  constexpr int W = V::kLanes;
+  const int64_t lenv = len & ~int64_t{W - 1};
+  V::template dequant<LK>(c1, c2, s1, s2, qmap1, qmap2, mbuf, vbuf, lenv);
+  const F clip = V::set1(h.clip), w1c = V::set1(h.w1c), beta2 = V::set1(h.beta2);
+  const F w2 = V::set1(h.w2), eps = V::set1(h.eps), decay = V::set1(h.decay);
+  const F nss = V::set1(h.nss), bc2 = V::set1(h.bc2);
+  const typename V::Sel lerp = V::sel(h.lerp_mask);
+  const I abs_mask = V::set1i(0x7FFFFFFF);
+  I b1 = V::zeroi(), b2 = V::zeroi();
   // Software-pipelined: iteration j computes the moments and step of elements j.. and writes the parameter of the
-  // previous 8 (whose step is ready), so the write's work (Kahan: two roundings, the compensation) overlaps the
-  // next divisions instead of lengthening one dependency chain past the out-of-order window (measured on Zen 3,
-  // 1 thread, block in cache: Kahan 7% faster than the single chain). Kahan only: pipelined, the fp32-master
-  // path was ~4% faster too, but the compiler then swapped a commutative add's operands, which changes which NaN
-  // survives where the master and the step are both NaN (the master stores it as is; Kahan canonicalizes NaN).
+  // previous vector (whose step is ready), so the write's work (Kahan: two roundings, the compensation) overlaps
+  // the next divisions instead of lengthening one dependency chain past the out-of-order window (measured on Zen
+  // 3, AVX2, 1 thread, block in cache: Kahan 7% faster than the single chain). Kahan only: pipelined, the
+  // fp32-master path was ~4% faster too, but the compiler then swapped a commutative add's operands, which changes
+  // which NaN survives where the master and the step are both NaN (the master stores it as is; Kahan canonicalizes
+  // NaN).
   auto moments = [&](int64_t j) {  // moments, their absmax; returns the step (nss m) / denom
-    const __m256 gv = _mm256_mul_ps(load8(g + j), clip);
-    __m256 m = _mm256_load_ps(mbuf + j);
-    __m256 v = _mm256_load_ps(vbuf + j);
-    m = _mm256_fmadd_ps(w1c, _mm256_sub_ps(gv, m), _mm256_blendv_ps(gv, m, lerp_mask));
-    v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(w2, gv), gv));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
-    const __m256 step = _mm256_div_ps(_mm256_mul_ps(nss, m), denom);
-    _mm256_store_ps(mbuf + j, m);
-    _mm256_store_ps(vbuf + j, v);
-    b1 = _mm256_max_epu32(b1, _mm256_and_si256(_mm256_castps_si256(m), abs_mask));
-    b2 = _mm256_max_epu32(b2, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+    const F gv = V::mul(V::load(g + j), clip);
+    F m = V::loada(mbuf + j);
+    F v = V::loada(vbuf + j);
+    m = V::fmadd(w1c, V::sub(gv, m), V::blend(lerp, gv, m));
+    v = V::add(V::mul(v, beta2), V::mul(V::mul(w2, gv), gv));
+    const F denom = V::add(V::div(V::sqrt(v), bc2), eps);
+    const F step = V::div(V::mul(nss, m), denom);
+    V::storea(mbuf + j, m);
+    V::storea(vbuf + j, v);
+    b1 = V::umax(b1, V::band(V::cast(m), abs_mask));
+    b2 = V::umax(b2, V::band(V::cast(v), abs_mask));
     return step;
   };
   if (MM != kMasterKahan) {
-    for (int64_t j = 0; j < len8; j += 8) write_param8<PT, MM>(p, master, kahan, j, decay, moments(j));
-  } else if (len8 > 0) {
-    __m256 prev = moments(0);
-    for (int64_t j = 8; j < len8; j += 8) {
-      const __m256 step = moments(j);
-      write_param8<PT, MM>(p, master, kahan, j - 8, decay, prev);
+    for (int64_t j = 0; j < lenv; j += W) write_param<V, PT, MM>(p, master, kahan, j, decay, moments(j));
+  } else if (lenv > 0) {
+    F prev = moments(0);
+    for (int64_t j = W; j < lenv; j += W) {
+      const F step = moments(j);
+      write_param<V, PT, MM>(p, master, kahan, j - W, decay, prev);
       prev = step;
     }
-    write_param8<PT, MM>(p, master, kahan, len8 - 8, decay, prev);
+    write_param<V, PT, MM>(p, master, kahan, lenv - W, decay, prev);
   }
-  alignas(32) uint32_t l1[8], l2[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(l1), b1);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(l2), b2);
-  uint32_t r1 = 0, r2 = 0;
-  for (int q = 0; q < 8; ++q) {
-    r1 = l1[q] > r1 ? l1[q] : r1;
-    r2 = l2[q] > r2 ? l2[q] : r2;
-  }
-  for (int64_t j = len8; j < len; ++j) {  // the last len % 8 elements, one at a time
+  uint32_t r1 = V::reduce_umax(b1), r2 = V::reduce_umax(b2);
+  for (int64_t j = lenv; j < len; ++j) {  // the last len % W elements, one at a time
     float m = qmap1[c1[j]] * s1, v = qmap2[c2[j]] * s2;
     update_one<PT, GT, MM>(p, g, m, v, master, kahan, j, h);
     mbuf[j] = m;
@@ -432,7 +481,6 @@ inline void update_block_avx2(PT* __restrict__ p, const GT* __restrict__ g, cons
   *am1 = bits_f32(r1);
   *am2 = bits_f32(r2);
 }
-
 enum Floor { kFloorNone = 0, kFloorZero0 = 1, kFloorAny = 2 };
 
 struct QuantConsts {
@@ -518,62 +566,6 @@ void quantize_block_avx2(const float* __restrict__ x, uint8_t* __restrict__ out,
 
 #ifdef LT_AVX512
 
-// The AVX-512 path: the AVX2 path's operations in the same order on 16 lanes, so the same bits. Differences are
-// in data movement only: the dequantization tables live in registers (Table256), compares give mask registers,
-// and 32-bit lanes are narrowed with vpmovdw / vpmovdb (lanes hold 0..0xFFFF / 0..255, so the truncation keeps
-// every value, as the AVX2 path's saturating packs do).
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// as bf16_bits8_nonnan / bf16_fix_nan8
-inline __m512i bf16_bits16_nonnan(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-}
-
-inline __m512i bf16_fix_nan16(__m512i bits, __m512 f) {
-  return _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-
-inline void store_bf16x16(uint16_t* p, __m512i bits) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
-}
-
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) { store_bf16x16(p, bf16_fix_nan16(bf16_bits16_nonnan(v), v)); }
-
-// as write_param8
-template <typename PT, int MM>
-inline void write_param16(PT* __restrict__ p, float* __restrict__ master, uint16_t* __restrict__ kahan, int64_t j,
-                          __m512 decay, __m512 step) {
-  __m512 pf;
-  if (MM == kMasterFp32) pf = _mm512_loadu_ps(master + j);
-  else if (MM == kMasterKahan) pf = _mm512_add_ps(load16(p + j), load16(kahan + j));
-  else pf = load16(p + j);
-  pf = _mm512_add_ps(_mm512_mul_ps(pf, decay), step);
-  if (MM == kMasterFp32) {
-    _mm512_storeu_ps(master + j, pf);
-    store16(p + j, pf);
-  } else if (MM == kMasterKahan) {
-    __m512i r = bf16_bits16_nonnan(pf);
-    const __m512 res = _mm512_sub_ps(pf, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
-    __m512i c = bf16_bits16_nonnan(res);
-    if (__builtin_expect(_mm512_cmp_ps_mask(res, res, _CMP_UNORD_Q) != 0, 0)) {
-      r = bf16_fix_nan16(r, pf);
-      c = bf16_fix_nan16(c, res);
-    }
-    store_bf16x16(reinterpret_cast<uint16_t*>(p) + j, r);
-    store_bf16x16(kahan + j, c);
-  } else {
-    store16(p + j, pf);
-  }
-}
-
 // A 256-entry float table in 16 registers, read without memory accesses: vpermi2ps picks from a pair of
 // registers (32 entries) by index bits 0-4 (it ignores the higher bits), then three levels of blends pick one of
 // the 8 pairs' results by index bits 5, 6 and 7 (mask_blend(k, a, b): b where k is set). 8 permutes and 7 blends
@@ -609,71 +601,69 @@ inline __m512i codes16(const uint8_t* c) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
 }
 
-// Pass 1 on one block, as update_block_avx2 (two loops; Kahan software-pipelined), 16 lanes. The dequantization
-// loop runs once per table so that only one table (16 of the 32 vector registers) is live at a time. LK: the
-// code search of pass 2 only.
-template <typename PT, typename GT, int MM>
-inline void update_block_avx512(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1,
-                                const uint8_t* c2, float s1, float s2, const float* qmap1, const float* qmap2,
-                                float* __restrict__ mbuf, float* __restrict__ vbuf, float* __restrict__ master,
-                                uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1,
-                                float* am2) {
-  const int64_t len16 = len & ~int64_t{15};
-  {
-    const Table256 t(qmap1);
-    const __m512 vs = _mm512_set1_ps(s1);
-    for (int64_t j = 0; j < len16; j += 16) _mm512_store_ps(mbuf + j, _mm512_mul_ps(t(codes16(c1 + j)), vs));
+// V16: the AVX-512 traits. The dequantization tables live in registers (Table256), compares give mask registers,
+// and 32-bit lanes are narrowed with vpmovdw / vpmovdb (lanes hold 0..0xFFFF / 0..255, so the truncation keeps
+// every value, as V8's saturating packs do).
+struct V16 {
+  using F = __m512;
+  using I = __m512i;
+  using Sel = __mmask16;
+  static constexpr int kLanes = 16;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static I set1i(int x) { return _mm512_set1_epi32(x); }
+  static I zeroi() { return _mm512_setzero_si512(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  {
-    const Table256 t(qmap2);
-    const __m512 vs = _mm512_set1_ps(s2);
-    for (int64_t j = 0; j < len16; j += 16) _mm512_store_ps(vbuf + j, _mm512_mul_ps(t(codes16(c2 + j)), vs));
+  static F loada(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void storea(float* p, F v) { _mm512_store_ps(p, v); }
+  static Sel sel(uint32_t bits) { return bits ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0); }
+  static F blend(Sel k, F a, F b) { return _mm512_mask_blend_ps(k, a, b); }  // b where k
+  static I cast(F a) { return _mm512_castps_si512(a); }
+  static F casti(I a) { return _mm512_castsi512_ps(a); }
+  static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I umax(I a, I b) { return _mm512_max_epu32(a, b); }
+  static I srli16(I a) { return _mm512_srli_epi32(a, 16); }
+  static I slli16(I a) { return _mm512_slli_epi32(a, 16); }
+  static uint32_t reduce_umax(I b) { return _mm512_reduce_max_epu32(b); }
+  static I fix_nan(I bits, F f) {
+    return _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   }
-  const __m512 clip = _mm512_set1_ps(h.clip), w1c = _mm512_set1_ps(h.w1c), beta2 = _mm512_set1_ps(h.beta2);
-  const __m512 w2 = _mm512_set1_ps(h.w2), eps = _mm512_set1_ps(h.eps), decay = _mm512_set1_ps(h.decay);
-  const __m512 nss = _mm512_set1_ps(h.nss), bc2 = _mm512_set1_ps(h.bc2);
-  const __mmask16 lerp_m = h.lerp_mask ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0);  // m as base
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-  __m512i b1 = _mm512_setzero_si512(), b2 = _mm512_setzero_si512();
-  auto moments = [&](int64_t j) {  // as update_block_avx2's
-    const __m512 gv = _mm512_mul_ps(load16(g + j), clip);
-    __m512 m = _mm512_load_ps(mbuf + j);
-    __m512 v = _mm512_load_ps(vbuf + j);
-    m = _mm512_fmadd_ps(w1c, _mm512_sub_ps(gv, m), _mm512_mask_blend_ps(lerp_m, gv, m));
-    v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(w2, gv), gv));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
-    const __m512 step = _mm512_div_ps(_mm512_mul_ps(nss, m), denom);
-    _mm512_store_ps(mbuf + j, m);
-    _mm512_store_ps(vbuf + j, v);
-    b1 = _mm512_max_epu32(b1, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
-    b2 = _mm512_max_epu32(b2, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
-    return step;
-  };
-  if (MM != kMasterKahan) {
-    for (int64_t j = 0; j < len16; j += 16) write_param16<PT, MM>(p, master, kahan, j, decay, moments(j));
-  } else if (len16 > 0) {
-    __m512 prev = moments(0);
-    for (int64_t j = 16; j < len16; j += 16) {
-      const __m512 step = moments(j);
-      write_param16<PT, MM>(p, master, kahan, j - 16, decay, prev);
-      prev = step;
+  static bool any_nan(F f) { return _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q) != 0; }
+  static void store_bf16(uint16_t* p, I bits) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+  }
+  static void store_bf16_pair(uint16_t* p, uint16_t* q, I r, I c) {
+    store_bf16(p, r);
+    store_bf16(q, c);
+  }
+  // one loop per table, so that only one table (16 of the 32 vector registers) is live at a time; LK: only the
+  // code search of pass 2 reads memory
+  template <int LK>
+  static void dequant(const uint8_t* c1, const uint8_t* c2, float s1, float s2, const float* qmap1,
+                      const float* qmap2, float* __restrict__ mbuf, float* __restrict__ vbuf, int64_t lenv) {
+    {
+      const Table256 t(qmap1);
+      const __m512 vs = _mm512_set1_ps(s1);
+      for (int64_t j = 0; j < lenv; j += 16) _mm512_store_ps(mbuf + j, _mm512_mul_ps(t(codes16(c1 + j)), vs));
     }
-    write_param16<PT, MM>(p, master, kahan, len16 - 16, decay, prev);
+    {
+      const Table256 t(qmap2);
+      const __m512 vs = _mm512_set1_ps(s2);
+      for (int64_t j = 0; j < lenv; j += 16) _mm512_store_ps(vbuf + j, _mm512_mul_ps(t(codes16(c2 + j)), vs));
+    }
   }
-  uint32_t r1 = _mm512_reduce_max_epu32(b1), r2 = _mm512_reduce_max_epu32(b2);
-  for (int64_t j = len16; j < len; ++j) {  // the last len % 16 elements, one at a time
-    float m = qmap1[c1[j]] * s1, v = qmap2[c2[j]] * s2;
-    update_one<PT, GT, MM>(p, g, m, v, master, kahan, j, h);
-    mbuf[j] = m;
-    vbuf[j] = v;
-    const uint32_t u1 = f32_bits(m) & 0x7FFFFFFFu, u2 = f32_bits(v) & 0x7FFFFFFFu;
-    r1 = u1 > r1 ? u1 : r1;
-    r2 = u2 > r2 ? u2 : r2;
-  }
-  *am1 = bits_f32(r1);
-  *am2 = bits_f32(r2);
-}
-
+};
 struct QuantConsts16 {
   __m512 inv;
   __m512i kmask, key_off, key_max, zero, half, low_mask, m255, vz, one, down;
@@ -880,15 +870,15 @@ void adamw_q8(const Args& a, const Hyper& h) {
       bool done = false;
 #ifdef LT_AVX512
       if (ISA == kIsaAvx512) {
-        update_block_avx512<PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
-                                        a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+        update_block_simd<V16, LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
+                                               a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
         done = true;
       }
 #endif
 #ifdef LT_AVX2
       if (ISA == kIsaAvx2) {
-        update_block_avx2<LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
-                                          a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+        update_block_simd<V8, LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
+                                              a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
         done = true;
       }
 #endif
