@@ -367,6 +367,36 @@ struct V8 {
       _mm256_store_ps(vbuf + j, dequant8<LK>(c2 + j, qmap2, vs2));
     }
   }
+  // code search (quant): compare results are all-ones lanes
+  using Mask = __m256i;
+  static constexpr bool kPack4 = true;  // codes narrowed 4 vectors at a time (store_codes4)
+  static F zero() { return _mm256_setzero_ps(); }
+  static I bxor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I imax(I a, I b) { return _mm256_max_epi32(a, b); }
+  static I imin(I a, I b) { return _mm256_min_epi32(a, b); }
+  static I srai31(I a) { return _mm256_srai_epi32(a, 31); }
+  static I srl(I a, __m128i n) { return _mm256_srl_epi32(a, n); }
+  static Mask gt_i(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  static Mask eq_i(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
+  static Mask gt_f(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+  static Mask lt_f(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+  static Mask mand(Mask a, Mask b) { return _mm256_and_si256(a, b); }
+  static I inc_where(I c, Mask k, I) { return _mm256_sub_epi32(c, k); }  // c - (-1) where k
+  static I add_where(I c, Mask k, I x) { return _mm256_add_epi32(c, _mm256_and_si256(k, x)); }
+  static I sub_where(I c, Mask k, I x) { return _mm256_sub_epi32(c, _mm256_and_si256(k, x)); }
+  template <int LK> static I lookup(const int* lut, I key) { return lookup8<LK>(lut, key); }
+  // 8 codes (each in 0..255) -> 8 bytes
+  static void store_codes(uint8_t* out, I c) {
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+  }
+  // 32 codes (4 x 8 lanes) -> 32 bytes in order
+  static void store_codes4(uint8_t* out, I c0, I c1, I c2, I c3) {
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
 };
 
 // bf16 bits (in the low 16 bits of each lane), rounded as f32_to_bf16 without the NaN case: right for every
@@ -481,79 +511,74 @@ inline void update_block_simd(PT* __restrict__ p, const GT* __restrict__ g, cons
   *am1 = bits_f32(r1);
   *am2 = bits_f32(r2);
 }
+
 enum Floor { kFloorNone = 0, kFloorZero0 = 1, kFloorAny = 2 };
 
+template <typename V>
 struct QuantConsts {
-  __m256 inv;
-  __m256i kmask, key_off, key_max, zero, half, low_mask, m255;
+  typename V::F inv;
+  typename V::I kmask, key_off, key_max, zero, half, low_mask, m255, vz, one, down;
   __m128i shift;
-  __m256i vz, one, down;
   const int* lut;
   QuantConsts(const Codebook& cb, float inv_, int z) {
     const KeyGeom kg(cb);
-    inv = _mm256_set1_ps(inv_);
-    kmask = _mm256_set1_epi32(static_cast<int>(kg.kmask));
-    key_off = _mm256_set1_epi32(kg.key_off);
-    key_max = _mm256_set1_epi32(kg.key_max);
-    zero = _mm256_setzero_si256();
-    half = _mm256_set1_epi32(static_cast<int>(cb.half));
-    low_mask = _mm256_set1_epi32(static_cast<int>(kg.low_mask));
-    m255 = _mm256_set1_epi32(255);
+    inv = V::set1(inv_);
+    kmask = V::set1i(static_cast<int>(kg.kmask));
+    key_off = V::set1i(kg.key_off);
+    key_max = V::set1i(kg.key_max);
+    zero = V::zeroi();
+    half = V::set1i(static_cast<int>(cb.half));
+    low_mask = V::set1i(static_cast<int>(kg.low_mask));
+    m255 = V::set1i(255);
+    vz = V::set1i(z);
+    one = V::set1i(1);
+    down = V::set1i(z > 0 ? 1 : 0);
     shift = _mm_cvtsi32_si128(static_cast<int>(kg.shift));
-    vz = _mm256_set1_epi32(z);
-    one = _mm256_set1_epi32(1);
-    down = _mm256_set1_epi32(z > 0 ? 1 : 0);
     lut = reinterpret_cast<const int*>(cb.lut);
   }
 };
 
-// codes (one per 32-bit lane) of 8 elements of x
-template <int LK, int FL>
-inline __m256i quant8(const float* x, const QuantConsts& k) {
-  const __m256 raw = _mm256_loadu_ps(x);
-  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(raw, k.inv));
-  const __m256i s = _mm256_srai_epi32(u, 31);
-  __m256i key = _mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(u, k.shift), k.kmask), k.key_off);
-  key = _mm256_min_epi32(_mm256_max_epi32(key, k.zero), k.key_max);
-  key = _mm256_add_epi32(key, _mm256_and_si256(s, k.half));
-  const __m256i entry = lookup8<LK>(k.lut, key);
-  const __m256i low = _mm256_slli_epi32(_mm256_and_si256(_mm256_xor_si256(u, s), k.low_mask), 16);
-  __m256i c = _mm256_sub_epi32(_mm256_and_si256(entry, k.m255), _mm256_cmpgt_epi32(low, entry));
+// codes (one per 32-bit lane) of one vector of x, as nearest_code (and floor_code: FL)
+template <typename V, int LK, int FL>
+inline typename V::I quant(const float* x, const QuantConsts<V>& k) {
+  using F = typename V::F;
+  using I = typename V::I;
+  using Mask = typename V::Mask;
+  const F raw = V::load(x);
+  const I u = V::cast(V::mul(raw, k.inv));
+  const I s = V::srai31(u);
+  I key = V::isub(V::band(V::srl(u, k.shift), k.kmask), k.key_off);
+  key = V::imin(V::imax(key, k.zero), k.key_max);
+  key = V::iadd(key, V::band(s, k.half));
+  const I entry = V::template lookup<LK>(k.lut, key);
+  const I low = V::slli16(V::band(V::bxor(u, s), k.low_mask));
+  I c = V::inc_where(V::band(entry, k.m255), V::gt_i(low, entry), k.one);
   if (FL == kFloorZero0) {
     // z = 0: c == 0 and raw > 0 -> 1; min(raw bits, 1) is 1 for raw > 0 or NaN (whose code is 255 anyway), and
     // 0 or negative for +0 and negatives
-    c = _mm256_max_epi32(c, _mm256_min_epi32(_mm256_castps_si256(raw), k.one));
+    c = V::imax(c, V::imin(V::cast(raw), k.one));
   } else if (FL == kFloorAny) {
-    const __m256i atz = _mm256_cmpeq_epi32(c, k.vz);
-    const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(raw, _mm256_setzero_ps(), _CMP_GT_OQ));
-    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(raw, _mm256_setzero_ps(), _CMP_LT_OQ));
-    c = _mm256_add_epi32(c, _mm256_and_si256(_mm256_and_si256(atz, pos), k.one));
-    c = _mm256_sub_epi32(c, _mm256_and_si256(_mm256_and_si256(atz, neg), k.down));
+    const Mask atz = V::eq_i(c, k.vz);
+    const Mask pos = V::gt_f(raw, V::zero());
+    const Mask neg = V::lt_f(raw, V::zero());
+    c = V::add_where(c, V::mand(atz, pos), k.one);
+    c = V::sub_where(c, V::mand(atz, neg), k.down);
   }
   return c;
 }
 
-// 32 codes (4 x 8 lanes, each in 0..255) -> 32 bytes in order
-inline void store_codes32(uint8_t* out, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-}
-
-inline void store_codes8(uint8_t* out, __m256i c) {
-  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
-}
-
-template <int LK, int FL>
-void quantize_block_avx2(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
+template <typename V, int LK, int FL>
+void quantize_block_simd(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
                          const Codebook& cb, int z) {
-  const QuantConsts k(cb, inv, z);
+  constexpr int W = V::kLanes;
+  const QuantConsts<V> k(cb, inv, z);
   int64_t j = 0;
-  for (; j + 32 <= len; j += 32)
-    store_codes32(out + j, quant8<LK, FL>(x + j, k), quant8<LK, FL>(x + j + 8, k), quant8<LK, FL>(x + j + 16, k),
-                  quant8<LK, FL>(x + j + 24, k));
-  for (; j + 8 <= len; j += 8) store_codes8(out + j, quant8<LK, FL>(x + j, k));
+  if constexpr (V::kPack4) {
+    for (; j + 4 * W <= len; j += 4 * W)
+      V::store_codes4(out + j, quant<V, LK, FL>(x + j, k), quant<V, LK, FL>(x + j + W, k),
+                      quant<V, LK, FL>(x + j + 2 * W, k), quant<V, LK, FL>(x + j + 3 * W, k));
+  }
+  for (; j + W <= len; j += W) V::store_codes(out + j, quant<V, LK, FL>(x + j, k));
   const KeyGeom kg(cb);
   for (; j < len; ++j) {
     uint32_t c = nearest_code(x[j] * inv, cb, kg);
@@ -562,6 +587,14 @@ void quantize_block_avx2(const float* __restrict__ x, uint8_t* __restrict__ out,
   }
 }
 
+// quantize_block_simd with the floor's case picked
+template <typename V, int LK>
+inline void quantize_block_simd(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
+                                const Codebook& cb, int z, bool floor) {
+  if (!floor) quantize_block_simd<V, LK, kFloorNone>(x, out, len, inv, cb, z);
+  else if (z == 0) quantize_block_simd<V, LK, kFloorZero0>(x, out, len, inv, cb, z);
+  else quantize_block_simd<V, LK, kFloorAny>(x, out, len, inv, cb, z);
+}
 #endif  // LT_AVX2
 
 #ifdef LT_AVX512
@@ -599,6 +632,20 @@ struct Table256 {
 
 inline __m512i codes16(const uint8_t* c) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+}
+
+// The code-search table (2 x 6,401 entries) is far too large for registers: gathers or scalar loads, as lookup8.
+// Note the AVX-512 gather's argument order: (indices, base, scale).
+template <int LK>
+inline __m512i lookup16(const int* lut, __m512i key) {
+  if (LK == kScalar) {
+    alignas(64) int32_t k[16];
+    _mm512_store_si512(reinterpret_cast<__m512i*>(k), key);
+    return _mm512_setr_epi32(lut[k[0]], lut[k[1]], lut[k[2]], lut[k[3]], lut[k[4]], lut[k[5]], lut[k[6]],
+                             lut[k[7]], lut[k[8]], lut[k[9]], lut[k[10]], lut[k[11]], lut[k[12]], lut[k[13]],
+                             lut[k[14]], lut[k[15]]);
+  }
+  return _mm512_i32gather_epi32(key, lut, 4);
 }
 
 // V16: the AVX-512 traits. The dequantization tables live in registers (Table256), compares give mask registers,
@@ -663,84 +710,29 @@ struct V16 {
       for (int64_t j = 0; j < lenv; j += 16) _mm512_store_ps(vbuf + j, _mm512_mul_ps(t(codes16(c2 + j)), vs));
     }
   }
-};
-struct QuantConsts16 {
-  __m512 inv;
-  __m512i kmask, key_off, key_max, zero, half, low_mask, m255, vz, one, down;
-  __m128i shift;
-  const int* lut;
-  QuantConsts16(const Codebook& cb, float inv_, int z) {
-    const KeyGeom kg(cb);
-    inv = _mm512_set1_ps(inv_);
-    kmask = _mm512_set1_epi32(static_cast<int>(kg.kmask));
-    key_off = _mm512_set1_epi32(kg.key_off);
-    key_max = _mm512_set1_epi32(kg.key_max);
-    zero = _mm512_setzero_si512();
-    half = _mm512_set1_epi32(static_cast<int>(cb.half));
-    low_mask = _mm512_set1_epi32(static_cast<int>(kg.low_mask));
-    m255 = _mm512_set1_epi32(255);
-    vz = _mm512_set1_epi32(z);
-    one = _mm512_set1_epi32(1);
-    down = _mm512_set1_epi32(z > 0 ? 1 : 0);
-    shift = _mm_cvtsi32_si128(static_cast<int>(kg.shift));
-    lut = reinterpret_cast<const int*>(cb.lut);
+  // code search (quant): compare results are mask registers, V8's all-ones arithmetic becomes masked adds
+  using Mask = __mmask16;
+  static constexpr bool kPack4 = false;
+  static F zero() { return _mm512_setzero_ps(); }
+  static I bxor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I imax(I a, I b) { return _mm512_max_epi32(a, b); }
+  static I imin(I a, I b) { return _mm512_min_epi32(a, b); }
+  static I srai31(I a) { return _mm512_srai_epi32(a, 31); }
+  static I srl(I a, __m128i n) { return _mm512_srl_epi32(a, n); }
+  static Mask gt_i(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  static Mask eq_i(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static Mask gt_f(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static Mask lt_f(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static Mask mand(Mask a, Mask b) { return static_cast<__mmask16>(a & b); }
+  static I inc_where(I c, Mask k, I one) { return _mm512_mask_add_epi32(c, k, c, one); }
+  static I add_where(I c, Mask k, I x) { return _mm512_mask_add_epi32(c, k, c, x); }
+  static I sub_where(I c, Mask k, I x) { return _mm512_mask_sub_epi32(c, k, c, x); }
+  template <int LK> static I lookup(const int* lut, I key) { return lookup16<LK>(lut, key); }
+  static void store_codes(uint8_t* out, I c) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
   }
 };
-
-// The code-search table (2 x 6,401 entries) is far too large for registers: gathers or scalar loads, as lookup8.
-// Note the AVX-512 gather's argument order: (indices, base, scale).
-template <int LK>
-inline __m512i lookup16(const int* lut, __m512i key) {
-  if (LK == kScalar) {
-    alignas(64) int32_t k[16];
-    _mm512_store_si512(reinterpret_cast<__m512i*>(k), key);
-    return _mm512_setr_epi32(lut[k[0]], lut[k[1]], lut[k[2]], lut[k[3]], lut[k[4]], lut[k[5]], lut[k[6]],
-                             lut[k[7]], lut[k[8]], lut[k[9]], lut[k[10]], lut[k[11]], lut[k[12]], lut[k[13]],
-                             lut[k[14]], lut[k[15]]);
-  }
-  return _mm512_i32gather_epi32(key, lut, 4);
-}
-
-// as quant8, 16 lanes; the AVX2 path's all-ones compare results (subtracted, or and-ed with 1) become masked adds
-template <int LK, int FL>
-inline __m512i quant16(const float* x, const QuantConsts16& k) {
-  const __m512 raw = _mm512_loadu_ps(x);
-  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(raw, k.inv));
-  const __m512i s = _mm512_srai_epi32(u, 31);
-  __m512i key = _mm512_sub_epi32(_mm512_and_si512(_mm512_srl_epi32(u, k.shift), k.kmask), k.key_off);
-  key = _mm512_min_epi32(_mm512_max_epi32(key, k.zero), k.key_max);
-  key = _mm512_add_epi32(key, _mm512_and_si512(s, k.half));
-  const __m512i entry = lookup16<LK>(k.lut, key);
-  const __m512i low = _mm512_slli_epi32(_mm512_and_si512(_mm512_xor_si512(u, s), k.low_mask), 16);
-  __m512i c = _mm512_and_si512(entry, k.m255);
-  c = _mm512_mask_add_epi32(c, _mm512_cmpgt_epi32_mask(low, entry), c, k.one);
-  if (FL == kFloorZero0) {
-    c = _mm512_max_epi32(c, _mm512_min_epi32(_mm512_castps_si512(raw), k.one));
-  } else if (FL == kFloorAny) {
-    const __mmask16 atz = _mm512_cmpeq_epi32_mask(c, k.vz);
-    const __mmask16 pos = _mm512_cmp_ps_mask(raw, _mm512_setzero_ps(), _CMP_GT_OQ);
-    const __mmask16 neg = _mm512_cmp_ps_mask(raw, _mm512_setzero_ps(), _CMP_LT_OQ);
-    c = _mm512_mask_add_epi32(c, static_cast<__mmask16>(atz & pos), c, k.one);
-    c = _mm512_mask_sub_epi32(c, static_cast<__mmask16>(atz & neg), c, k.down);
-  }
-  return c;
-}
-
-template <int LK, int FL>
-void quantize_block_avx512(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t len, float inv,
-                           const Codebook& cb, int z) {
-  const QuantConsts16 k(cb, inv, z);
-  int64_t j = 0;
-  for (; j + 16 <= len; j += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(quant16<LK, FL>(x + j, k)));
-  const KeyGeom kg(cb);
-  for (; j < len; ++j) {
-    uint32_t c = nearest_code(x[j] * inv, cb, kg);
-    if (FL != kFloorNone) c = floor_code(c, x[j], z);
-    out[j] = static_cast<uint8_t>(c);
-  }
-}
-
 #endif  // LT_AVX512
 
 // Lookup mode of the AVX2 / AVX-512 paths (`Lookup`), set by lt_set_lookup / lt_calibrate_lookup.
@@ -753,17 +745,13 @@ void quantize_block(const float* __restrict__ x, uint8_t* __restrict__ out, int6
                     const Codebook& cb, int z, bool floor) {
 #ifdef LT_AVX512
   if (ISA == kIsaAvx512) {
-    if (!floor) quantize_block_avx512<LK, kFloorNone>(x, out, len, inv, cb, z);
-    else if (z == 0) quantize_block_avx512<LK, kFloorZero0>(x, out, len, inv, cb, z);
-    else quantize_block_avx512<LK, kFloorAny>(x, out, len, inv, cb, z);
+    quantize_block_simd<V16, LK>(x, out, len, inv, cb, z, floor);
     return;
   }
 #endif
 #ifdef LT_AVX2
   if (ISA == kIsaAvx2) {
-    if (!floor) quantize_block_avx2<LK, kFloorNone>(x, out, len, inv, cb, z);
-    else if (z == 0) quantize_block_avx2<LK, kFloorZero0>(x, out, len, inv, cb, z);
-    else quantize_block_avx2<LK, kFloorAny>(x, out, len, inv, cb, z);
+    quantize_block_simd<V8, LK>(x, out, len, inv, cb, z, floor);
     return;
   }
 #endif
@@ -870,8 +858,10 @@ void adamw_q8(const Args& a, const Hyper& h) {
       bool done = false;
 #ifdef LT_AVX512
       if (ISA == kIsaAvx512) {
-        update_block_simd<V16, LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
-                                               a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+        // V16 reads its dequantization tables from registers whatever LK: one instantiation for both
+        update_block_simd<V16, kScalar, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b],
+                                                    a.cb1.qmap, a.cb2.qmap, mbuf, vbuf, master, kahan, len, h,
+                                                    &am1, &am2);
         done = true;
       }
 #endif
