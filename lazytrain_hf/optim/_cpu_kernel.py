@@ -6,9 +6,10 @@ per-thread buffer and their absmax; (2) requantize m and v. OpenMP threads take 
 
 Three paths (ISAs), each doing the same fp32 operations in the same order, so the same bits (except which NaN
 survives where two NaNs meet: the compiler's operand order): a generic one (compiled always, vectorized by the
-compiler), AVX2 + FMA (hand-vectorized, 8 lanes) and AVX-512 (16 lanes; compiled where the flags define
-AVX-512 F/BW/VL/DQ). The native build (``-march=native``) has every path its CPU allows, the portable build the
-generic one (without FMA there, its m update rounds twice: not the native paths' bits). The path is an argument of
+compiler), AVX2 + FMA (8 lanes) and AVX-512 (16 lanes; compiled where the flags define AVX-512 F/BW/VL/DQ): one
+hand-vectorized implementation (C++ templates) over a traits struct per vector width. The native build
+(``-march=native``) has every path its CPU allows, the portable build the generic one (without FMA there, its m
+update rounds twice: not the native paths' bits). The path is an argument of
 each call: ``LAZYTRAIN_CPU_ISA=avx512|avx2|generic`` forces one (read at each update; a path the build lacks
 raises), else AVX2 where the build has it: AVX-512 ran 9% slower than AVX2 at 16 threads on the one AVX-512 host
 measured (`_configure_isa`), so it is opt-in. It must give the AVX2 path's bits on this CPU at load
@@ -66,10 +67,10 @@ _SOURCE = r"""
 // lazytrain_hf Hybrid 8-bit AdamW: fused CPU kernel. No torch headers: called from Python through ctypes.
 // Per block of B elements (kept in L1), two passes: (1) dequantize m and v, AdamW, write the parameter, keep the
 // new m and v in a per-thread buffer and take their absmax; (2) requantize m and v. Paths (`Isa`, picked per call):
-// generic (the compiler vectorizes it where it can), AVX2 + FMA (8 lanes) and AVX-512 (16 lanes), each compiled
-// where the flags allow. All do the same fp32 operations in the same order on every element: results are
-// bit-identical (except which NaN survives where two NaNs meet, the compiler's operand order for a commutative
-// operation).
+// generic (the compiler vectorizes it where it can), AVX2 + FMA (8 lanes) and AVX-512 (16 lanes; both one template
+// over SIMD traits V8 / V16), each compiled where the flags allow. All do the same fp32 operations in the same order
+// on every element: results are bit-identical (except which NaN survives where two NaNs meet, the compiler's operand
+// order for a commutative operation).
 // Table reads (4 per element: 2 dequantizations, 2 code searches) dominate. AVX-512 keeps the dequantization
 // tables in registers (Table256); the code searches, and all four on AVX2, use gathers or scalar loads
 // (`Lookup`); which one is faster depends on the CPU (scalar loads on the AMD Zen 3 cores measured; gathers should
