@@ -1183,7 +1183,7 @@ def cpu_isa_choice() -> str:
     """
     raw = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
     if raw != "auto" and raw not in ISA_CODES:
-        raise ValueError(f"environment {ISA_ENV} must be one of {list(ISA_CODES)} (or unset), "
+        raise ValueError(f"environment {ISA_ENV} must be one of {['auto', *ISA_CODES]} (or unset), "
                          f"but got {os.environ.get(ISA_ENV)!r}")
     return raw
 
@@ -1214,7 +1214,8 @@ def resolve_isa(lib: ctypes.CDLL, isa: str | None = None) -> str:
         raise ValueError(f"ISA path must be 'auto' or one of {list(ISA_CODES)}, but got {name!r}")
     if ISA_CODES[name] > lib.lt_isa_best():
         raise RuntimeError(f"{ISA_ENV}={name} but the fused CPU kernel was built without that path on this CPU "
-                           f"(it has: {', '.join(isa_paths(lib))})")
+                           f"(it has: {', '.join(isa_paths(lib))}); unset {ISA_ENV} (auto runs "
+                           f"{_ISA_NAMES[_auto_isa(lib)]}) or set it to one of those")
     refused = getattr(lib, "_lt_refused", {}).get(name)
     if refused is not None:
         raise RuntimeError(f"{ISA_ENV}={name} but that path's bits differ from AVX2's on this CPU ({refused}); "

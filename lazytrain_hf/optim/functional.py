@@ -76,6 +76,7 @@ __all__ = [
     "triton_self_check",
     "cpu_kernel_choice",
     "cpu_isa_choice",
+    "forced_isa_problem",
     "gpu_kernel_choice",
     "bitsandbytes_cuda_status",
 ]
@@ -182,6 +183,27 @@ def cpu_kernel_choice() -> str:
         ValueError: any other value.
     """
     return _kernel_choice(CPU_KERNEL_ENV, _CPU_CHOICES)
+
+
+def forced_isa_problem() -> str | None:
+    """Why the ISA path ``LAZYTRAIN_CPU_ISA`` forces cannot run here (the build lacks it, or it failed the load-time
+    bit check), else None; None too when unset / "auto", with ``LAZYTRAIN_CPU_KERNEL=torch``, or when the fused
+    kernel cannot be built (`select_kernel` reports that). Builds the kernel (cached) only when a path is forced, so
+    that the optimizer refuses it when built instead of at its first update, after a step's work.
+
+    Raises:
+        ValueError: a bad ``LAZYTRAIN_CPU_ISA`` / ``LAZYTRAIN_CPU_KERNEL`` value.
+    """
+    if cpu_isa_choice() == "auto" or cpu_kernel_choice() == "torch":
+        return None
+    lib = load_cpu_kernel()
+    if lib is None:
+        return None
+    try:
+        resolve_isa(lib)
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def gpu_kernel_choice() -> str:

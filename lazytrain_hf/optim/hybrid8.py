@@ -100,7 +100,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
 
     Raises:
         ValueError: any invalid hyperparameter, or a bad LAZYTRAIN_CPU_KERNEL / LAZYTRAIN_CPU_ISA /
-            LAZYTRAIN_GPU_KERNEL / LAZYTRAIN_CPU_THREADS value (all problems listed at once, each with the value received).
+            LAZYTRAIN_GPU_KERNEL / LAZYTRAIN_CPU_THREADS value, or a LAZYTRAIN_CPU_ISA path the fused CPU kernel
+            cannot run on this CPU (all problems listed at once, each with the value received).
     """
 
     def __init__(
@@ -130,6 +131,12 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                 choice()
             except ValueError as e:
                 problems.append(str(e))
+        try:  # a forced ISA path this CPU's build lacks: refused now, not at the first update
+            isa_problem = F.forced_isa_problem()
+        except ValueError:  # a bad value, listed above
+            isa_problem = None
+        if isa_problem is not None:
+            problems.append(isa_problem)
         if problems:
             raise ValueError("Invalid Hybrid8bitOptimizer arguments:\n  - " + "\n  - ".join(problems))
         # id(param) of parameters that always keep fp32 states

@@ -63,7 +63,7 @@ def test_isa_env_is_validated(monkeypatch):
     monkeypatch.setenv(K.ISA_ENV, "")
     assert K.cpu_isa_choice() == "auto"
     monkeypatch.setenv(K.ISA_ENV, "sse4")
-    with pytest.raises(ValueError, match=r"LAZYTRAIN_CPU_ISA must be one of \['avx512', 'avx2', 'generic'\]"):
+    with pytest.raises(ValueError, match=r"LAZYTRAIN_CPU_ISA must be one of \['auto', 'avx512', 'avx2', 'generic'\]"):
         K.cpu_isa_choice()
     with pytest.raises(ValueError) as err:  # when the optimizer is built, with the other problems
         Hybrid8bitOptimizer([torch.nn.Parameter(torch.zeros(4))])
@@ -84,6 +84,8 @@ def test_forced_isa_is_used_or_refused(monkeypatch):
                 K.resolve_isa(lib)
             with pytest.raises(RuntimeError, match=f"LAZYTRAIN_CPU_ISA={isa} but"):
                 F.select_kernel(p, p, st, 256)
+            with pytest.raises(ValueError, match=f"LAZYTRAIN_CPU_ISA={isa} but .*unset LAZYTRAIN_CPU_ISA"):
+                Hybrid8bitOptimizer([torch.nn.Parameter(torch.zeros(4))])  # when built, before any update
             assert f"ISA path unusable: LAZYTRAIN_CPU_ISA={isa}" in K.cpu_kernel_status()[1]
     monkeypatch.delenv(K.ISA_ENV)
     assert K.resolve_isa(lib) == ("avx2" if "avx2" in K.isa_paths(lib) else "generic")  # auto: AVX2 where built
@@ -191,3 +193,8 @@ def test_a_path_whose_bits_failed_the_load_check_is_refused(monkeypatch):
     monkeypatch.setattr(lib, "_lt_refused", {"generic": "state1 differs"}, raising=False)
     with pytest.raises(RuntimeError, match="bits differ from AVX2's on this CPU"):
         K.resolve_isa(lib, "generic")
+    monkeypatch.setenv(K.ISA_ENV, "generic")  # the optimizer refuses it when built, not at its first update
+    with pytest.raises(ValueError, match="LAZYTRAIN_CPU_ISA=generic but that path's bits differ"):
+        Hybrid8bitOptimizer([torch.nn.Parameter(torch.zeros(4))])
+    monkeypatch.setenv(F.CPU_KERNEL_ENV, "torch")  # the pure-torch update never runs the C++ kernel's paths
+    Hybrid8bitOptimizer([torch.nn.Parameter(torch.zeros(4))])
