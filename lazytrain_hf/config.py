@@ -133,7 +133,8 @@ class LazyTrainConfig:
         keep_gpu_grads (bool, defaults to True): a GPU-updated layer keeps its gradient on the GPU from its
             backward to its update at the next load, instead of sending it D2H and back H2D (2 bytes per parameter
             each way); the plan budgets the GPU memory it holds. Only with gradient_accumulation_steps 1 (with
-            accumulation the host sums the gradients); False sends every gradient to the host.
+            accumulation the host sums the gradients); False sends every gradient to the host. Both also apply to a
+            schedule loaded from `schedule_path` that was planned with kept gradients.
         dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
             "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
             states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is

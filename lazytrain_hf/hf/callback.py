@@ -36,7 +36,15 @@ class LazyTrainCallback(TrainerCallback):
         ex = self.trainer.executor
         cfg = self.trainer.lazy_config
         if cfg.schedule_path:
-            ex.set_schedule(Schedule.from_json(cfg.schedule_path))
+            from .plan import _kept_grads
+
+            schedule = Schedule.from_json(cfg.schedule_path)
+            if schedule.keep_grads and not _kept_grads(self.trainer):  # fewer kept gradients only free GPU memory
+                schedule.keep_grads = False
+                logger.info("LazyTrain: the schedule at %s keeps GPU-updated layers' gradients on the GPU; this run "
+                            "sends them to the host (keep_gpu_grads=%s, gradient_accumulation_steps=%d)",
+                            cfg.schedule_path, cfg.keep_gpu_grads, args.gradient_accumulation_steps)
+            ex.set_schedule(schedule)
             self._check_fingerprint(ex.schedule, cfg.schedule_path)
         elif cfg.policy == "milp":
             from .plan import plan_buckets_for_trainer

@@ -290,3 +290,22 @@ def test_overlapped_updates_equal_serial_with_lr_schedule(tmp_path):
         assert torch.equal(saved[True][name], p), name
         assert torch.equal(saved["device"][name], p), name
     assert not torch.equal(saved[True]["model.layers.3.mlp.up_proj.weight"], model.model.layers[3].mlp.up_proj.weight)
+
+
+def test_a_loaded_schedules_kept_gradients_follow_this_runs_settings(tmp_path):
+    """A schedule file planned with kept gradients (`keep_grads`) keeps them only where this run allows it:
+    `keep_gpu_grads=False` or gradient accumulation send the GPU-updated layers' gradients to the host."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    ds = _dataset(model.config.vocab_size)
+    sched = fixed_schedule(model.config.num_hidden_layers, EXACT["checkpoint_every"])
+    for i in (0, 2):
+        sched.layers[i].optimizer_device = "gpu"
+    sched.keep_grads = True
+    sched.to_json(str(tmp_path / "kept.json"))
+    for name, ga, keep, kept in (("ga1", 1, True, {0, 2}), ("off", 1, False, set()), ("ga2", 2, True, set())):
+        cfg = {**EXACT, "schedule_path": str(tmp_path / "kept.json"), "keep_gpu_grads": keep}
+        t = LazyTrainer(model=copy.deepcopy(model), train_dataset=ds, data_collator=_collate,
+                        args=LazyTrainingArguments(**_common(tmp_path, name, gradient_accumulation_steps=ga,
+                                                             max_steps=1), lazytrain_config=cfg))
+        t.train()
+        assert t.executor.schedule.keep_grads == bool(kept) and t.executor.grads.keep_layers == kept, name
