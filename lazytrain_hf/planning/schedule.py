@@ -76,6 +76,8 @@ class Schedule:
                 problems.append(f"layers[{i}].tier must be one of {TIERS}, but got {lp.tier!r}")
             if lp.optimizer_device not in ("cpu", "gpu"):
                 problems.append(f"layers[{i}].optimizer_device must be 'cpu' or 'gpu', but got {lp.optimizer_device!r}")
+        if not isinstance(self.keep_grads, bool):
+            problems.append(f"keep_grads must be true or false, but got {self.keep_grads!r}")
         if not 1 <= self.prefetch_depth <= 8:
             problems.append(f"prefetch_depth must be in [1, 8], but got {self.prefetch_depth}")
         if problems:

@@ -104,6 +104,13 @@ def test_schedule_json_round_trip(tmp_path, cm4):
     assert back.solver["depths"] == s.solver["depths"] and back.predicted == s.predicted
     assert Schedule.from_json(s.to_json()) == s
     assert back.fingerprint == "abc"
+    import json
+
+    old = json.loads(s.to_json())
+    del old["keep_grads"]  # a file written before the field existed: gradients not kept
+    assert Schedule.from_dict(old).keep_grads is False
+    with pytest.raises(ValueError, match="keep_grads must be true or false, but got 'false'"):
+        Schedule.from_dict({**old, "keep_grads": "false"})  # a hand-edited string would read as true
 
 
 def test_cost_model_round_trip_and_validation(cm4):
