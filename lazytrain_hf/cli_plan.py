@@ -49,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size B (default 16)")
     parser.add_argument("--seq-len", type=int, default=1024, help="sequence length T (default 1024)")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
-                        help="micro-batches per optimizer step, as TrainingArguments (default 1; above 1 the "
-                             "GPU-updated layers' gradients go to the host, where they are summed)")
+                        help="micro-batches per optimizer step, as TrainingArguments (default 1: the plan may keep "
+                             "the GPU-updated layers' gradients on the GPU until their update, as "
+                             "lazytrain_config.keep_gpu_grads; above 1 they go to the host, where they are summed). "
+                             "The predicted step is one micro-batch's")
     parser.add_argument("--nvme-dir", default=None, help="directory for the NVMe activation tier (enables it)")
     parser.add_argument("--nvme-budget", default=None,
                         help="bytes the NVMe tier may write, e.g. 200GiB (default: 90%% of the free space)")
@@ -337,10 +339,17 @@ def _print_prediction(sched: Any, cm: Any) -> None:
     kept = sum(lp.retain for lp in sched.layers)
     rebuilt = p.get("recomputed_layers", 0)
     on_gpu = sum(lp.optimizer_device == "gpu" for lp in sched.layers)
+    if not on_gpu:
+        grads = ""
+    elif sched.keep_grads:
+        grads = ", their gradients kept there"
+    elif cm.keeps_grads:  # solve_milp planned with and without kept gradients and kept the faster plan that fits
+        grads = ", their gradients sent to the host (keeping them on the GPU planned slower or did not fit)"
+    else:
+        grads = ", their gradients sent to the host (--gradient-accumulation-steps above 1)"
     print(f"\npolicy {sched.policy}, prefetch depth {sched.prefetch_depth}, {len(sched.segments())} segments; in "
           f"backward {kept} layers kept, {len(sched.layers) - kept - rebuilt} re-forwarded, {rebuilt} rebuilt; "
-          f"{on_gpu} layers updated on the GPU" + (", their gradients kept there" if on_gpu and sched.keep_grads
-                                                  else ""))
+          f"{on_gpu} layers updated on the GPU{grads}")
     print(f"predicted step {p['step_ms']:.1f} ms (simulated {p.get('simulated_step_ms', float('nan')):.1f} ms), "
           f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS (6ND)")
     print(f"  compute {p['compute_ms']:.1f} ms + re-forward / rebuild {p['recompute_ms']:.1f} ms + GPU optimizer "

@@ -136,7 +136,11 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
         out = tmp_path / name
         assert cli_plan.run(_args(*base, *extra, "--out-dir", str(out))) == 0
         prints[name] = Schedule.from_json(next(out.glob("*.schedule.json")))
-    capsys.readouterr()
+        printed = capsys.readouterr().out
+        if name == "default":
+            assert "layers updated on the GPU, their gradients kept there" in printed
+        if name == "accum":
+            assert "their gradients sent to the host (--gradient-accumulation-steps above 1)" in printed
     assert len({s.fingerprint for s in prints.values()}) == 5
     assert prints["default"].keep_grads and not prints["accum"].keep_grads  # accumulation: gradients to the host
     # the Trainer's fingerprint for the same inputs (a CPU device: H200 defaults, no GPU-side updates)
