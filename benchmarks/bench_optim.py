@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "warps per program), e.g. 4:4,8:4,8:8 (default: the kernel's own)")
     ap.add_argument("--cpu-isa", type=_isas, default=None,
                     help="hybrid8_cpp rows: repeat them on each ISA path of the C++ kernel, e.g. avx512,avx2 "
-                         "(LAZYTRAIN_CPU_ISA; default: the environment's, else the best)")
+                         "(LAZYTRAIN_CPU_ISA; default: the environment's, else auto: AVX2 where built; a path this CPU's "
+                         "build lacks gives an 'unsupported' row)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                     help="JSON file, or a directory for hybrid8-<YYYYMMDD>.json")
     args = ap.parse_args(argv)
