@@ -126,7 +126,7 @@ def run_lazytrain(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]
                 r.update(solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))
             from lazytrain_hf.planning.estimate import evaluate
 
-            est = evaluate(cm, sched)  # the cost model's view of this schedule, fixed or MILP
+            est = evaluate(cm.for_schedule(sched), sched)  # the cost model's view of this schedule, fixed or MILP
             r.update(predicted_step_s=est.step_ms / 1e3)
             r["extra"].update(predicted_peak_gpu_gib=est.peak_gpu_bytes / GIB, plan_gpu_gib=cm.gpu_bytes / GIB,
                               cost_model_rates={k: getattr(cm, k) for k in (

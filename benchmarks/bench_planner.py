@@ -72,7 +72,7 @@ def _case_rows(label: str, cm: CostModel, info: dict[str, Any], repeats: int, ti
         walls.append(wall)
     assert sched is not None
     p, s = sched.predicted, sched.solver
-    sim = simulate(cm, sched)
+    sim = simulate(cm.for_schedule(sched), sched)
     fixed = fixed_candidates(cm)
     fixed_ms = evaluate(cm, fixed[0]).step_ms if fixed else None
     x = p.get("recomputed_layers", 0)

@@ -404,6 +404,7 @@ def _write(args: argparse.Namespace, sched: Any, cm: Any) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     stem = output_stem(args, sched.policy)
     paths = [out / f"{stem}.schedule.json", out / f"{stem}.cost_model.json", out / f"{stem}.timeline.png"]
+    cm = cm.for_schedule(sched)  # the plan as it runs (without kept gradients where it does not keep them)
     sched.to_json(paths[0])
     paths[1].write_text(json.dumps(cm.to_dict(), indent=1))
     p = sched.predicted

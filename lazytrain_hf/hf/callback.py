@@ -124,7 +124,7 @@ class LazyTrainCallback(TrainerCallback):
         if rate is not None and planned_rate:
             for T in {b for b in cal.step_buckets if b in tr.bucket_plans.schedules}:
                 plan = tr.bucket_plans.schedules[T]
-                cm = cost_model_for_trainer(tr, T, old_scale)[0]
+                cm = cost_model_for_trainer(tr, T, old_scale)[0].for_schedule(plan)
                 delta[T] = evaluate(cm.with_cpu_optim_rate(rate), plan).step_ms - evaluate(cm, plan).step_ms
         cal.k = cal.compute_factors(delta)
         k = statistics.median(cal.k)

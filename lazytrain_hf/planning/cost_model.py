@@ -213,6 +213,12 @@ class CostModel:
         """A copy in which no gradient is kept on the GPU (every gradient goes to the host)."""
         return dataclasses.replace(self, kept_grad_bytes=[])
 
+    def for_schedule(self, schedule: Any) -> CostModel:
+        """This cost model as `schedule` runs it: without kept gradients where the schedule does not keep them
+        (`Schedule.keep_grads`; `solve_milp` may return the plan it solved without them). `evaluate` / `simulate`
+        read the kept bytes from the cost model alone, so pass them this to value a finished schedule."""
+        return self if schedule.keep_grads or not self.keeps_grads else self.without_kept()
+
     def gpu_optim_up_bytes(self, i: int) -> int:
         """H2D bytes of layer i's on-GPU update on top of its weights: `gpu_optim_h2d_bytes` less the kept
         gradient."""

@@ -90,7 +90,7 @@ def make_schedule(cost_model: CostModel, policy: str = "milp", *, checkpoint_eve
             raise error
         warnings.warn(f"{error} Returned anyway (as a baseline): expect out-of-memory.", stacklevel=2)
     if simulate_check:
-        sim = simulate(cost_model, sched)
+        sim = simulate(cost_model.for_schedule(sched), sched)
         p["simulated_step_ms"] = sim.step_ms
         p["simulated_peak_gpu_bytes"] = sim.peak_gpu_bytes
     return sched

@@ -334,8 +334,17 @@ def test_kept_gradients_are_planned_only_where_they_pay(gpu_gib):
     assert not without.keep_grads
     assert both.predicted["step_ms"] <= without.predicted["step_ms"] + 1e-6
     used = cm if both.keep_grads else cm.without_kept()
+    assert cm.for_schedule(both) == used
     assert evaluate(used, both).step_ms == pytest.approx(both.predicted["step_ms"], rel=1e-9)
     if gpu_gib == 6.7:
         assert not both.keep_grads
+        # make_schedule's simulation (printed by `lazytrain-hf plan`) values the plan as it runs: before, it
+        # counted the kept gradients the plan does not keep (a simulated peak above the budget)
+        from lazytrain_hf.planning import make_schedule
+
+        planned = make_schedule(cm, "milp", prefetch_depths=(1,), mip_rel_gap=0.0)
+        assert not planned.keep_grads
+        assert planned.predicted["simulated_peak_gpu_bytes"] == simulate(used, planned).peak_gpu_bytes
+        assert planned.predicted["simulated_step_ms"] == simulate(used, planned).step_ms
     else:
         assert both.keep_grads and both.predicted["step_ms"] < without.predicted["step_ms"] - 1.0
