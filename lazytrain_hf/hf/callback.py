@@ -39,7 +39,9 @@ class LazyTrainCallback(TrainerCallback):
             from .plan import _kept_grads
 
             schedule = Schedule.from_json(cfg.schedule_path)
-            if schedule.keep_grads and not _kept_grads(self.trainer):  # fewer kept gradients only free GPU memory
+            # the kept gradients' memory is freed; the update workspaces stage gradients again (up to (depth + 1)
+            # gradient copies per layer kind in forward, far less than the kept ones at the step boundary)
+            if schedule.keep_grads and not _kept_grads(self.trainer):
                 schedule.keep_grads = False
                 logger.info("LazyTrain: the schedule at %s keeps GPU-updated layers' gradients on the GPU; this run "
                             "sends them to the host (keep_gpu_grads=%s, gradient_accumulation_steps=%d)",
