@@ -397,11 +397,14 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
     if other_seq:   # rows are keyed by system, model, cap and batch: a resume would keep them as if measured now
         raise SystemExit(f"benchmarks.run: {args.out} holds rows at seq_len {other_seq}, not {args.seq_len}: pass "
                          "another --out, or the same --seq-len to resume it")
-    for key, value, flag in (("max_rows_per_pass", args.rows_per_pass, f"--rows-per-pass {args.rows_per_pass}"),
-                             ("keep_gpu_grads", not args.no_kept_grads,
-                              "--no-kept-grads" if args.no_kept_grads else "kept gradients (no --no-kept-grads)")):
-        other = sorted({(r.get("extra") or {}).get("lazytrain_config", {}).get(key) for r in res.doc["rows"]}
-                       - {value, None}, key=str)
+    # (lazytrain_config key, this run's value, its flag, the value of a LazyTrain row written before the key
+    # existed: such rows kept no gradients on the GPU)
+    for key, value, flag, missing in (
+            ("max_rows_per_pass", args.rows_per_pass, f"--rows-per-pass {args.rows_per_pass}", None),
+            ("keep_gpu_grads", not args.no_kept_grads,
+             "--no-kept-grads" if args.no_kept_grads else "kept gradients (no --no-kept-grads)", False)):
+        configs = [(r.get("extra") or {}).get("lazytrain_config") for r in res.doc["rows"]]
+        other = sorted({c.get(key, missing) for c in configs if isinstance(c, dict)} - {value, None}, key=str)
         if other:  # the same reason, for LazyTrain rows
             raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows with {key}={other}, not {flag}: "
                              "pass another --out, or the same setting to resume it")

@@ -270,6 +270,9 @@ def test_out_folder_and_rows_of_another_seq_len_are_refused(tmp_path, capsys, mo
     with pytest.raises(SystemExit, match=r"keep_gpu_grads=\[True\], not --no-kept-grads"):
         run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--no-kept-grads", "--data-dir", str(data),
                   "--out", str(out2)])
+    # a LazyTrain row from before the option existed kept no gradients: a kept run does not resume into its file
+    with pytest.raises(SystemExit, match=r"keep_gpu_grads=\[False\], not kept gradients"):
+        run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--data-dir", str(data), "--out", str(out2)])
 
 
 @pytest.mark.parametrize("bad", [["--batch-sizes", "0"], ["--steps", "0"], ["--seq-len", "0"], ["--warmup", "-1"],
