@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,18 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Schedule:
+        """A schedule from its `to_dict` form.
+
+        Raises:
+            ValueError: unknown keys (a hand-edited or newer file; a close known key is suggested) or invalid
+                values (`__post_init__`).
+        """
+        problems = _unknown_keys(d, {f.name for f in fields(cls)}, "schedule")
+        for i, lp in enumerate(d.get("layers") or []):
+            if isinstance(lp, dict):
+                problems += _unknown_keys(lp, {f.name for f in fields(LayerPlan)}, f"layers[{i}]")
+        if problems:
+            raise ValueError("Invalid schedule: " + "; ".join(problems))
         return cls(**d)
 
     @classmethod
@@ -130,6 +142,18 @@ class Schedule:
             is_file = False
         text = p.read_text() if is_file else str(path_or_text)
         return cls.from_dict(json.loads(text))
+
+
+def _unknown_keys(d: dict[str, Any], known: set[str], where: str) -> list[str]:
+    """One problem naming the keys of `d` outside `known` (with a close known key, if any), or none."""
+    import difflib
+
+    bad = sorted(set(map(str, d)) - known)
+    if not bad:
+        return []
+    hints = [m[0] for k in bad if (m := difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.8))]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return [f"{where} has unknown keys {bad}{hint}"]
 
 
 def fingerprint(*parts: Any) -> str:

@@ -111,6 +111,13 @@ def test_schedule_json_round_trip(tmp_path, cm4):
     assert Schedule.from_dict(old).keep_grads is False
     with pytest.raises(ValueError, match="keep_grads must be true or false, but got 'false'"):
         Schedule.from_dict({**old, "keep_grads": "false"})  # a hand-edited string would read as true
+    # misspelt keys: one error naming them and the close known key (before: a bare TypeError from __init__)
+    layers = [dict(lp) for lp in old["layers"]]
+    layers[1]["optimiser_device"] = layers[1].pop("optimizer_device")
+    with pytest.raises(ValueError, match=r"schedule has unknown keys \['keep_grad'\] \(did you mean keep_grads\?\)"
+                                         r".*layers\[1\] has unknown keys \['optimiser_device'\] \(did you mean "
+                                         r"optimizer_device\?\)"):
+        Schedule.from_dict({**old, "keep_grad": True, "layers": layers})
 
 
 def test_cost_model_round_trip_and_validation(cm4):
