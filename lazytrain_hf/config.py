@@ -39,12 +39,12 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def did_you_mean(bad: list[str], known: Any, prefix: str) -> str:
+def did_you_mean(bad: list[str], known: Any, prefix: str = "") -> str:
     """' (did you mean training.max_steps?)' for the unknown keys `bad` that have a close key in `known` (difflib,
-    cutoff 0.8), else ''."""
+    cutoff 0.8; named `prefix.key`, or `key` without a prefix), else ''."""
     import difflib
 
-    hints = [f"{prefix}.{m[0]}" for k in bad
+    hints = [f"{prefix}.{m[0]}" if prefix else m[0] for k in bad
              if (m := difflib.get_close_matches(str(k), sorted(map(str, known)), n=1, cutoff=0.8))]
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 

@@ -1303,9 +1303,9 @@ def isa_bit_check(lib: ctypes.CDLL, isa: str, ref: str, *, n: int = 3 * 256 + 77
 def _configure_isa(lib: ctypes.CDLL) -> str:
     """Sets the path "auto" runs and says which paths the build has. "auto" runs AVX2 where AVX-512 exists too:
     on the one AVX-512 host measured (the H200 machine's Xeon, 16 threads, Kahan, bf16 gradients) the AVX-512 path
-    ran 4.19 G params/s against AVX2's 4.58, and a 24 GiB B=16 step took 2.185 s against 2.093 (benchmarks/NOTES.md,
-    session 9): the two code-search gathers stay and 512-bit work lowers the clock. LAZYTRAIN_CPU_ISA=avx512 runs
-    it; it must give the AVX2 path's bits on this CPU (`isa_bit_check`, ~10 ms at load), or it is refused."""
+    ran 4.19 G params/s against AVX2's 4.58 (in training steps the two were within the ~4% run-to-run spread;
+    benchmarks/NOTES.md, session 9): the two code-search gathers stay and 512-bit work lowers the clock.
+    LAZYTRAIN_CPU_ISA=avx512 runs it; it must give the AVX2 path's bits on this CPU (`isa_bit_check`, ~10 ms at load), or it is refused."""
     best = lib.lt_isa_best()
     lib._lt_auto_isa = min(best, ISA_CODES["avx2"])
     lib._lt_refused = {}

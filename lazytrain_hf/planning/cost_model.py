@@ -224,6 +224,10 @@ class CostModel:
         gradient."""
         return int(self.gpu_optim_h2d_bytes[i]) - self.kept(i)
 
+    def gpu_optim_load_ms(self, i: int) -> float:
+        """H2D time (ms, one way) of what layer i's on-GPU update needs loaded: its weights and `gpu_optim_up_bytes`."""
+        return transfer_ms(self.gpu_optim_up_bytes(i) + self.param_bytes[i], self.h2d_gbps)
+
     def gpu_optim_workspace_bytes(self, i: int) -> int:
         """GPU bytes the on-GPU update of layer i stages while it runs: `gpu_optim_work_bytes` less the kept
         gradient (held elsewhere, see `memory_terms`)."""

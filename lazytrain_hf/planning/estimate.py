@@ -398,8 +398,7 @@ def _event_times(cm: CostModel, units: list[UnitTerms], vals: Mapping[Key, float
                 starts.append(opt_done)
                 if vals.get(("o", i), 0.0) > 0.5:
                     if i:
-                        up_ms = (cm.gpu_optim_up_bytes(i) + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
-                        after = e_prev - cm.fwd_ms[i - 1] + up_ms
+                        after = e_prev - cm.fwd_ms[i - 1] + cm.gpu_optim_load_ms(i)
                     if i >= 2:
                         starts.append(DE[u - 2])
                 elif i >= 2:

@@ -156,7 +156,7 @@ class StepEvaluator:
         self._index = index
         self._depth_parts(depth)
         self.early = [t.d2h_early_ms for t in units]
-        self.up_ms = [(cm.gpu_optim_up_bytes(i) + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6) for i in range(L)]
+        self.up_ms = [cm.gpu_optim_load_ms(i) for i in range(L)]
         self.slack = [workspace_slack_ms(cm, units[i]) if i >= 2 else 0.0 for i in range(L)]
         self.cpu_ms = np.array([cm.cpu_optim_ms(i) for i in range(L)])
         self.resident_ms = cm.resident_optim_ms

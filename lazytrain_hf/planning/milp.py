@@ -496,8 +496,7 @@ class _PlanMilp:
                 # up once layer i-1's update is done (its forward started), and after the D2H of unit F(i-2),
                 # which holds layer i-2's states
                 if i:
-                    up_ms = (cm.gpu_optim_up_bytes(i) + cm.param_bytes[i]) / (cm.h2d_gbps * 1e6)
-                    self._ge(HE[u], E[u - 1] - cm.fwd_ms[i - 1] + up_ms - big_m_ms * (1 - v["o", i]))
+                    self._ge(HE[u], E[u - 1] - cm.fwd_ms[i - 1] + cm.gpu_optim_load_ms(i) - big_m_ms * (1 - v["o", i]))
                 if i >= 2:
                     slack = workspace_slack_ms(cm, t)  # a small, tight big-M (see workspace_slack_ms)
                     self._ge(HE[u], DE[u - 2] + hd[u] - slack * (1 - v["o", i]))

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..config import did_you_mean
+
 __all__ = ["LayerPlan", "Schedule", "TIERS", "fingerprint", "plan_inputs", "plan_fingerprint", "input_hashes",
            "differing_inputs"]
 
@@ -146,14 +148,8 @@ class Schedule:
 
 def _unknown_keys(d: dict[str, Any], known: set[str], where: str) -> list[str]:
     """One problem naming the keys of `d` outside `known` (with a close known key, if any), or none."""
-    import difflib
-
     bad = sorted(set(map(str, d)) - known)
-    if not bad:
-        return []
-    hints = [m[0] for k in bad if (m := difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.8))]
-    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-    return [f"{where} has unknown keys {bad}{hint}"]
+    return [f"{where} has unknown keys {bad}{did_you_mean(bad, known)}"] if bad else []
 
 
 def fingerprint(*parts: Any) -> str:

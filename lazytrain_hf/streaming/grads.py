@@ -142,28 +142,6 @@ class GradSink:
         for layer in [i for i in self._kept if i not in pending]:
             del self._kept[layer]
 
-    def _keep(self, slot: Slot, layer: int, grads: list[torch.Tensor], works: list) -> None:
-        """Copy the slot's gradients into a kept device buffer (device to device) and add their squares to `sq`."""
-        if not self.cuda:
-            for g in grads:
-                self.sq += sq_norm(g)
-            self._kept[layer] = ({dt: g.clone() for dt, g in slot.grads.items()}, None)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        bufs = {dt: torch.empty_like(g) for dt, g in slot.grads.items()}  # compute-stream memory
-        self.d2h_stream.wait_stream(compute)
-        with torch.cuda.stream(self.d2h_stream):
-            for w in works:
-                w.wait()
-            for g in grads:
-                self.sq += sq_norm(g)
-            for dt, g in slot.grads.items():
-                bufs[dt].copy_(g, non_blocking=True)
-                bufs[dt].record_stream(self.d2h_stream)
-            ev = self._record()
-        slot.grads_free = ev
-        self._kept[layer] = (bufs, ev)
-
     @property
     def norm_from_device(self) -> bool:
         """True when `sq` is the square of the whole window's gradient norm (one micro-batch since zero)."""
@@ -198,12 +176,15 @@ class GradSink:
                 self.dp.reduce_(grads, self.dp.rank)
             elif self.dp is not None:
                 self.dp.all_reduce_(grads)
-            if keep:
-                self._keep(slot, layer, grads, [])
-                return
+            kept = {}
             for dt, g in slot.grads.items():
                 self.sq += sq_norm(g)
-                host[dt].copy_(g) if first else host[dt].add_(g)
+                if keep:
+                    kept[dt] = g.clone()
+                else:
+                    host[dt].copy_(g) if first else host[dt].add_(g)
+            if keep:
+                self._kept[layer] = (kept, None)
             return
         compute = torch.cuda.current_stream(self.device)
         works = []
@@ -215,20 +196,22 @@ class GradSink:
             works = self.dp.all_reduce_async(grads)  # after this layer's backward, on the NCCL stream
         elif self.dp is not None:
             self.dp.all_reduce_(grads)
-        if keep:
-            self._keep(slot, layer, grads, works)
-            return
         self.d2h_stream.wait_stream(compute)
         with torch.cuda.stream(self.d2h_stream):
             for w in works:
                 w.wait()  # the D2H stream (not the compute stream) waits for the reduced gradients
             for g in grads:
                 self.sq += sq_norm(g)
-        if direct:
+        if keep or direct:  # one async copy: device to device into a kept buffer, or straight to the host
+            dst = {dt: torch.empty_like(g) for dt, g in slot.grads.items()} if keep else host  # compute-stream memory
             with torch.cuda.stream(self.d2h_stream):
                 for dt, g in slot.grads.items():
-                    host[dt].copy_(g, non_blocking=True)
+                    dst[dt].copy_(g, non_blocking=True)
                 slot.grads_free = self._record()
+            if keep:
+                for t in dst.values():  # written on the D2H stream: not reused before that copy
+                    t.record_stream(self.d2h_stream)
+                self._kept[layer] = (dst, slot.grads_free)
             return
         staging = self._staging_for(slot)
         for p in [p for p in self._pending if p.staging is staging]:  # staging still holds an earlier layer
