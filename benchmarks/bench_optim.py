@@ -3,6 +3,10 @@
 Rows (``system`` in the JSON):
   hybrid8_torch             Hybrid8bitOptimizer, 8-bit states, pure-torch kernel (the fallback)
   hybrid8_cpp               Hybrid8bitOptimizer, 8-bit states, fused C++ kernel
+  hybrid8_cpp_prepared      the same update with its moments prepared before each step (`prepare_states`,
+                            untimed): the half the executor's worker leaves for the step window
+  hybrid8_cpp_prepare       `prepare_states` alone (dequantize m and v into fp32): the half run ahead, during
+                            the previous backward (its params/s counts the parameters dequantized)
   hybrid8_cpp_fp32_states   Hybrid8bitOptimizer, fp32 states, fused C++ kernel
   torch_adamw_fused_fp32    torch.optim.AdamW(fused=True), fp32 params and states (the speed to match)
   bnb_adamw8bit_cpu         bitsandbytes.optim.AdamW8bit on CPU, when bitsandbytes is installed
@@ -56,8 +60,10 @@ from lazytrain_hf.config import cpu_threads
 
 from .common import ROW_KEYS, git_commit, machine
 
-SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu"]
-CPP_SYSTEMS = ["hybrid8_cpp", "hybrid8_cpp_fp32_states"]   # the rows --cpu-isa repeats
+SYSTEMS = ["hybrid8_torch", "hybrid8_cpp", "hybrid8_cpp_fp32_states", "torch_adamw_fused_fp32", "bnb_adamw8bit_cpu",
+           "hybrid8_cpp_prepared", "hybrid8_cpp_prepare"]
+# the rows --cpu-isa repeats
+CPP_SYSTEMS = ["hybrid8_cpp", "hybrid8_cpp_fp32_states", "hybrid8_cpp_prepared", "hybrid8_cpp_prepare"]
 GPU_SYSTEMS = ["hybrid8_gpu", "hybrid8_gpu_triton", "bnb_adamw8bit_gpu", "torch_adamw_fused_fp32_gpu", "torch_adamw_foreach_fp32_gpu"]
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -75,14 +81,17 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def _time_steps(step: Callable[[], None], warmup: int, steps: int) -> list[float]:
-    for _ in range(warmup):
-        step()
+def _time_steps(step: Callable[[], None], warmup: int, steps: int,
+                before: Callable[[], None] | None = None) -> list[float]:
+    """Wall times of `steps` calls of `step` after `warmup` ones; `before` runs untimed ahead of each call."""
     out = []
-    for _ in range(steps):
+    for k in range(warmup + steps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         step()
-        out.append(time.perf_counter() - t0)
+        if k >= warmup:
+            out.append(time.perf_counter() - t0)
     return out
 
 
@@ -150,10 +159,13 @@ def _bnb(args: argparse.Namespace, device: str) -> tuple[Callable[[], None], int
     return opt.step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
-def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[Callable[[], None], int, int]:
+def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str, prepare: str | None = None) -> tuple:
     """--stagger K: the parameter, its gradient and each optimizer state buffer start at distinct page offsets
     (0, K, 2K, ... mod 4096): Intel cores stall a load that follows a store to an address with the same low 12
-    bits (4K aliasing), and the executor's page-aligned buffers of one layer all share their low 12 bits."""
+    bits (4K aliasing), and the executor's page-aligned buffers of one layer all share their low 12 bits.
+
+    prepare "before": the step's moments are prepared (`prepare_states`) untimed before each step (a 4th return
+    value, which `run_row` runs untimed); "only": the timed call is `prepare_states` alone."""
     from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     os.environ["LAZYTRAIN_CPU_KERNEL"] = kernel
@@ -180,6 +192,10 @@ def _hybrid8(args: argparse.Namespace, kernel: str, state_dtype: str) -> tuple[C
         opt.step()
 
     step()   # allocate states
+    if prepare == "only":
+        return lambda: opt.prepare_states(params), _state_bytes(opt), _state_bytes(opt, _MOMENTS)
+    if prepare == "before":
+        return step, _state_bytes(opt), _state_bytes(opt, _MOMENTS), lambda: opt.prepare_states(params)
     return step, _state_bytes(opt), _state_bytes(opt, _MOMENTS)
 
 
@@ -200,10 +216,12 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
         if system != "hybrid8_torch":
             row["extra"]["cpu_kernel"] = cpu_kernel_status()[1]
     try:
-        builders: dict[str, Callable[[], tuple[Callable[[], None], int, int]]] = {
+        builders: dict[str, Callable[[], tuple]] = {
             "hybrid8_torch": lambda: _hybrid8(args, "torch", "8bit"),
             "hybrid8_cpp": lambda: _hybrid8(args, "cpp", "8bit"),
             "hybrid8_cpp_fp32_states": lambda: _hybrid8(args, "cpp", "fp32"),
+            "hybrid8_cpp_prepared": lambda: _hybrid8(args, "cpp", "8bit", prepare="before"),
+            "hybrid8_cpp_prepare": lambda: _hybrid8(args, "cpp", "8bit", prepare="only"),
             "torch_adamw_fused_fp32": lambda: _torch_adamw(args, "cpu", "fused"),
             "bnb_adamw8bit_cpu": lambda: _bnb(args, "cpu"),
             "hybrid8_gpu": lambda: _hybrid8_gpu(args, "bnb"),
@@ -214,11 +232,11 @@ def run_row(system: str, args: argparse.Namespace) -> dict[str, Any]:
         }
         if system not in builders:
             raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS + GPU_SYSTEMS}")
-        step, nbytes, moment_bytes = builders[system]()
+        step, nbytes, moment_bytes, *before = builders[system]()
         if gpu:
             step = _synchronized(step)
         steps = args.steps if system != "hybrid8_torch" else max(5, args.steps // 2)
-        times = _time_steps(step, args.warmup, steps)
+        times = _time_steps(step, args.warmup, steps, *before)
         if gpu:
             del step  # frees the GPU tensors before the next row
             torch.cuda.empty_cache()

@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s10a | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -158,6 +158,18 @@ for stage in "$@"; do
            timeout 100 $PIN $H --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 95 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 120 $PIN $H --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 130 $PIN $H --out $RRES --rows-per-pass 16 --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s10a)  # 1 GPU (~7.5 min): the GPU tests in full (the review pass and prepared moments came after the last GPU
+           # call), the ISA tests (AVX-512 prepared bits on real AVX-512), the two halves of the C++ update apart
+           # (64 Mi, Kahan, bf16 grads, 16 and 8 threads), then MILP 24 GiB B=16 with prepared moments (default)
+           bash "$0" tests
+           timeout 90 python3 -m pytest -q tests/optim/test_cpu_isa.py -rs -p no:cacheprovider 2>&1 \
+             | tee "$OUT/pytest-isa-s10a.log" | tail -4
+           timeout 90 $PIN python3 -m benchmarks.bench_optim --threads 16,8 --params 67108864 --master-weights kahan \
+             --grad-dtype bf16 --systems hybrid8_cpp,hybrid8_cpp_prepared,hybrid8_cpp_prepare \
+             --out "$OUT/hybrid8-s10a-prepared.json" 2>&1 | grep -v Warning
+           HRES=${HARNESS_OUT:-$OUT/7b-s10a-$(date +%Y%m%d).json}
+           timeout 160 $PIN python3 -m benchmarks.run --suite 7b --min-start-s 40 --out $HRES --systems lazytrain_milp \
+             --caps 24 --batch-sizes 16 --budget-s 155 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s9e)   # 1 GPU (~4 min): issue 3's batch 32 side by side in one run: stock B=32 uncapped, MILP 24 GiB B=32
            HRES=${HARNESS_OUT:-$OUT/7b-s9e-$(date +%Y%m%d).json}
            H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --out $HRES"

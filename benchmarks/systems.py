@@ -288,6 +288,16 @@ def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     extra["keep_grads"] = sched.keep_grads  # the plan kept their gradients on the GPU (kept_grad_gib at the end)
     extra["kept_grad_gib"] = ex.stats.extra.get("kept_grad_bytes", 0.0) / GIB
     extra["planned_cpu_optim_params_per_s"] = sched.solver.get("cpu_optim_params_per_s")
+    # prepared moments (streaming/updates.py): the budget, the last preparation and the last step's CPU updates
+    up = ex.updater
+    if up is not None:
+        x = ex.stats.extra
+        extra["prepared_states"] = {
+            "budget_gib": up.prepare_budget / GIB, "layers": len(up.prepare_layers()),
+            "prepare_ms": x.get("prepare_ms"), "prepare_params": x.get("prepare_params"),
+            "complete": x.get("prepare_complete"), "cpu_update_ms": x.get("cpu_update_ms"),
+            "cpu_update_params": x.get("cpu_update_params"), "prepared_update_ms": x.get("cpu_update_prepared_ms"),
+            "prepared_update_params": x.get("cpu_update_prepared_params")}
     return row, extra
 
 

@@ -135,6 +135,12 @@ class LazyTrainConfig:
             each way); the plan budgets the GPU memory it holds. Only with gradient_accumulation_steps 1 (with
             accumulation the host sums the gradients); False sends every gradient to the host. Both also apply to a
             schedule loaded from `schedule_path` that was planned with kept gradients.
+        prepared_states_budget (int or str, defaults to None): host memory (bytes, or e.g. "20GiB") for the next
+            step's CPU-updated layers' moments dequantized ahead into fp32 (8 bytes per parameter) by the update
+            worker after a step's updates, while the CPU would idle through forward and backward; those layers'
+            next update then skips half its table reads (bit-identical). Layers are taken in update order (layer 0
+            first) while they fit. None: half the host memory available when the optimizer is attached (per local
+            rank); 0: off. Needs overlap_optimizer.
         dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
             "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
             states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is
@@ -185,6 +191,7 @@ class LazyTrainConfig:
     overlap_optimizer: bool = True
     gpu_layer_updates: bool = True
     keep_gpu_grads: bool = True
+    prepared_states_budget: int | str | None = None
     dp_updates: str = "auto"
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None
@@ -214,7 +221,7 @@ class LazyTrainConfig:
         for key in _CHOICES:
             if isinstance(getattr(self, key), str):
                 setattr(self, key, getattr(self, key).lower())
-        for key in ("gpu_memory_budget", "host_memory_budget", "nvme_budget"):
+        for key in ("gpu_memory_budget", "host_memory_budget", "nvme_budget", "prepared_states_budget"):
             try:
                 setattr(self, key, parse_bytes(getattr(self, key)))
             except ValueError as e:
@@ -235,6 +242,9 @@ class LazyTrainConfig:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.9:
             problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), e.g. 0.12 (the "
                             f"default), but got {margin!r}")
+        if isinstance(self.prepared_states_budget, int) and self.prepared_states_budget < 0:
+            problems.append(f"lazytrain_config.prepared_states_budget must be a size >= 0 such as '20GiB' (0: off), "
+                            f"but got {self.prepared_states_budget}")
         _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
         if self.calibrate_steps is not None:
             _check_int(problems, "calibrate_steps", self.calibrate_steps, 0, 1000)
@@ -324,7 +334,12 @@ def _coerce_env(text: str, type_hint: Any) -> Any:
             return False
         raise ValueError("expected true/false")
     if hint.startswith("int"):
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:
+            if "str" in hint:  # a size such as 24GiB: parse_bytes reads it
+                return text
+            raise
     if hint == "float":
         return float(text)
     if hint.startswith("list"):

@@ -127,6 +127,21 @@ def test_training_argument_fields_without_importing_transformers():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
 
 
+def test_memory_sizes_from_the_environment(monkeypatch):
+    """LAZYTRAIN_<SIZE> variables take sizes as the fields do ("24GiB", bytes); a negative prepared-states budget
+    is refused with the fix."""
+    import pytest
+
+    from lazytrain_hf.config import LazyTrainConfig
+
+    monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_BUDGET", "24GiB")
+    monkeypatch.setenv("LAZYTRAIN_PREPARED_STATES_BUDGET", "0")
+    cfg = LazyTrainConfig()
+    assert cfg.gpu_memory_budget == 24 * 2**30 and cfg.prepared_states_budget == 0
+    with pytest.raises(ValueError, match="prepared_states_budget must be a size >= 0"):
+        LazyTrainConfig(prepared_states_budget=-1)
+
+
 def test_recipe_errors_bools_yaml_and_unknown_keys_all_at_once(tmp_path):
     """True/false settings take only booleans ("false" would read as true); an unknown lazytrain key is reported
     with the other lazytrain problems; broken YAML (file or --set value) is one error, not a traceback."""

@@ -51,7 +51,7 @@ from torch import Tensor
 from .quant import LUT_EXP_RANGE, LUT_MANT_BITS
 
 __all__ = ["load_cpu_kernel", "cpu_kernel_status", "CpuTables", "kernel_lookup_table", "cpu_adamw_step",
-           "cpu_quantize_blockwise", "cpu_isa_choice", "resolve_isa", "isa_paths", "isa_bit_check", "DTYPE_CODES",
+           "cpu_quantize_blockwise", "cpu_dequantize_q8", "cpu_isa_choice", "resolve_isa", "isa_paths", "isa_bit_check", "DTYPE_CODES",
            "ISA_ENV", "ISA_CODES"]
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,9 @@ logger = logging.getLogger(__name__)
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1}
 # master modes shared with the C++ source
 MASTER_NONE, MASTER_FP32, MASTER_KAHAN = 0, 1, 2
-# lt_abi_version() of the source below (4: the kernel's lookup table layout of `CpuTables`; 5: the ISA argument)
-_ABI_VERSION = 5
+# lt_abi_version() of the source below (4: the kernel's lookup table layout of `CpuTables`; 5: the ISA argument;
+# 6: prepared m / v (lt_dequantize_q8, pre1 / pre2))
+_ABI_VERSION = 6
 
 _SOURCE = r"""
 // lazytrain_hf Hybrid 8-bit AdamW: fused CPU kernel. No torch headers: called from Python through ctypes.
@@ -224,6 +225,7 @@ struct Args {
   float clip, beta2, w1, w2, eps, decay, neg_step_size, bc2_sqrt;
   Codebook cb1, cb2;
   int threads;
+  const float* pre1; const float* pre2;  // m, v already dequantized (fp32 [n]) or nullptr
 };
 
 // Hyperparameters of one update, as fp32 (1 - beta1 and 1 - beta2 come from the caller in double precision:
@@ -456,20 +458,29 @@ template <typename V, int LK, typename PT, typename GT, int MM>
 inline void update_block_simd(PT* __restrict__ p, const GT* __restrict__ g, const uint8_t* c1, const uint8_t* c2,
                               float s1, float s2, const float* qmap1, const float* qmap2,
                               float* __restrict__ mbuf, float* __restrict__ vbuf, float* __restrict__ master,
-                              uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1, float* am2) {
+                              uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1, float* am2,
+                              const float* pm, const float* pv) {
   using F = typename V::F;
   using I = typename V::I;
   constexpr int W = V::kLanes;
   const int64_t lenv = len & ~int64_t{W - 1};
+  // pm / pv: m and v already dequantized (lt_dequantize_q8, the same values): read from there, no table reads
+  const float* msrc = pm != nullptr ? pm : mbuf;
+  const float* vsrc = pv != nullptr ? pv : vbuf;
+  const bool deq = pm == nullptr;
   // where the constants are set up shapes the compiler's register allocation: V::kDequantFirst gives each width
   // the code of its former hand-written version (V16: fewer spills beside the 16 table registers)
-  if constexpr (V::kDequantFirst) V::template dequant<LK>(c1, c2, s1, s2, qmap1, qmap2, mbuf, vbuf, lenv);
+  if constexpr (V::kDequantFirst) {
+    if (deq) V::template dequant<LK>(c1, c2, s1, s2, qmap1, qmap2, mbuf, vbuf, lenv);
+  }
   const F clip = V::set1(h.clip), w1c = V::set1(h.w1c), beta2 = V::set1(h.beta2);
   const F w2 = V::set1(h.w2), eps = V::set1(h.eps), decay = V::set1(h.decay);
   const F nss = V::set1(h.nss), bc2 = V::set1(h.bc2);
   const typename V::Sel lerp = V::sel(h.lerp_mask);
   const I abs_mask = V::set1i(0x7FFFFFFF);
-  if constexpr (!V::kDequantFirst) V::template dequant<LK>(c1, c2, s1, s2, qmap1, qmap2, mbuf, vbuf, lenv);
+  if constexpr (!V::kDequantFirst) {
+    if (deq) V::template dequant<LK>(c1, c2, s1, s2, qmap1, qmap2, mbuf, vbuf, lenv);
+  }
   I b1 = V::zeroi(), b2 = V::zeroi();
   // Software-pipelined: iteration j computes the moments and step of elements j.. and writes the parameter of the
   // previous vector (whose step is ready), so the write's work (Kahan: two roundings, the compensation) overlaps
@@ -480,8 +491,8 @@ inline void update_block_simd(PT* __restrict__ p, const GT* __restrict__ g, cons
   // NaN).
   auto moments = [&](int64_t j) {  // moments, their absmax; returns the step (nss m) / denom
     const F gv = V::mul(V::load(g + j), clip);
-    F m = V::loada(mbuf + j);
-    F v = V::loada(vbuf + j);
+    F m = V::load(msrc + j);
+    F v = V::load(vsrc + j);
     m = V::fmadd(w1c, V::sub(gv, m), V::blend(lerp, gv, m));
     v = V::add(V::mul(v, beta2), V::mul(V::mul(w2, gv), gv));
     const F denom = V::add(V::div(V::sqrt(v), bc2), eps);
@@ -505,7 +516,7 @@ inline void update_block_simd(PT* __restrict__ p, const GT* __restrict__ g, cons
   }
   uint32_t r1 = V::reduce_umax(b1), r2 = V::reduce_umax(b2);
   for (int64_t j = lenv; j < len; ++j) {  // the last len % W elements, one at a time
-    float m = qmap1[c1[j]] * s1, v = qmap2[c2[j]] * s2;
+    float m = deq ? qmap1[c1[j]] * s1 : pm[j], v = deq ? qmap2[c2[j]] * s2 : pv[j];
     update_one<PT, GT, MM>(p, g, m, v, master, kahan, j, h);
     mbuf[j] = m;
     vbuf[j] = v;
@@ -799,9 +810,14 @@ inline void update_block_generic(PT* __restrict__ p, const GT* __restrict__ g, c
                                  const uint8_t* c2, float s1, float s2, const float* qmap1, const float* qmap2,
                                  float* __restrict__ mbuf, float* __restrict__ vbuf, float* __restrict__ master,
                                  uint16_t* __restrict__ kahan, int64_t len, const Hyper& h, float* am1,
-                                 float* am2) {
-  for (int64_t j = 0; j < len; ++j) mbuf[j] = qmap1[c1[j]] * s1;
-  for (int64_t j = 0; j < len; ++j) vbuf[j] = qmap2[c2[j]] * s2;
+                                 float* am2, const float* pm, const float* pv) {
+  if (pm != nullptr) {
+    std::memcpy(mbuf, pm, static_cast<size_t>(len) * 4);
+    std::memcpy(vbuf, pv, static_cast<size_t>(len) * 4);
+  } else {
+    for (int64_t j = 0; j < len; ++j) mbuf[j] = qmap1[c1[j]] * s1;
+    for (int64_t j = 0; j < len; ++j) vbuf[j] = qmap2[c2[j]] * s2;
+  }
   update_block<PT, GT, MM, true>(p, g, mbuf, vbuf, master, kahan, len, h, am1, am2);
 }
 
@@ -820,6 +836,14 @@ inline void prefetch_block(const Args& a, int64_t s, int64_t len) {
   if (MM == kMasterKahan) {
     const char* kp = reinterpret_cast<const char*>(a.kahan + s);
     for (int64_t o = 0; o < len * 2; o += 64) __builtin_prefetch(kp + o, 1);
+  }
+  if (a.pre1 != nullptr) {
+    const char* m = reinterpret_cast<const char*>(a.pre1 + s);
+    const char* v = reinterpret_cast<const char*>(a.pre2 + s);
+    for (int64_t o = 0; o < len * 4; o += 64) {
+      __builtin_prefetch(m + o, 0);
+      __builtin_prefetch(v + o, 0);
+    }
   }
   const char* c1 = static_cast<const char*>(a.state1) + s;
   const char* c2 = static_cast<const char*>(a.state2) + s;
@@ -860,6 +884,8 @@ void adamw_q8(const Args& a, const Hyper& h) {
       uint8_t* c1 = static_cast<uint8_t*>(a.state1) + s;
       uint8_t* c2 = static_cast<uint8_t*>(a.state2) + s;
       if (b + ahead < nblocks) prefetch_block<PT, GT, MM>(a, s + ahead * B, B);
+      const float* pm = a.pre1 != nullptr ? a.pre1 + s : nullptr;
+      const float* pv = a.pre2 != nullptr ? a.pre2 + s : nullptr;
       float am1 = 0.0f, am2 = 0.0f;
       bool done = false;
 #ifdef LT_AVX512
@@ -867,20 +893,20 @@ void adamw_q8(const Args& a, const Hyper& h) {
         // V16 reads its dequantization tables from registers whatever LK: one instantiation for both
         update_block_simd<V16, kScalar, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b],
                                                     a.cb1.qmap, a.cb2.qmap, mbuf, vbuf, master, kahan, len, h,
-                                                    &am1, &am2);
+                                                    &am1, &am2, pm, pv);
         done = true;
       }
 #endif
 #ifdef LT_AVX2
       if (ISA == kIsaAvx2) {
         update_block_simd<V8, LK, PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
-                                              a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+                                              a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2, pm, pv);
         done = true;
       }
 #endif
       if (!done)
         update_block_generic<PT, GT, MM>(p + s, g + s, c1, c2, a.absmax1[b], a.absmax2[b], a.cb1.qmap,
-                                         a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2);
+                                         a.cb2.qmap, mbuf, vbuf, master, kahan, len, h, &am1, &am2, pm, pv);
       a.absmax1[b] = am1;
       a.absmax2[b] = am2;
       quantize_block<ISA, LK>(mbuf, c1, len, am1 > 0.0f ? 1.0f / am1 : 0.0f, a.cb1, 127, false);
@@ -940,6 +966,41 @@ void adamw_impl(const Args& a, bool q8, int isa) {
   adamw_q8<kIsaGeneric, kScalar, PT, GT, MM>(a, h);
 }
 
+// m and v of blocks [b0, b1) dequantized into out1 / out2 (fp32 [n]): the values pass 1 computes (one fp32
+// multiply, code value * block absmax, on every path), for a later update that reads them instead
+// (Args::pre1 / pre2). Vector stores are aligned: a block whose output is not 64-byte aligned takes the scalar loop.
+template <int ISA, int LK>
+void dequant_q8(const uint8_t* c1, const uint8_t* c2, const float* am1, const float* am2, const float* qmap1,
+                const float* qmap2, int64_t n, int64_t B, float* out1, float* out2, int threads) {
+  const int64_t nblocks = (n + B - 1) / B;
+  const int nthreads = std::max(1, threads);
+#pragma omp parallel for schedule(dynamic, kDynamicChunk) num_threads(nthreads) if (nthreads > 1 && n >= 32768)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t s = b * B, len = std::min(B, n - s);
+    const float s1 = am1[b], s2 = am2[b];
+    int64_t done = 0;
+    const bool aligned = (reinterpret_cast<uintptr_t>(out1 + s) % 64 == 0) &&
+                         (reinterpret_cast<uintptr_t>(out2 + s) % 64 == 0);
+    (void)aligned;
+#ifdef LT_AVX512
+    if (ISA == kIsaAvx512 && aligned) {
+      done = len & ~int64_t{15};
+      V16::dequant<LK>(c1 + s, c2 + s, s1, s2, qmap1, qmap2, out1 + s, out2 + s, done);
+    }
+#endif
+#ifdef LT_AVX2
+    if (ISA == kIsaAvx2 && aligned) {
+      done = len & ~int64_t{7};
+      V8::dequant<LK>(c1 + s, c2 + s, s1, s2, qmap1, qmap2, out1 + s, out2 + s, done);
+    }
+#endif
+    for (int64_t j = done; j < len; ++j) {
+      out1[s + j] = qmap1[c1[s + j]] * s1;
+      out2[s + j] = qmap2[c2[s + j]] * s2;
+    }
+  }
+}
+
 template <typename PT, typename GT>
 int dispatch_mode(const Args& a, int q8, int master_mode, int isa) {
   switch (master_mode) {
@@ -954,7 +1015,7 @@ int dispatch_mode(const Args& a, int q8, int master_mode, int isa) {
 
 extern "C" {
 
-int lt_abi_version() { return 5; }
+int lt_abi_version() { return 6; }
 
 // The best `Isa` path this build has (every lower one is there too).
 int lt_isa_best() { return kIsaBest; }
@@ -966,10 +1027,13 @@ int lt_adamw_step(void* param, int param_dtype, const void* grad, int grad_dtype
                   const int32_t* lut1, const float* qmap1, const int32_t* lut2, const float* qmap2,
                   int64_t lut_half, int lut_k, int lut_m,
                   float clip, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
-                  float decay, float neg_step_size, float bc2_sqrt, int threads, int isa) {
+                  float decay, float neg_step_size, float bc2_sqrt, int threads, int isa, const float* pre1,
+                  const float* pre2) {
   Args a{param, grad, state1, state2, absmax1, absmax2, master, kahan, n, block,
          clip, beta2, one_minus_beta1, one_minus_beta2, eps, decay, neg_step_size, bc2_sqrt,
-         Codebook{lut1, qmap1, lut_half, lut_k, lut_m}, Codebook{lut2, qmap2, lut_half, lut_k, lut_m}, threads};
+         Codebook{lut1, qmap1, lut_half, lut_k, lut_m}, Codebook{lut2, qmap2, lut_half, lut_k, lut_m}, threads,
+         pre1, pre2};
+  if ((pre1 == nullptr) != (pre2 == nullptr) || (pre1 != nullptr && !state_8bit)) return 2;
   if (isa < kIsaGeneric || isa > kIsaBest) return 3;
   if (master_mode == kMasterKahan && param_dtype != kBF16) return 2;
   const int q8 = state_8bit;
@@ -978,6 +1042,34 @@ int lt_adamw_step(void* param, int param_dtype, const void* grad, int grad_dtype
   if (param_dtype == kBF16 && grad_dtype == kF32) return dispatch_mode<uint16_t, float>(a, q8, master_mode, isa);
   if (param_dtype == kBF16 && grad_dtype == kBF16) return dispatch_mode<uint16_t, uint16_t>(a, q8, master_mode, isa);
   return 1;
+}
+
+// 8-bit states' m and v (codes [n], absmax [ceil(n / block)]) -> fp32 out1 / out2 [n], as the update's pass 1
+// dequantizes them (the update then takes them as pre1 / pre2). Returns 0, or 3 on an ISA path the build lacks.
+int lt_dequantize_q8(const uint8_t* codes1, const uint8_t* codes2, const float* absmax1, const float* absmax2,
+                     const float* qmap1, const float* qmap2, int64_t n, int64_t block, float* out1, float* out2,
+                     int threads, int isa) {
+  if (isa < kIsaGeneric || isa > kIsaBest) return 3;
+  const bool gather = g_lookup.load(std::memory_order_relaxed) == kGather;
+  (void)gather;
+#ifdef LT_AVX512
+  // V16 reads its tables from registers whatever LK
+  if (isa == kIsaAvx512) {
+    dequant_q8<kIsaAvx512, kScalar>(codes1, codes2, absmax1, absmax2, qmap1, qmap2, n, block, out1, out2, threads);
+    return 0;
+  }
+#endif
+#ifdef LT_AVX2
+  if (isa == kIsaAvx2) {
+    if (gather) dequant_q8<kIsaAvx2, kGather>(codes1, codes2, absmax1, absmax2, qmap1, qmap2, n, block, out1, out2,
+                                               threads);
+    else dequant_q8<kIsaAvx2, kScalar>(codes1, codes2, absmax1, absmax2, qmap1, qmap2, n, block, out1, out2,
+                                       threads);
+    return 0;
+  }
+#endif
+  dequant_q8<kIsaGeneric, kScalar>(codes1, codes2, absmax1, absmax2, qmap1, qmap2, n, block, out1, out2, threads);
+  return 0;
 }
 
 // Blockwise quantization of fp32 x [n] (tests and tools): codes [n], absmax [ceil(n / block)]. Returns 0, or 3
@@ -1075,7 +1167,7 @@ int lt_calibrate_lookup(int64_t n, int reps, const int32_t* lut1, const float* q
       const auto t0 = std::chrono::steady_clock::now();
       lt_adamw_step(p.data(), kBF16, g.data(), kF32, n, s1.data(), s2.data(), 1, a1.data(), a2.data(),
                     master.data(), nullptr, kMasterFp32, B, lut1, qmap1, lut2, qmap2, lut_half, lut_k, lut_m,
-                    1.0f, 0.999f, 0.1f, 0.001f, 1e-8f, 1.0f, -1e-4f, 0.5f, 1, isa);
+                    1.0f, 0.999f, 0.1f, 0.001f, 1e-8f, 1.0f, -1e-4f, 0.5f, 1, isa, nullptr, nullptr);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       best[k] = std::min(best[k], dt);
     }
@@ -1099,7 +1191,8 @@ _ADAMW_ARGTYPES = [_P, _I, _P, _I, _I64,            # param, param_dtype, grad, 
                    _P, _P, _P, _P,                  # lut1, qmap1, lut2, qmap2
                    _I64, _I, _I,                    # lut_half, lut_k, lut_m
                    _F, _F, _F, _F, _F, _F, _F, _F,  # clip, beta2, 1-beta1, 1-beta2, eps, decay, -step_size, bc2_sqrt
-                   _I, _I]                          # threads, isa
+                   _I, _I, _P, _P]                  # threads, isa, pre1, pre2
+_DEQUANT_ARGTYPES = [_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, _I, _I]
 _QUANT_ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _I, _I]
 _CALIBRATE_ARGTYPES = [_I64, _I, _P, _P, _P, _P, _I64, _I, _I, ctypes.POINTER(ctypes.c_double), _I]
 
@@ -1163,6 +1256,8 @@ def bind_library(path: str) -> ctypes.CDLL:
     lib.lt_adamw_step.argtypes = _ADAMW_ARGTYPES
     lib.lt_adamw_step.restype = _I
     lib.lt_quantize_blockwise.argtypes = _QUANT_ARGTYPES
+    lib.lt_dequantize_q8.argtypes = _DEQUANT_ARGTYPES
+    lib.lt_dequantize_q8.restype = _I
     lib.lt_quantize_blockwise.restype = _I
     lib.lt_set_lookup.argtypes = [_I]
     lib.lt_set_lookup.restype = _I
@@ -1231,7 +1326,9 @@ def isa_bit_check(lib: ctypes.CDLL, isa: str, ref: str, *, n: int = 3 * 256 + 77
     256 (the last one partial, one all-zero), gradients with huge, infinite and NaN elements (the last step only:
     before it, which NaN survives where two NaNs meet is the compiler's operand order, not the path's), `steps`
     updates; then the quantizer with and without the floor. fp32 outputs compare NaN-for-NaN (the same reason);
-    everything else bit for bit.
+    everything else bit for bit. The `isa` path also runs with its moments prepared (`cpu_dequantize_q8` before
+    each update, `prepared=`; output buffers 64-byte aligned on alternate steps, else not: the scalar fallback)
+    and must give `ref`'s bits too.
     """
     from .quant import dynamic_map, zero_code
 
@@ -1268,20 +1365,26 @@ def isa_bit_check(lib: ctypes.CDLL, isa: str, ref: str, *, n: int = 3 * 256 + 77
             kah = (torch.randn(n, generator=gen) * 1e-5).to(torch.bfloat16) if mm == "kahan" else None
             for lk in lookups:
                 out = {}
-                for name in (isa, ref):
+                for name, prep in ((isa, False), (ref, False), (isa, True)):
                     if lk is not None:
                         lib.lt_set_lookup(lk)
                     ts = [t.clone() if t is not None else None for t in (p0, s1, s2, a1, a2, mst, kah)]
                     for k, g in enumerate(grads):
+                        pre = None
+                        if prep:
+                            off = (k + seed) % 2  # 1: 4 bytes past an aligned start
+                            pre = (torch.empty(n + off)[off:], torch.empty(n + off)[off:])
+                            cpu_dequantize_q8(lib, tables, *ts[1:5], *pre, block_size=block, threads=1, isa=name)
                         cpu_adamw_step(lib, tables, ts[0], g.to(gd), *ts[1:], block_size=block, clip_coef=0.37,
                                        beta1=0.9, beta2=0.999, eps=1e-8, decay=1 - 2e-4, step_size=2e-3 / (k + 1),
-                                       bc2_sqrt=0.05 * (k + 1), threads=1, isa=name)
-                    out[name] = [t for t in ts if t is not None]
+                                       bc2_sqrt=0.05 * (k + 1), threads=1, isa=name, prepared=pre)
+                    out[(name, prep)] = [t for t in ts if t is not None]
                 names = ["param", "state1", "state2", "absmax1", "absmax2", "master/kahan"]
-                bad = [nm for nm, x, y in zip(names, out[isa], out[ref]) if not same(x, y)]
-                if bad:
-                    return (f"{', '.join(bad)} differ ({pd} params, {gd} grads, master {mm}, table reads "
-                            f"{lk}, {steps} step(s))")
+                for which in ((isa, False), (isa, True)):
+                    bad = [nm for nm, x, y in zip(names, out[which], out[(ref, False)]) if not same(x, y)]
+                    if bad:
+                        return (f"{', '.join(bad)} differ ({pd} params, {gd} grads, master {mm}, table reads "
+                                f"{lk}, {steps} step(s){', moments prepared' if which[1] else ''})")
         x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 4)
         x[::17], x[block:2 * block] = 0.0, 0.0
         for lk in lookups:
@@ -1472,6 +1575,7 @@ def cpu_adamw_step(
     bc2_sqrt: float,
     threads: int,
     isa: str | None = None,
+    prepared: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Run one fused AdamW update in place. All tensors CPU and contiguous with the same numel N.
 
@@ -1484,15 +1588,27 @@ def cpu_adamw_step(
         decay: ``1 - lr * weight_decay``; step_size: ``lr / (1 - beta1**step)``;
         bc2_sqrt: ``sqrt(1 - beta2**step)``; clip_coef: multiplies the gradient; threads: OpenMP threads.
         isa: the ISA path (`resolve_isa`: default ``LAZYTRAIN_CPU_ISA``, else the best); the same bits on every path.
+        prepared: (m, v) fp32 [N], `cpu_dequantize_q8` of the current 8-bit states: the update reads them instead of
+            dequantizing (the same values, so the same bits; the caller must not pass stale ones). Not modified.
 
     Raises:
-        ValueError: unsupported dtype or mode combination (the caller should have routed it to torch), or a bad ISA
-            name.
+        ValueError: unsupported dtype or mode combination (the caller should have routed it to torch), prepared
+            tensors that are not fp32 [N] contiguous or given with fp32 states, or a bad ISA name.
         RuntimeError: an ISA path the build lacks.
     """
     code = ISA_CODES[resolve_isa(lib, isa)]
     q8 = state1.dtype == torch.uint8
     mode = MASTER_FP32 if master is not None else MASTER_KAHAN if kahan is not None else MASTER_NONE
+    pre1 = pre2 = None
+    if prepared is not None:
+        pre1, pre2 = prepared
+        n = param.numel()
+        for t in (pre1, pre2):
+            if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"prepared moments must be contiguous fp32 CPU tensors of {n} elements, but got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if not q8:
+            raise ValueError("prepared moments are for 8-bit states only")
     rc = lib.lt_adamw_step(
         _ptr(param), DTYPE_CODES[param.dtype], _ptr(grad), DTYPE_CODES[grad.dtype], param.numel(),
         _ptr(state1), _ptr(state2), int(q8), _ptr(absmax1), _ptr(absmax2),
@@ -1500,10 +1616,39 @@ def cpu_adamw_step(
         _ptr(tables.lut1), _ptr(tables.qmap1), _ptr(tables.lut2), _ptr(tables.qmap2),
         tables.half, LUT_EXP_RANGE, LUT_MANT_BITS,
         clip_coef, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay, -step_size, bc2_sqrt, threads, code,
+        _ptr(pre1), _ptr(pre2),
     )
     if rc != 0:
         raise ValueError(f"fused CPU AdamW kernel refused param {param.dtype} / grad {grad.dtype} / "
                          f"master mode {mode} (code {rc})")
+
+
+def cpu_dequantize_q8(lib: ctypes.CDLL, tables: CpuTables, state1: Tensor, state2: Tensor, absmax1: Tensor,
+                      absmax2: Tensor, out1: Tensor, out2: Tensor, *, block_size: int, threads: int,
+                      isa: str | None = None) -> None:
+    """8-bit m and v -> fp32, exactly as the update dequantizes them (code value * block absmax), into out1 / out2.
+
+    Args:
+        state1, state2: uint8 codes [N] of m and v (contiguous CPU).
+        absmax1, absmax2: fp32 [ceil(N / block_size)].
+        out1, out2: fp32 [N] contiguous CPU, written (for `cpu_adamw_step(prepared=(out1, out2))`).
+        threads: OpenMP threads; isa: as `cpu_adamw_step` (every path gives the same values).
+
+    Raises:
+        ValueError: tensors of the wrong dtype, size or layout, or a bad ISA name.
+        RuntimeError: an ISA path the build lacks.
+    """
+    n = state1.numel()
+    nb = -(-n // block_size)
+    want = ((state1, torch.uint8, n), (state2, torch.uint8, n), (absmax1, torch.float32, nb),
+            (absmax2, torch.float32, nb), (out1, torch.float32, n), (out2, torch.float32, n))
+    for t, dtype, numel in want:
+        if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"cpu_dequantize_q8: expected a contiguous {dtype} CPU tensor of {numel} elements, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    code = ISA_CODES[resolve_isa(lib, isa)]
+    lib.lt_dequantize_q8(_ptr(state1), _ptr(state2), _ptr(absmax1), _ptr(absmax2), _ptr(tables.qmap1),
+                         _ptr(tables.qmap2), n, block_size, _ptr(out1), _ptr(out2), threads, code)
 
 
 def cpu_quantize_blockwise(lib: ctypes.CDLL, tables: CpuTables, x: Tensor, *, signed: bool, block_size: int,

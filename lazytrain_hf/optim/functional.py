@@ -54,6 +54,7 @@ from ._cpu_kernel import (
     DTYPE_CODES,
     CpuTables,
     cpu_adamw_step,
+    cpu_dequantize_q8,
     cpu_isa_choice,
     cpu_kernel_status,
     load_cpu_kernel,
@@ -72,6 +73,8 @@ __all__ = [
     "adamw_step_torch",
     "adamw_step_cpp",
     "adamw_step_bnb_cuda",
+    "can_prepare_cpp",
+    "dequantize_states_cpp",
     "select_kernel",
     "triton_self_check",
     "cpu_kernel_choice",
@@ -467,7 +470,8 @@ def deferred_launches():
 
 
 def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks, *,
-               block_size: int, kernel: str | None = None, threads: int | None = None) -> str:
+               block_size: int, kernel: str | None = None, threads: int | None = None,
+               prepared: tuple[Tensor, Tensor] | None = None) -> str:
     """Update ``param`` and its ``state`` in place with one AdamW step; returns the kernel used.
 
     Args:
@@ -479,6 +483,8 @@ def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWH
         block_size: quantization block size (elements) of 8-bit states.
         kernel: force one of `KERNELS` (tests, benchmarks); None: `select_kernel`.
         threads: CPU threads for the fused kernel (default `lazytrain_hf.config.cpu_threads()`).
+        prepared: (m, v) fp32 [N], `dequantize_states_cpp` of these 8-bit states since their last update: the
+            fused CPU kernel reads them instead of dequantizing (same values, same bits); other kernels ignore them.
 
     Raises:
         ValueError: unknown kernel, or sizes that do not match.
@@ -492,14 +498,15 @@ def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWH
     if queue is not None:  # `deferred_launches`: run later, with the kernel picked now
         queue.append(functools.partial(_adamw_step_now, param, grad, state, hyper, books, block_size, kernel, threads))
         return kernel
-    _adamw_step_now(param, grad, state, hyper, books, block_size, kernel, threads)
+    _adamw_step_now(param, grad, state, hyper, books, block_size, kernel, threads, prepared)
     return kernel
 
 
 def _adamw_step_now(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks,
-                    block_size: int, kernel: str, threads: int | None) -> None:
+                    block_size: int, kernel: str, threads: int | None,
+                    prepared: tuple[Tensor, Tensor] | None = None) -> None:
     if kernel == "cpp":  # fused one pass: no temporaries to bound
-        adamw_step_cpp(param, grad, state, hyper, books, block_size=block_size, threads=threads)
+        adamw_step_cpp(param, grad, state, hyper, books, block_size=block_size, threads=threads, prepared=prepared)
         return
     if kernel == "triton":  # fused one pass too
         triton_adamw_step(param, grad, state, hyper, books, block_size=block_size)
@@ -586,9 +593,11 @@ def adamw_step_torch(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: 
 
 @torch.no_grad()
 def adamw_step_cpp(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks,
-                   *, block_size: int, threads: int | None = None) -> None:
+                   *, block_size: int, threads: int | None = None,
+                   prepared: tuple[Tensor, Tensor] | None = None) -> None:
     """Fused one-pass CPU update (`_cpu_kernel`). Same result as `adamw_step_torch` up to fp32 rounding
-    order, i.e. at most one code step per 8-bit state element.
+    order, i.e. at most one code step per 8-bit state element. `prepared`: as `adamw_step` (8-bit states only;
+    ignored for fp32 ones).
 
     Raises:
         RuntimeError: the kernel could not be built.
@@ -610,8 +619,35 @@ def adamw_step_cpp(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: Ad
         state.get("master"), state.get("kahan"),
         block_size=block_size, clip_coef=hyper.clip_coef, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
         decay=hyper.decay, step_size=hyper.step_size, bc2_sqrt=hyper.bc2_sqrt,
-        threads=threads if threads is not None else cpu_threads(),
+        threads=threads if threads is not None else cpu_threads(), prepared=prepared if eight_bit else None,
     )
+
+
+def can_prepare_cpp(param: Tensor, state: dict[str, Any]) -> bool:
+    """Whether `dequantize_states_cpp` applies: 8-bit states of a contiguous CPU parameter, the fused kernel
+    built and not switched off (``LAZYTRAIN_CPU_KERNEL=torch``)."""
+    s1 = state.get("state1")
+    return (s1 is not None and s1.dtype == torch.uint8 and param.device.type == "cpu" and param.is_contiguous()
+            and s1.is_contiguous() and state["state2"].is_contiguous() and cpu_kernel_choice() != "torch"
+            and load_cpu_kernel() is not None)
+
+
+@torch.no_grad()
+def dequantize_states_cpp(state: dict[str, Any], books: Codebooks, out: tuple[Tensor, Tensor], *, block_size: int,
+                          threads: int | None = None) -> None:
+    """m and v of 8-bit CPU `state` -> fp32 `out` ([N] each), the values the fused kernel's update dequantizes, so
+    that a later `adamw_step(..., prepared=out)` skips that half of its table reads (Hybrid8bitOptimizer
+    `prepare_states`). Check `can_prepare_cpp` first.
+
+    Raises:
+        RuntimeError: the fused kernel is unavailable. ValueError: tensors of the wrong dtype, size or layout.
+    """
+    lib = load_cpu_kernel()
+    if lib is None:
+        raise RuntimeError(f"fused CPU kernel unavailable: {cpu_kernel_status()[1]}")
+    cpu_dequantize_q8(lib, books.cpu, state["state1"].reshape(-1), state["state2"].reshape(-1), state["absmax1"],
+                      state["absmax2"], out[0], out[1], block_size=block_size,
+                      threads=threads if threads is not None else cpu_threads())
 
 
 @torch.no_grad()

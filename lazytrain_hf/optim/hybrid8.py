@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -151,6 +152,13 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         self._deferred_ids: set[int] = set()  # params whose update `step` hands to `_on_deferred_step`
         self._on_deferred_step: Callable[[dict[str, Any]], None] | None = None
         self.last_step_skipped: bool = False
+        # prepared moments (`prepare_states`): id(param) -> fp32 (m, v) buffers, reused every step; `_prep_ready`:
+        # those dequantized from the current states. `_prep_writes` counts each param's state writes, odd while one
+        # runs (a seqlock: a preparation that overlapped a write is not marked ready)
+        self._prep_bufs: dict[int, tuple[Tensor, Tensor]] = {}
+        self._prep_ready: set[int] = set()
+        self._prep_writes: dict[int, int] = {}
+        self._prep_lock = threading.Lock()
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ param groups
@@ -377,8 +385,68 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             hyper = F.AdamWHyper(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2),
                                  eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
                                  step=int(state["step"]) + 1, clip_coef=clip_coef)
-            F.adamw_step(target, g, tstate, hyper, self._books_for(target.device), block_size=int(group["block_size"]))
+            key = id(p)
+            with self._prep_lock:  # the update below rewrites the states: their prepared copy goes stale
+                ready = key in self._prep_ready
+                self._prep_ready.discard(key)
+                self._prep_writes[key] = self._prep_writes.get(key, 0) + 1
+            try:
+                prepared = self._prep_bufs[key] if ready and stage is None else None
+                F.adamw_step(target, g, tstate, hyper, self._books_for(target.device),
+                             block_size=int(group["block_size"]), prepared=prepared)
+            finally:
+                with self._prep_lock:
+                    self._prep_writes[key] += 1
             state["step"] = hyper.step   # counted once the update went through
+
+    @torch.no_grad()
+    def prepare_states(self, params: list[Tensor], *, threads: int | None = None,
+                       stop: Callable[[], bool] | None = None) -> int:
+        """Dequantize the 8-bit moments of `params` into fp32 host buffers ahead of their next update, whose fused
+        CPU kernel then reads them instead of its own dequantization (half its table reads; the same values, so the
+        same bits). The executor's update worker runs this for the next step's CPU-updated layers while the CPU
+        would otherwise idle (streaming/updates.py). Any later write of a state (an update on any device,
+        `load_state_dict`) discards its prepared copy, so a stale one is never read.
+
+        Host memory: 8 bytes per prepared element (fp32 m and v), allocated at the first call and kept.
+
+        Args:
+            params: parameters of this optimizer; those without 8-bit CPU states (or when the fused CPU kernel is
+                unavailable, `functional.can_prepare_cpp`) are skipped.
+            threads: OpenMP threads (default `lazytrain_hf.config.cpu_threads()`).
+            stop: checked before each parameter; True ends the call early (the rest stay unprepared).
+
+        Returns:
+            Elements prepared (count).
+        """
+        done = 0
+        for p in params:
+            if stop is not None and stop():
+                break
+            state = self.state.get(p)
+            if not state or not F.can_prepare_cpp(p, state):
+                continue
+            bufs = self._prep_bufs.get(id(p))
+            if bufs is None:
+                n = p.numel()
+                bufs = self._prep_bufs[id(p)] = (torch.empty(n, dtype=torch.float32),
+                                                  torch.empty(n, dtype=torch.float32))
+            with self._prep_lock:
+                self._prep_ready.discard(id(p))
+                writes = self._prep_writes.get(id(p), 0)
+            if writes % 2:  # an update is writing these states now
+                continue
+            F.dequantize_states_cpp(state, self._books_for(p.device), bufs,
+                                    block_size=int(self._group_of(p)["block_size"]), threads=threads)
+            with self._prep_lock:  # unless a write (or a load_state_dict) touched the states meanwhile
+                if self._prep_writes.get(id(p), 0) == writes and self.state.get(p) is state:
+                    self._prep_ready.add(id(p))
+            done += p.numel()
+        return done
+
+    def prepared_bytes(self) -> int:
+        """Host bytes held by `prepare_states` buffers (8 per prepared element)."""
+        return sum(a.numel() * 4 + b.numel() * 4 for a, b in self._prep_bufs.values())
 
     def _books_for(self, device: torch.device) -> F.Codebooks:
         books = self._books.get(device)
@@ -513,6 +581,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             logger.warning("the loaded optimizer state keeps %s; continuing with the saved states. To change them, "
                            "load the model from the checkpoint directory (from_pretrained) and train without "
                            "resume_from_checkpoint", " and ".join(kept))
+        with self._prep_lock:
+            self._prep_ready.clear()
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         self._group_index = {}
         self._pending = None

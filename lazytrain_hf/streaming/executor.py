@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -280,7 +281,19 @@ class StreamingExecutor:
                 self._load_filter.remove()
             self._load_filter = optimizer.register_load_state_dict_pre_hook(self.shard.load_filter(layer_params))
         self.updater.set_device_layers(self._device_layers())
+        if hasattr(optimizer, "prepare_states"):
+            self.updater.set_prepare(self._prepare_budget())
         self._set_kept_layers()
+
+    def _prepare_budget(self) -> int:
+        """Host bytes for prepared moments (`LazyTrainConfig.prepared_states_budget`; None: half the memory
+        available now, per local rank)."""
+        if self.config.prepared_states_budget is not None:
+            return int(self.config.prepared_states_budget)
+        import psutil
+
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        return int(0.5 * psutil.virtual_memory().available) // local
 
     def _before_load(self, layer: int) -> None:
         if self.updater is None:
@@ -714,6 +727,12 @@ class StreamingExecutor:
         if up is not None and up.last_run_s is not None:
             extra["cpu_update_ms"] = up.last_run_s * 1e3
             extra["cpu_update_params"] = float(up.last_run_params)
+            extra["cpu_update_prepared_ms"] = up.last_run_prepared_s * 1e3
+            extra["cpu_update_prepared_params"] = float(up.last_run_prepared_params)
+        if up is not None and up.last_prepare_s is not None:  # the preparation for this step's update
+            extra["prepare_ms"] = up.last_prepare_s * 1e3
+            extra["prepare_params"] = float(up.last_prepare_params)
+            extra["prepare_complete"] = float(up.last_prepare_complete)
         if self.device.type == "cuda" and self.streamer.instrument:
             torch.cuda.synchronize(self.device)
             for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):

@@ -15,6 +15,12 @@ GPU next to the freshly loaded weights (`take_device`). `wait_all` (save, evalua
 on the CPU instead: bit for bit the GPU update where that runs the Triton kernel (`optim/_triton_kernel.py`),
 within the kernels' rounding where it runs bitsandbytes'.
 
+Prepared moments (`set_prepare`): once a step's CPU updates are done, the worker dequantizes the next step's
+CPU-updated layers' 8-bit moments into fp32 host buffers (`Hybrid8bitOptimizer.prepare_states`, layer 0 first,
+within a byte budget), while the CPU would idle through the rest of the forward and the backward; the next step's
+update of those layers then skips half of its table reads (same bits). The next `optimizer.step()` (or any
+`wait_all`) stops a preparation still running; the layers it did not reach update as before.
+
 Sharded data parallel (`owned`, streaming/shard.py): only the owned layers are updated here; `on_step` is told
 of each step so the other layers are broadcast from their owners at their next load.
 """
@@ -54,6 +60,16 @@ class LayerUpdater:
         # measured by the executor when instrumented); both restart with each optimizer step
         self.wait_s = 0.0
         self.stall_ms = 0.0
+        # prepared moments: layers the worker prepares after a step's updates (bytes budget: 8 per element)
+        self.prepare_budget = 0
+        self.prepare_threads: int | None = None
+        self._stop = threading.Event()
+        self._prepared: set[int] = set()  # layers whose every 8-bit parameter was prepared by the last run
+        self.last_prepare_s: float | None = None  # wall time of the last preparation (s), None: none ran
+        self.last_prepare_params = 0  # elements it prepared
+        self.last_prepare_complete = False  # it reached every layer it was meant to
+        self.last_run_prepared_s = 0.0  # of last_run_s: the updates of prepared layers (s) ...
+        self.last_run_prepared_params = 0  # ... and their parameters (count)
         optimizer.set_deferred([p for ps in layer_params for p in ps], self._start)
 
     def set_device_layers(self, layers: set[int]) -> None:
@@ -64,8 +80,44 @@ class LayerUpdater:
         self.wait_all()
         self.device_layers = set(layers)
 
+    def set_prepare(self, budget_bytes: int, threads: int | None = None) -> None:
+        """Prepare the next step's CPU-updated layers' moments after each step's updates (layer 0 first, as long
+        as 8 bytes per element fit in `budget_bytes`; 0: off) on `threads` OpenMP threads (None: the optimizer's)."""
+        self.prepare_budget = max(0, int(budget_bytes))
+        self.prepare_threads = threads
+
+    def prepare_layers(self) -> list[int]:
+        """The layers the worker prepares (CPU-updated, owned, in update order, within the budget)."""
+        out, used = [], 0
+        for i in range(len(self.layer_params)):
+            if i in self.device_layers or i not in self.owned:
+                continue
+            need = 8 * sum(p.numel() for p in self.layer_params[i])
+            if used + need > self.prepare_budget:
+                break
+            out.append(i)
+            used += need
+        return out
+
+    def _prepare(self) -> None:
+        """After a step's updates: prepare `prepare_layers` until done or told to stop (`_stop`)."""
+        layers = self.prepare_layers()
+        if not layers:
+            return
+        t0, n, ok = time.perf_counter(), 0, set()
+        for i in layers:
+            if self._stop.is_set():
+                break
+            n += self.optimizer.prepare_states(self.layer_params[i], threads=self.prepare_threads,
+                                               stop=self._stop.is_set)
+            if not self._stop.is_set():  # (parameters without 8-bit states are skipped, not missed)
+                ok.add(i)
+        self._prepared = ok
+        self.last_prepare_s, self.last_prepare_params = time.perf_counter() - t0, n
+        self.last_prepare_complete = ok == set(layers)
+
     def _start(self, snapshot: dict[str, Any]) -> None:
-        self.wait_all()
+        self.wait_all()  # stops a preparation still running: the layers it did not reach update as before
         self.wait_s = self.stall_ms = 0.0
         if self.on_step is not None:
             self.on_step()
@@ -88,15 +140,24 @@ class LayerUpdater:
     def _run(self, snapshot: dict[str, Any]) -> None:
         t0, n = time.perf_counter(), 0
         todo = [i for i in range(len(self.layer_params)) if i not in self.device_layers and i in self.owned]
+        prepared, self._prepared = self._prepared, set()
+        prep_s, prep_n = 0.0, 0
         try:
             if not todo:
                 self.last_run_s, self.last_run_params = 0.0, 0
+                self.last_run_prepared_s, self.last_run_prepared_params = 0.0, 0
             for j, i in enumerate(todo):
+                t1 = time.perf_counter()
                 self.optimizer.step_deferred(self.layer_params[i], snapshot)
-                n += sum(p.numel() for p in self.layer_params[i])
+                k = sum(p.numel() for p in self.layer_params[i])
+                n += k
+                if i in prepared:
+                    prep_s, prep_n = prep_s + time.perf_counter() - t1, prep_n + k
                 if j == len(todo) - 1:  # before the last layer is released: a waiter then reads this run's figures
                     self.last_run_s, self.last_run_params = time.perf_counter() - t0, n
+                    self.last_run_prepared_s, self.last_run_prepared_params = prep_s, prep_n
                 self._done[i].set()
+            self._prepare()
         except BaseException as e:  # surfaced in the training thread by wait()
             self._error = e
             for ev in self._done:
@@ -121,12 +182,18 @@ class LayerUpdater:
             raise RuntimeError("a deferred optimizer update failed") from err
 
     def wait_all(self) -> None:
-        """Every deferred update applied (before weights or optimizer state are read: save, evaluate, ...)."""
+        """Every deferred update applied (before weights or optimizer state are read: save, evaluate, ...); a
+        preparation still running is stopped."""
         for i in range(len(self._done)):
             self.wait(i)
         if self._thread is not None:
+            self._stop.set()
             self._thread.join()
             self._thread = None
+            self._stop.clear()
+            if self._error is not None:  # from the preparation, after every update landed
+                err, self._error = self._error, None
+                raise RuntimeError("preparing optimizer states for the next step failed") from err
         for i in sorted(self.device_pending):  # not streamed in since: update on the CPU
             self.optimizer.step_deferred(self.layer_params[i], self.device_pending[i])
             del self.device_pending[i]

@@ -505,3 +505,63 @@ def test_lr_scheduler_drives_group_lr():
     before = p[0].detach().clone()
     opt.step()
     assert torch.equal(p[0].detach(), before)
+
+
+def test_prepared_moments_give_the_same_bits_and_never_go_stale():
+    """`prepare_states` before some steps (the fused kernel then reads the fp32 copies instead of dequantizing):
+    every byte of params and states equals a never-prepared run after each step, bf16 + Kahan and fp32 master,
+    clipping on. Stale copies are never read: a step without a new preparation, a `load_state_dict` after one,
+    and a preparation of params without 8-bit states (skipped: count 0)."""
+    requires_cpu_kernel()
+    base = _params([(64, 80), (4097,), (17,), (5000,)], dtype=torch.bfloat16)
+    runs = {}
+    for prep in (False, True):
+        ps = _clone(base)
+        opt = Hybrid8bitOptimizer([{"params": ps[:2], "master_weights": "kahan"}, {"params": ps[2:]}], lr=1e-3,
+                                  weight_decay=0.01)
+        snaps = []
+        for step in range(5):
+            for p, g in zip(ps, _grads(ps, step)):
+                p.grad = g
+            if prep and step in (1, 2, 4):  # not before step 3: the copies from before step 2 are stale by then
+                n = opt.prepare_states(ps)
+                assert n == sum(p.numel() for p in ps if p.numel() >= 4096)  # (17,) keeps fp32 states
+                assert opt.prepared_bytes() == 8 * n
+            if prep and step == 4:  # a load after the preparation: the loaded states win
+                opt.load_state_dict(opt.state_dict())
+                assert not opt._prep_ready
+            opt.clip_grad_norm(0.5)
+            opt.step()
+            assert not opt._prep_ready  # every update discards its copy
+            snaps.append(_snapshot(opt, ps))
+        runs[prep] = snaps
+    for a, b in zip(runs[False], runs[True]):
+        _same_bytes(a, b)
+    fresh = Hybrid8bitOptimizer(_params([(4097,)]))
+    assert fresh.prepare_states(list(fresh.param_groups[0]["params"])) == 0  # no states yet
+
+
+def test_prepared_copies_are_what_the_update_reads():
+    """The prepared fp32 copies equal the torch dequantization of the states, and the update reads them: zeroing
+    the prepared m after `prepare_states` changes the result (so the bit-equality test above is not vacuous)."""
+    from lazytrain_hf.optim.quant import dequantize_blockwise
+
+    requires_cpu_kernel()
+    base = _params([(64, 80)], dtype=torch.bfloat16)
+    out = {}
+    for zero_m in (False, True):
+        ps = _clone(base)
+        opt = Hybrid8bitOptimizer(ps, lr=1e-3, master_weights="kahan")
+        for step in range(2):
+            ps[0].grad = _grads(ps, step)[0]
+            if step == 1:
+                assert opt.prepare_states(ps) == ps[0].numel()
+                st, books = opt.state[ps[0]], opt._books_for(ps[0].device)
+                m, v = opt._prep_bufs[id(ps[0])]
+                assert torch.equal(m, dequantize_blockwise(st["state1"], st["absmax1"], books.qmap1, 256).view(-1))
+                assert torch.equal(v, dequantize_blockwise(st["state2"], st["absmax2"], books.qmap2, 256).view(-1))
+                if zero_m:
+                    m.zero_()
+            opt.step()
+        out[zero_m] = ps[0].detach().clone()
+    assert not torch.equal(out[False], out[True])
