@@ -135,12 +135,14 @@ class LazyTrainConfig:
             each way); the plan budgets the GPU memory it holds. Only with gradient_accumulation_steps 1 (with
             accumulation the host sums the gradients); False sends every gradient to the host. Both also apply to a
             schedule loaded from `schedule_path` that was planned with kept gradients.
-        prepared_states_budget (int or str, defaults to None): host memory (bytes, or e.g. "20GiB") for the next
+        prepared_states_budget (int or str, defaults to 0): host memory (bytes, or e.g. "20GiB") for the next
             step's CPU-updated layers' moments dequantized ahead into fp32 (8 bytes per parameter) by the update
             worker after a step's updates, while the CPU would idle through forward and backward; those layers'
             next update then skips half its table reads (bit-identical). Layers are taken in update order (layer 0
-            first) while they fit. None: half the host memory available when the optimizer is attached (per local
-            rank); 0: off. Needs overlap_optimizer.
+            first) while they fit. 0: off, the default: on the H200 host (16 cores) the prepared update ran only
+            1.09x the full one alone (it reads 8 bytes per parameter instead of 2) and no faster inside training
+            steps, where the copy engines share the memory bandwidth (benchmarks/NOTES.md, session 10); it may
+            pay on CPUs with slow gathers (1.16x on 2 Zen 3 cores). Needs overlap_optimizer.
         dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
             "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
             states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is
@@ -191,7 +193,7 @@ class LazyTrainConfig:
     overlap_optimizer: bool = True
     gpu_layer_updates: bool = True
     keep_gpu_grads: bool = True
-    prepared_states_budget: int | str | None = None
+    prepared_states_budget: int | str = 0
     dp_updates: str = "auto"
     loss_chunk_tokens: int = 2048
     schedule_path: str | None = None

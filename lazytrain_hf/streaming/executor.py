@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -282,18 +281,8 @@ class StreamingExecutor:
             self._load_filter = optimizer.register_load_state_dict_pre_hook(self.shard.load_filter(layer_params))
         self.updater.set_device_layers(self._device_layers())
         if hasattr(optimizer, "prepare_states"):
-            self.updater.set_prepare(self._prepare_budget())
+            self.updater.set_prepare(int(self.config.prepared_states_budget or 0))
         self._set_kept_layers()
-
-    def _prepare_budget(self) -> int:
-        """Host bytes for prepared moments (`LazyTrainConfig.prepared_states_budget`; None: half the memory
-        available now, per local rank)."""
-        if self.config.prepared_states_budget is not None:
-            return int(self.config.prepared_states_budget)
-        import psutil
-
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-        return int(0.5 * psutil.virtual_memory().available) // local
 
     def _before_load(self, layer: int) -> None:
         if self.updater is None:

@@ -17,9 +17,10 @@ within the kernels' rounding where it runs bitsandbytes'.
 
 Prepared moments (`set_prepare`): once a step's CPU updates are done, the worker dequantizes the next step's
 CPU-updated layers' 8-bit moments into fp32 host buffers (`Hybrid8bitOptimizer.prepare_states`, layer 0 first,
-within a byte budget), while the CPU would idle through the rest of the forward and the backward; the next step's
-update of those layers then skips half of its table reads (same bits). The next `optimizer.step()` (or any
-`wait_all`) stops a preparation still running; the layers it did not reach update as before.
+within a byte budget, `LazyTrainConfig.prepared_states_budget`, default off), while the CPU would idle through
+the rest of the forward and the backward; the next step's update of those layers then skips half of its table reads
+(same bits). The next `optimizer.step()` (or any `wait_all`) stops a preparation still running; the layers it did
+not reach update as before.
 
 Sharded data parallel (`owned`, streaming/shard.py): only the owned layers are updated here; `on_step` is told
 of each step so the other layers are broadcast from their owners at their next load.

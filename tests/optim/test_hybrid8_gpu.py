@@ -128,7 +128,10 @@ def test_cuda_nonfinite_skip_and_checkpoint_to_host(bnb_cuda):
     assert h_opt.state_bytes().keys() == {"cpu"}
 
 
-def test_cuda_block_size_other_than_256_uses_torch_path(bnb_cuda):
+def test_cuda_block_size_other_than_256_uses_torch_path(bnb_cuda, monkeypatch):
+    """bitsandbytes' kernel is compiled for 256-element blocks: with it chosen (LAZYTRAIN_GPU_KERNEL=bnb; "auto"
+    takes the Triton kernel, which handles any power-of-two block), other block sizes take the torch update."""
+    monkeypatch.setenv(F.GPU_KERNEL_ENV, "bnb")
     p = torch.nn.Parameter(torch.randn(8192, device="cuda"))
     st = {"state1": torch.zeros(8192, dtype=torch.uint8, device="cuda"),
           "state2": torch.zeros(8192, dtype=torch.uint8, device="cuda")}
