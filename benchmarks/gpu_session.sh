@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s10a | s10b | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s10a | s10b | s10c | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -181,6 +181,16 @@ for stage in "$@"; do
            timeout 165 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 80 $PIN $H --systems stock_trainer --caps none --batch-sizes 16 --budget-s 75 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 120 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s10c)  # 1 GPU (~8.5 min): prepared moments on and off in one run (s10a / s10b were separate calls whose in-step
+           # CPU rates, 3.02-3.28 G params/s, sit inside one spread): MILP 24 GiB B=16 on, off, then B=8 off, on
+           PRES=${HARNESS_OUT_PREP:-$OUT/7b-s10c-prepared-$(date +%Y%m%d).json}
+           ORES=${HARNESS_OUT:-$OUT/7b-s10c-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --systems lazytrain_milp --caps 24"
+           P="env LAZYTRAIN_PREPARED_STATES_BUDGET=40GiB"
+           $P timeout 165 $PIN $H --out $PRES --batch-sizes 16 --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 115 $PIN $H --out $ORES --batch-sizes 16 --budget-s 110 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 115 $PIN $H --out $ORES --batch-sizes 8 --budget-s 110 2>&1 | grep -v -i warning | grep -v train_runtime
+           $P timeout 115 $PIN $H --out $PRES --batch-sizes 8 --budget-s 110 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s9e)   # 1 GPU (~4 min): issue 3's batch 32 side by side in one run: stock B=32 uncapped, MILP 24 GiB B=32
            HRES=${HARNESS_OUT:-$OUT/7b-s9e-$(date +%Y%m%d).json}
            H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --out $HRES"
