@@ -142,7 +142,8 @@ class LazyTrainConfig:
             first) while they fit. 0: off, the default: on the H200 host (16 cores) the prepared update ran only
             1.09x the full one alone (it reads 8 bytes per parameter instead of 2) and no faster inside training
             steps, where the copy engines share the memory bandwidth (benchmarks/NOTES.md, session 10); it may
-            pay on CPUs with slow gathers (1.16x on 2 Zen 3 cores). Needs overlap_optimizer.
+            pay on CPUs with slow gathers (1.16x on 2 Zen 3 cores). Needs overlap_optimizer. The planner's host
+            memory accounting does not count these buffers: leave room for them in host_memory_budget.
         dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
             "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
             states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is
@@ -263,6 +264,9 @@ class LazyTrainConfig:
             problems.append("lazytrain_config.dp_updates='sharded' needs overlap_optimizer=True (the sharded update "
                             "runs through the deferred per-layer updater); set overlap_optimizer=True or "
                             "dp_updates='replicated'")
+        if self.prepared_states_budget and not self.overlap_optimizer:
+            problems.append("lazytrain_config.prepared_states_budget needs overlap_optimizer=True (the update worker "
+                            "prepares the moments); set overlap_optimizer=True or prepared_states_budget=0")
         if self.schedule_path and not Path(self.schedule_path).is_file():
             problems.append(f"lazytrain_config.schedule_path: no file at {self.schedule_path!r}")
         if problems:
@@ -339,8 +343,8 @@ def _coerce_env(text: str, type_hint: Any) -> Any:
         try:
             return int(text)
         except ValueError:
-            if "str" in hint:  # a size such as 24GiB: parse_bytes reads it
-                return text
+            if "str" in hint:  # a size such as 24GiB (an error here names the variable)
+                return parse_bytes(text)
             raise
     if hint == "float":
         return float(text)

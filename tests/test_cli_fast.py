@@ -140,6 +140,11 @@ def test_memory_sizes_from_the_environment(monkeypatch):
     assert cfg.gpu_memory_budget == 24 * 2**30 and cfg.prepared_states_budget == 0
     with pytest.raises(ValueError, match="prepared_states_budget must be a size >= 0"):
         LazyTrainConfig(prepared_states_budget=-1)
+    with pytest.raises(ValueError, match="prepared_states_budget needs overlap_optimizer=True"):
+        LazyTrainConfig(prepared_states_budget="1GiB", overlap_optimizer=False)
+    monkeypatch.setenv("LAZYTRAIN_PREPARED_STATES_BUDGET", "20 gigs")  # the error names the variable set
+    with pytest.raises(ValueError, match="environment LAZYTRAIN_PREPARED_STATES_BUDGET='20 gigs': expected a size"):
+        LazyTrainConfig()
 
 
 def test_recipe_errors_bools_yaml_and_unknown_keys_all_at_once(tmp_path):

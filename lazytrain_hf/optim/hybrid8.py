@@ -387,11 +387,11 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                                  step=int(state["step"]) + 1, clip_coef=clip_coef)
             key = id(p)
             with self._prep_lock:  # the update below rewrites the states: their prepared copy goes stale
-                ready = key in self._prep_ready
+                bufs = self._prep_bufs.get(key) if key in self._prep_ready else None
                 self._prep_ready.discard(key)
                 self._prep_writes[key] = self._prep_writes.get(key, 0) + 1
             try:
-                prepared = self._prep_bufs[key] if ready and stage is None else None
+                prepared = bufs if stage is None else None
                 F.adamw_step(target, g, tstate, hyper, self._books_for(target.device),
                              block_size=int(group["block_size"]), prepared=prepared)
             finally:
@@ -443,6 +443,18 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
                     self._prep_ready.add(id(p))
             done += p.numel()
         return done
+
+    def release_prepared(self, params: Iterable[Tensor]) -> int:
+        """Free the `prepare_states` buffers of `params` (e.g. layers no longer prepared after a re-plan), so
+        that the buffers held stay within the budget of the layers prepared now; returns the bytes freed."""
+        freed = 0
+        with self._prep_lock:
+            for p in params:
+                self._prep_ready.discard(id(p))
+                bufs = self._prep_bufs.pop(id(p), None)
+                if bufs is not None:
+                    freed += 4 * (bufs[0].numel() + bufs[1].numel())
+        return freed
 
     def prepared_bytes(self) -> int:
         """Host bytes held by `prepare_states` buffers (8 per prepared element)."""

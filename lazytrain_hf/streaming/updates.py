@@ -103,6 +103,10 @@ class LayerUpdater:
     def _prepare(self) -> None:
         """After a step's updates: prepare `prepare_layers` until done or told to stop (`_stop`)."""
         layers = self.prepare_layers()
+        if hasattr(self.optimizer, "release_prepared"):  # buffers of layers no longer prepared (re-plan, budget)
+            keep = set(layers)
+            self.optimizer.release_prepared([p for i, ps in enumerate(self.layer_params) if i not in keep
+                                             for p in ps])
         if not layers:
             return
         t0, n, ok = time.perf_counter(), 0, set()
