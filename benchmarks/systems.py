@@ -283,7 +283,8 @@ def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if cal is not None and cal.done:  # measured warm-up steps vs the plan (hf/calibrate.py)
         extra["calibration"] = {"k": cal.k, "compute_scale": cal.scale, "cpu_optim_params_per_s": cal.cpu_rate,
                                 "measured_cpu_rates": cal.cpu_rates, "step_ms": cal.step_ms,
-                                "predicted_step_s_before": cal.predicted_before_ms and cal.predicted_before_ms / 1e3}
+                                "predicted_step_s_before": cal.predicted_before_ms and cal.predicted_before_ms / 1e3,
+                                "kept_running_ms": cal.kept_running_ms, "replanned_ms": cal.replanned_ms}
     extra["gpu_updated_layers"] = sum(lp.optimizer_device == "gpu" for lp in sched.layers)
     extra["keep_grads"] = sched.keep_grads  # the plan kept their gradients on the GPU (kept_grad_gib at the end)
     extra["kept_grad_gib"] = ex.stats.extra.get("kept_grad_bytes", 0.0) / GIB

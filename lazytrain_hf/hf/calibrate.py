@@ -25,12 +25,17 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Calibration", "THRESHOLD", "RATE_THRESHOLD"]
+__all__ = ["Calibration", "THRESHOLD", "RATE_THRESHOLD", "SWITCH_GAIN"]
 
 #: re-plan when the GPU compute is off the prediction by more than this (relative) ...
 THRESHOLD = 0.05
 #: ... or the measured CPU optimizer rate is off the planned one by more than this (relative)
 RATE_THRESHOLD = 0.10
+#: ... and switch to the new plan only when it is predicted faster than the running plan, both valued at the measured
+#: figures, by more than this (relative): twice the planner's default MIP gap (1%), inside which two plans are not
+#: told apart. Without it a noisy measured CPU rate flipped a batch-16 plan between keeping gradients on the GPU and
+#: not (2.274 vs 2.431 s measured, benchmarks/NOTES.md session 10)
+SWITCH_GAIN = 0.02
 
 
 @dataclass
@@ -58,6 +63,9 @@ class Calibration:
     scale: float | None = None
     cpu_rate: float | None = None
     predicted_before_ms: float | None = None
+    #: set when the re-plan was not clearly faster and the running plan stayed: both valued at the measured figures
+    kept_running_ms: float | None = None
+    replanned_ms: float | None = None
     _predicted_ms: float = 0.0
     _compute_ms: float = 0.0
     _rate: float | None = None
@@ -111,6 +119,12 @@ class Calibration:
     def measured_cpu_rate(self) -> float | None:
         """Median parameters/s of the deferred CPU updates over the used steps; None when none ran."""
         return statistics.median(self.cpu_rates) if self.cpu_rates else None
+
+    @staticmethod
+    def worth_switching(running_ms: float, replanned_ms: float) -> bool:
+        """Whether the re-planned step (ms) beats the running plan's (ms, valued with the same calibrated costs) by
+        more than `SWITCH_GAIN`."""
+        return replanned_ms < running_ms * (1.0 - SWITCH_GAIN)
 
     @staticmethod
     def needs_replan(k: float, rate: float | None, planned_rate: float | None) -> bool:

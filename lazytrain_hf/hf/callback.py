@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 
 from ..planning.buckets import BucketSchedules
 from ..planning.schedule import Schedule
-from .calibrate import Calibration
+from .calibrate import SWITCH_GAIN, Calibration
 
 if TYPE_CHECKING:
     from .trainer import LazyTrainer
@@ -108,7 +108,8 @@ class LazyTrainCallback(TrainerCallback):
 
     def _recalibrated_plans(self) -> BucketSchedules | None:
         """The bucket plans solved again with the measured CPU optimizer rate and the GPU compute costs scaled by
-        the measured factor (hf/calibrate.py), or None when the measurements match the running plan. Changes
+        the measured factor (hf/calibrate.py), or None when the measurements match the running plan or the new plan
+        is not `SWITCH_GAIN` faster than the running one at the measured figures. Changes
         nothing itself (the caller switches). Each rank decides on its own measurements: ranks may run different
         plans (set_schedule issues no collective). The CPU-rate correction (delta) of each measured step is that of
         the bucket plan its first micro-batch ran (the one the CPU updates overlap)."""
@@ -138,6 +139,17 @@ class LazyTrainCallback(TrainerCallback):
         scale = old_scale * k
         plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate)
         new = plans.schedules[plans.buckets[-1]]
+        # the running plan valued with the same calibrated costs: switch only for a clear gain (SWITCH_GAIN)
+        cm = cost_model_for_trainer(tr, plans.buckets[-1], scale, rate)[0]
+        running_ms = evaluate(cm.for_schedule(old), old).step_ms
+        new_ms = float(new.predicted.get("step_ms", float("nan")))
+        if not cal.worth_switching(running_ms, new_ms):
+            logger.info("LazyTrain calibration: GPU compute ran %.2fx the prediction, CPU optimizer %s; the re-plan "
+                        "predicts %.1f ms against the running plan's %.1f ms at these figures (not %.0f%% better): "
+                        "keeping the running plan", k, "-" if rate is None else f"{rate / 1e9:.2f} G params/s",
+                        new_ms, running_ms, 100 * SWITCH_GAIN)
+            cal.kept_running_ms, cal.replanned_ms = running_ms, new_ms
+            return None
         cal.scale, cal.cpu_rate = scale, rate
         cal.predicted_before_ms = old.predicted.get("step_ms")
         logger.info("LazyTrain calibration: GPU compute ran %.2fx the prediction, CPU optimizer %s (planned %s); "

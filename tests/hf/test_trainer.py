@@ -122,6 +122,30 @@ def test_milp_plan_is_recalibrated_from_measured_steps_and_still_equals_stock(tm
         assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
 
 
+def test_a_replan_not_clearly_faster_keeps_the_running_plan(tmp_path, monkeypatch):
+    """When the re-plan does not beat the running plan, both valued at the measured figures, by more than
+    SWITCH_GAIN (Calibration.worth_switching), the running plans stay (compute scale 1) and both predictions are
+    recorded; training still equals the stock Trainer."""
+    from lazytrain_hf.hf.calibrate import SWITCH_GAIN, Calibration
+
+    assert Calibration.worth_switching(1000.0, 1000.0 * (1 - SWITCH_GAIN) - 1e-6)
+    assert not Calibration.worth_switching(1000.0, 1000.0 * (1 - SWITCH_GAIN))
+    seen = []
+
+    def never(running_ms, replanned_ms):
+        seen.append((running_ms, replanned_ms))
+        return False
+
+    monkeypatch.setattr(Calibration, "worth_switching", staticmethod(never))
+    stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1})
+    cal = lazy.calibration
+    assert cal.done and len(seen) == 1 and (cal.kept_running_ms, cal.replanned_ms) == seen[0]
+    assert seen[0][0] > 0 and seen[0][1] > 0 and cal.scale is None
+    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.bucket_plans.schedules.values())
+    for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
+        assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+
+
 def test_a_failed_recalibration_keeps_the_plan_and_the_run(tmp_path, monkeypatch):
     from lazytrain_hf.hf import plan
 
