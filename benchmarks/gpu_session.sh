@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s10a | s10b | s10c | s10d | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -197,6 +197,14 @@ for stage in "$@"; do
            H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --out $HRES --systems lazytrain_milp --caps 24"
            timeout 165 $PIN $H --batch-sizes 16 --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 115 $PIN $H --batch-sizes 8 --budget-s 110 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s10e)  # 1 GPU (~5 min): the CPU update is memory bound in steps (s10a-c): does it keep its rate on 12 of the 16
+           # cores, leaving 4 to the launching thread and the copy threads? MILP 24 GiB B=16 at 12 threads, then 16
+           T=${LAZYTRAIN_CPU_THREADS:-$(nproc)}
+           HRES=${HARNESS_OUT:-$OUT/7b-s10e-$(date +%Y%m%d).json}
+           TRES=${HARNESS_OUT_T12:-$OUT/7b-s10e-t12-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --systems lazytrain_milp --caps 24 --batch-sizes 16"
+           LAZYTRAIN_CPU_THREADS=$(( T - 4 )) timeout 165 $PIN $H --out $TRES --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 115 $PIN $H --out $HRES --budget-s 110 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s9e)   # 1 GPU (~4 min): issue 3's batch 32 side by side in one run: stock B=32 uncapped, MILP 24 GiB B=32
            HRES=${HARNESS_OUT:-$OUT/7b-s9e-$(date +%Y%m%d).json}
            H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --out $HRES"
