@@ -141,8 +141,8 @@ class LazyTrainConfig:
             next update then skips half its table reads (bit-identical). Layers are taken in update order (layer 0
             first) while they fit. 0: off, the default: on the H200 host (16 cores) the prepared update ran only
             1.09x the full one alone (it reads 8 bytes per parameter instead of 2) and no faster inside training
-            steps, where the copy engines share the memory bandwidth (benchmarks/NOTES.md, session 10); it may
-            pay on CPUs with slow gathers (1.16x on 2 Zen 3 cores). Needs overlap_optimizer. The planner's host
+            steps (benchmarks/NOTES.md, session 10); it may pay on CPUs with slow gathers (1.16x on 2 Zen 3
+            cores). Needs overlap_optimizer. The planner's host
             memory accounting does not count these buffers: leave room for them in host_memory_budget.
         dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
             "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
