@@ -245,9 +245,11 @@ class LazyTrainConfig:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.9:
             problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), e.g. 0.12 (the "
                             f"default), but got {margin!r}")
-        if isinstance(self.prepared_states_budget, int) and self.prepared_states_budget < 0:
-            problems.append(f"lazytrain_config.prepared_states_budget must be a size >= 0 such as '20GiB' (0: off), "
-                            f"but got {self.prepared_states_budget}")
+        for key, example in (("gpu_memory_budget", "'24GiB'"), ("host_memory_budget", "'100GiB'"),
+                             ("nvme_budget", "'200GiB'"), ("prepared_states_budget", "'20GiB' (0: off)")):
+            value = getattr(self, key)
+            if isinstance(value, int) and value < 0:
+                problems.append(f"lazytrain_config.{key} must be a size >= 0 such as {example}, but got {value}")
         _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
         if self.calibrate_steps is not None:
             _check_int(problems, "calibrate_steps", self.calibrate_steps, 0, 1000)

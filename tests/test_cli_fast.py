@@ -138,8 +138,9 @@ def test_memory_sizes_from_the_environment(monkeypatch):
     monkeypatch.setenv("LAZYTRAIN_PREPARED_STATES_BUDGET", "0")
     cfg = LazyTrainConfig()
     assert cfg.gpu_memory_budget == 24 * 2**30 and cfg.prepared_states_budget == 0
-    with pytest.raises(ValueError, match="prepared_states_budget must be a size >= 0"):
-        LazyTrainConfig(prepared_states_budget=-1)
+    with pytest.raises(ValueError, match="prepared_states_budget must be a size >= 0") as e:
+        LazyTrainConfig(prepared_states_budget=-1, gpu_memory_budget=-5)
+    assert "gpu_memory_budget must be a size >= 0 such as '24GiB', but got -5" in str(e.value)
     with pytest.raises(ValueError, match="prepared_states_budget needs overlap_optimizer=True"):
         LazyTrainConfig(prepared_states_budget="1GiB", overlap_optimizer=False)
     monkeypatch.setenv("LAZYTRAIN_PREPARED_STATES_BUDGET", "20 gigs")  # the error names the variable set
