@@ -374,6 +374,41 @@ def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain, keep):
         assert torch.equal(weights[placed][name], w), name
 
 
+def _prepared_runs(plans, budgets, check):
+    """Trains a copy of tiny Qwen2 (bf16, Kahan, clipping) for len(plans) steps per prepared-states budget, step k
+    under plans[k] (`set_schedule`); `check(ex, opt, budget, step)` runs after each step's backward. Returns the
+    weights per budget."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    base = load_model("qwen2-tiny", "bfloat16", seed=6)
+    weights = {}
+    for budget in budgets:
+        model = copy.deepcopy(base)
+        ex = StreamingExecutor(model, LazyTrainConfig(prepared_states_budget=budget), "cpu", plans[0],
+                               host_grad_dtype="param")
+        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, min_8bit_size=256,
+                                  master_weights="kahan")
+        opt.set_grad_source(ex.grad_source)
+        opt.set_state_allocator(ex.state_alloc)
+        ex.attach_optimizer(opt)
+        for step, plan in enumerate(plans):
+            ex.set_schedule(plan)
+            ids, mask, labels = random_batch(model.config.vocab_size, seed=30 + step)
+            ex.zero_grad()
+            ex.forward_backward(ids, labels, mask)
+            check(ex, opt, budget, step)
+            opt.clip_grad_norm(0.5, ex.grad_norm())
+            opt.step()
+        ex.flush_updates()
+        weights[budget] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ex.close()
+    return weights
+
+
+def _layer_prep_bytes(layer: int = 1) -> int:
+    return 8 * sum(p.numel() for p in load_model("qwen2-tiny", "bfloat16", seed=6).model.layers[layer].parameters())
+
+
 @pytest.mark.parametrize("budget_layers", [1, 99])
 def test_prepared_moments_equal_unprepared_updates(budget_layers):
     """The update worker prepares the next step's CPU-updated layers' moments after each step
@@ -381,42 +416,41 @@ def test_prepared_moments_equal_unprepared_updates(budget_layers):
     with GPU-placed layers and clipping, 4 steps give bit-identical weights to a run with the budget 0; the
     prepared layers are the first CPU-updated ones, their updates are timed apart, and the preparation shows in
     stats.extra."""
-    from lazytrain_hf.optim import Hybrid8bitOptimizer
-
-    base = load_model("qwen2-tiny", "bfloat16", seed=6)
-    L = base.config.num_hidden_layers
+    L = load_model("qwen2-tiny", "bfloat16", seed=6).config.num_hidden_layers
     lays = [LayerPlan(checkpoint=True, optimizer_device="gpu" if i == 0 else "cpu") for i in range(L)]
-    layer_bytes = 8 * sum(p.numel() for p in base.model.layers[1].parameters())
-    weights = {}
-    for budget in (0, budget_layers * layer_bytes):
-        model = copy.deepcopy(base)
-        ex = StreamingExecutor(model, LazyTrainConfig(prepared_states_budget=budget), "cpu",
-                               Schedule("milp", lays, keep_grads=True), host_grad_dtype="param")
-        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, min_8bit_size=256,
-                                  master_weights="kahan")
-        opt.set_grad_source(ex.grad_source)
-        opt.set_state_allocator(ex.state_alloc)
-        ex.attach_optimizer(opt)
-        want = list(range(1, min(L, 1 + budget_layers))) if budget else []
-        assert ex.updater.prepare_layers() == want
-        for step in range(4):
-            ids, mask, labels = random_batch(model.config.vocab_size, seed=30 + step)
-            ex.zero_grad()
-            ex.forward_backward(ids, labels, mask)
-            x = ex.stats.extra
-            if budget and step >= 2:  # step 0's update prepared step 1's: timed in step 1, seen at step 2's end
-                eight_bit = sum(p.numel() for i in want for p in ex.layers[i].parameters() if opt.state[p]
-                                and opt.state[p]["state1"].dtype == torch.uint8)
-                assert x["prepare_params"] == eight_bit > 0 and x["prepare_complete"] == 1.0
-                assert x["cpu_update_prepared_params"] == sum(p.numel() for i in want
-                                                              for p in ex.layers[i].parameters())
-            elif not budget:
-                assert "prepare_ms" not in x and x.get("cpu_update_prepared_params", 0.0) == 0.0
-            opt.clip_grad_norm(0.5, ex.grad_norm())
-            opt.step()
-        ex.flush_updates()
-        weights[budget] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        ex.close()
-    ref, got = weights.values()
+    want = list(range(1, min(L, 1 + budget_layers)))
+
+    def check(ex, opt, budget, step):
+        assert ex.updater.prepare_layers() == (want if budget else [])
+        x = ex.stats.extra
+        if budget and step >= 2:  # step 0's update prepared step 1's: timed in step 1, seen at step 2's end
+            eight_bit = sum(p.numel() for i in want for p in ex.layers[i].parameters() if opt.state[p]
+                            and opt.state[p]["state1"].dtype == torch.uint8)
+            assert x["prepare_params"] == eight_bit > 0 and x["prepare_complete"] == 1.0
+            assert x["cpu_update_prepared_params"] == sum(p.numel() for i in want for p in ex.layers[i].parameters())
+        elif not budget:
+            assert "prepare_ms" not in x and x.get("cpu_update_prepared_params", 0.0) == 0.0
+
+    plans = [Schedule("milp", lays, keep_grads=True)] * 4
+    ref, got = _prepared_runs(plans, (0, budget_layers * _layer_prep_bytes()), check).values()
+    for name, w in ref.items():
+        assert torch.equal(got[name], w), name
+
+
+def test_prepared_buffers_stay_within_budget_when_the_plan_moves_layers():
+    """A re-plan or another bucket's plan moves layers between CPU and GPU updates every 2 steps (0 -> 1 -> 2 -> 0
+    GPU-updated layers): the prepared buffers held never exceed the budget (one layer's; buffers of layers no longer
+    prepared are freed), and the weights equal a run without preparation bit for bit (found by a fresh-user review:
+    the buffers of layers left behind were kept)."""
+    L = load_model("qwen2-tiny", "bfloat16", seed=6).config.num_hidden_layers
+    plans = [Schedule("milp", [LayerPlan(checkpoint=True, optimizer_device="gpu" if i < k else "cpu")
+                               for i in range(L)]) for k in (0, 0, 1, 1, 2, 2, 0, 0)]
+
+    def check(ex, opt, budget, step):
+        if ex.updater._thread is not None:  # the last step's updates and preparation done (not stopped)
+            ex.updater._thread.join()
+        assert opt.prepared_bytes() <= budget, (step, opt.prepared_bytes(), budget)
+
+    ref, got = _prepared_runs(plans, (0, _layer_prep_bytes()), check).values()
     for name, w in ref.items():
         assert torch.equal(got[name], w), name
