@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
-# caps 24 then 80 GiB, 1 warm-up + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
+# caps 24 then 80 GiB, 6 warm-up (3 of them calibrate the MILP plan) + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
 # carried with .devsite/ and .data/: carry [".devsite", ".data", ".dssite"]. Each call works for at most
 # HARNESS_BUDGET_S (540 s) and resumes from $HARNESS_OUT (default benchmarks/results/7b-<date>.json): copy the JSON
 # that comes back in $OUT to that path here before the next call; the last line says "suite complete" ("all requested rows done" for a subset) or REMAINING n.

@@ -45,7 +45,9 @@ ORDER = (*LT, *STOCK, *OFFLOAD)
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                   batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
-    "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=4,
+    # warmup 6: LazyTrain rows calibrate on warmup - 3 = 3 steps (benchmarks/systems.py); on 1 step the measured CPU
+    # update rate varied 3.0-4.4 G params/s across rows of one configuration (benchmarks/NOTES.md, session 10)
+    "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=6,
                batch={24: {**{s: [8, 16, 32, 64] for s in LT}, **{s: [1, 8] for s in STOCK},
                            **{s: [8] for s in OFFLOAD}},
                       80: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16], "stock_trainer_bnb8": [8, 16, 32],
