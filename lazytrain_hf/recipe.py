@@ -18,6 +18,7 @@ import ast
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,6 +255,14 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     lazy = raw.get("lazytrain") or {}
     if isinstance(lazy, dict):  # LazyTrainConfig checks its own bool fields
         lazy = _read_bool_words(lazy, {f.name for f in dataclasses.fields(LazyTrainConfig) if str(f.type) == "bool"})
+    if isinstance(lazy, dict):  # a size without a unit would be bytes ("24": 24 bytes), surely not meant (as in `plan`)
+        for k in ("gpu_memory_budget", "host_memory_budget", "nvme_budget", "prepared_states_budget"):
+            v = lazy.get(k)
+            if (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0) or \
+                    (isinstance(v, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", v) and float(v) > 0):
+                problems.append(f"lazytrain.{k}: {v} has no unit (it would be {v} bytes); give one, e.g. "
+                                f"{str(v).strip()}GiB")
+                lazy = {**lazy, k: None}  # reported here; LazyTrainConfig checks the rest
     try:
         if isinstance(lazy, str):  # a LazyTrainConfig YAML path
             lazy = LazyTrainConfig.from_any(lazy).to_dict()

@@ -213,3 +213,19 @@ def test_unknown_recipe_keys_suggest_the_close_one():
     for hint in ("did you mean training.max_steps?", "did you mean lazytrain.policy?", "did you mean data.max_length?"):
         assert hint in text, text
     assert "model.zzz" in text and "did you mean model." not in text
+
+
+def test_recipe_sizes_without_a_unit_are_refused_before_the_imports():
+    """`--set lazytrain.gpu_memory_budget=24` (or `24` in the YAML) would be 24 bytes, surely not meant: the recipe
+    refuses it with the fix, as `lazytrain-hf plan --gpu-memory 24` does; 0 (off) and sizes with a unit pass."""
+    import pytest
+
+    from lazytrain_hf.recipe import load_recipe
+
+    with pytest.raises(ValueError) as e:
+        load_recipe(RECIPE, ["lazytrain.gpu_memory_budget=24", "lazytrain.host_memory_budget=100.5"])
+    text = str(e.value)
+    assert "lazytrain.gpu_memory_budget: 24 has no unit" in text and "e.g. 24GiB" in text, text
+    assert "lazytrain.host_memory_budget: 100.5 has no unit" in text, text
+    r = load_recipe(RECIPE, ["lazytrain.gpu_memory_budget=24GiB", "lazytrain.prepared_states_budget=0"])
+    assert r.lazytrain["gpu_memory_budget"] == "24GiB" and r.lazytrain["prepared_states_budget"] == 0
