@@ -69,7 +69,11 @@ def train(args: argparse.Namespace) -> int:
                           data_collator=make_collator(tokenizer, pad_to_multiple_of=8), processing_class=tokenizer)
     resume: Any = args.resume
     if resume == "last":
-        resume = True
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(targs.output_dir)  # _preflight saw one
+    if resume:
+        logger.info("resuming from %s", resume)
     t0 = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume)
     out = Path(targs.output_dir)
