@@ -9,6 +9,14 @@ grad on its slot, backpropagates, and adds the layer's parameter gradients into 
 The per-layer keyword arguments (rotary cos/sin, attention masks, position ids) are captured by running the HF
 base model's own forward with stand-in layers (`_Capture`), so the executor follows each architecture's and
 each transformers version's own mask and position logic instead of re-implementing it.
+
+Note [slot reuse]: backward ends with its last layers (1, 0 at prefetch depth 1) in weight slots, and the next
+forward starts with them. A slot whose weights still equal the host copy is loaded without the H2D copy (the load's
+hooks still run: a GPU-side update is staged and applied on the slot as after a copy). That holds for every slot
+between micro-batches of one optimizer step (no update ran), and after a step for the layers whose update waits
+for their load on the device (`LayerUpdater.device_pending`: their host weights are untouched since the backward
+loaded them). Any flush (save, evaluate, a schedule change: it may apply pending updates on the host), sharded data
+parallel (weights arrive by broadcast) and a step without the deferred updater reuse nothing.
 """
 
 from __future__ import annotations
@@ -206,6 +214,10 @@ class StreamingExecutor:
         self._launches: dict[int, tuple] = {}  # id(slot) -> (slot, layer, queued update, copy-back list)
         self._staging_layer: int | None = None  # the layer whose GPU-side update is being staged
         self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
+        # Note [slot reuse]: on unless switched off (tests compare both); trusted only after a pass and no flush
+        self.reuse_slots = True
+        self._reuse_ok = False
+        self._reuse_step = 0
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
                                                      self.config.activation_tier, self.config.prefetch_depth))
@@ -249,9 +261,12 @@ class StreamingExecutor:
             self.streamer.after_load = self._after_load
             self.streamer.before_compute = self._before_compute
             self.streamer.skip_h2d = self.shard.receives if self.shard is not None else None
+        before = self._device_layers() if self.schedule is not None else None
         self.schedule = schedule
         self._ops = plan_ops(schedule)
         self._segment_end = dict(schedule.segments())  # segment start -> end
+        if before != self._device_layers():  # pending device updates may be applied on the host: Note [slot reuse]
+            self._reuse_ok = False
         if self.updater is not None:
             self.updater.set_device_layers(self._device_layers())
         self._set_kept_layers()
@@ -271,6 +286,7 @@ class StreamingExecutor:
         (see streaming/updates.py). The optimizer must provide `set_deferred` / `step_deferred`."""
         if self.updater is not None:
             self.updater.detach()
+        self._reuse_ok = False  # Note [slot reuse]: steps before this one updated the host weights unseen
         layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
         if self.shard is None:
             self.updater = LayerUpdater(optimizer, layer_params)
@@ -308,7 +324,18 @@ class StreamingExecutor:
         if self.shard is not None:
             self.shard.resolve(self.store)
 
+    def _reusable_layers(self) -> set[int]:
+        """Layers whose weights in the slots still equal the host copy at the start of a pass (Note [slot reuse]);
+        then marks the slots trustworthy for the next pass."""
+        up = self.updater
+        ok = self.reuse_slots and self._reuse_ok and up is not None and self.shard is None
+        keep = set(range(self.num_layers)) if ok and up.steps == self._reuse_step else \
+            set(up.device_pending) if ok else set()
+        self._reuse_ok, self._reuse_step = True, up.steps if up is not None else 0
+        return keep
+
     def _flush_local(self) -> None:
+        self._reuse_ok = False  # host weights may change here (Note [slot reuse])
         self._run_pending_launches()
         if self.streamer is not None and self.device.type == "cuda":
             for ev in self.streamer.host_written.values():  # GPU-side updates copying back to host memory
@@ -632,7 +659,7 @@ class StreamingExecutor:
         for s in self.streamer.slots:
             s.module.train(train)
         self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
-        self.streamer.invalidate()
+        self.streamer.invalidate(self._reusable_layers())
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
         self._update_stalls.clear()
         self.streamer.copies.clear()
@@ -779,6 +806,7 @@ class StreamingExecutor:
             s.module.train(self.model.training)
         self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
+        self._reuse_ok = False  # Note [slot reuse]: only a training pass vouches for its slots
         self.streamer.begin(list(range(self.num_layers)))
         h, calls = self._capture(input_ids.to(self.device),
                                  None if attention_mask is None else attention_mask.to(self.device),

@@ -50,6 +50,7 @@ class LayerUpdater:
         self.on_step = on_step
         self.device_layers: set[int] = set()
         self.device_pending: dict[int, dict[str, Any]] = {}  # layer -> snapshot of the step that deferred it
+        self.steps = 0  # optimizer steps that deferred updates here
         self._done = [threading.Event() for _ in layer_params]
         for e in self._done:
             e.set()
@@ -123,6 +124,7 @@ class LayerUpdater:
 
     def _start(self, snapshot: dict[str, Any]) -> None:
         self.wait_all()  # stops a preparation still running: the layers it did not reach update as before
+        self.steps += 1
         self.wait_s = self.stall_ms = 0.0
         if self.on_step is not None:
             self.on_step()

@@ -60,6 +60,7 @@ class Slot:
     free: torch.cuda.Event | None = None
     grads_free: torch.cuda.Event | None = None  # recorded on the D2H stream once `grads` were copied out
     storage_ptrs: set[int] = field(default_factory=set)
+    held: int = -1  # after `invalidate(keep=...)`: the layer whose current weights the slot still holds (-1: none)
 
 
 class WeightStreamer:
@@ -166,22 +167,26 @@ class WeightStreamer:
         for s in pool:
             if s.layer == layer:
                 return s
-        # Victim: a slot whose layer is not needed between the current access and access k.
+        # Victim: a slot whose layer is not needed between the current access and access k; one that still holds
+        # this layer's weights first (Note [slot reuse]: loaded without the H2D copy).
         needed = set(self._seq[self._pos:k + 1])
         victims = [s for s in pool if s.layer not in needed]
         if not victims:  # cannot happen with depth + 1 slots per structure; be loud if it does
             raise RuntimeError("no free weight slot; prefetch window larger than the slot pool")
-        slot = victims[0]
+        slot = next((s for s in victims if s.held == layer), victims[0])
         pool.remove(slot)
         pool.append(slot)  # LRU order: most recently loaded last
-        self._load(slot, layer)
+        self._load(slot, layer, reuse=slot.held == layer)
         return slot
 
-    def _load(self, slot: Slot, layer: int) -> None:
+    def _load(self, slot: Slot, layer: int, reuse: bool = False) -> None:
+        """Load `layer` into `slot`: the H2D copy (unless `reuse`: the slot holds its current weights, or a sharded
+        rank receives them), then the `after_load` hook, then `slot.ready`."""
         if self.before_load is not None:
             self.before_load(layer)  # a deferred optimizer update of this layer must land first
         host = self.store.buffers[layer].weights
-        copy = self.skip_h2d is None or not self.skip_h2d(layer)
+        copy = not reuse and (self.skip_h2d is None or not self.skip_h2d(layer))
+        slot.held = -1
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(slot.free)
@@ -211,7 +216,11 @@ class WeightStreamer:
         if copy:
             self.h2d_bytes += sum(t.numel() * t.element_size() for t in host.values())
 
-    def invalidate(self) -> None:
-        """Forget which layers the slots hold (host weights changed, e.g. after an optimizer step)."""
+    def invalidate(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Start a new pass: forget which layers the slots hold (host weights changed, e.g. after an optimizer step),
+        except that a slot holding a layer in `keep` remembers it (`Slot.held`) and a load of that layer takes it
+        without the H2D copy (Note [slot reuse] in streaming/executor.py). The caller vouches that those slots
+        hold the layers' current host weights."""
         for s in self.slots:
+            s.held = s.layer if s.layer in keep else -1
             s.layer = -1

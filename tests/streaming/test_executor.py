@@ -454,3 +454,60 @@ def test_prepared_buffers_stay_within_budget_when_the_plan_moves_layers():
     ref, got = _prepared_runs(plans, (0, _layer_prep_bytes()), check).values()
     for name, w in ref.items():
         assert torch.equal(got[name], w), name
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_slot_reuse_at_the_step_boundary_equals_reloading(depth):
+    """Note [slot reuse]: the next pass takes the weights backward left in the slots without the H2D copy where
+    they still equal the host copy (every slot between micro-batches of one step; after a step only GPU-updated
+    layers, whose update then runs on the reused slot). Bit-identical weights to reloading every layer, over steps
+    with gradient accumulation, GPU-placed and CPU-updated layers, a flush and an evaluation between steps, and a
+    schedule change; fewer H2D bytes exactly where reuse applies."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    base = load_model("qwen2-tiny", "bfloat16", seed=6)
+    L = base.config.num_hidden_layers
+    layer_bytes = [sum(t.numel() * t.element_size() for t in layer.parameters()) for layer in base.model.layers]
+    plans = [Schedule("milp", [LayerPlan(checkpoint=True, optimizer_device="gpu" if i in gpu else "cpu")
+                               for i in range(L)], prefetch_depth=depth) for gpu in ({0, 1}, {0, 1}, {0, 2})]
+    weights, h2d = {}, {}
+    for reuse in (False, True):
+        model = copy.deepcopy(base)
+        ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", plans[0], host_grad_dtype="param")
+        ex.reuse_slots = reuse
+        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, min_8bit_size=256,
+                                  master_weights="kahan")
+        opt.set_grad_source(ex.grad_source)
+        opt.set_state_allocator(ex.state_alloc)
+        ex.attach_optimizer(opt)
+        h2d[reuse] = []
+        for step in range(6):
+            if step == 4:
+                ex.set_schedule(plans[2])  # layer 1's pending update goes to the host: it must be reloaded
+            ex.zero_grad()
+            for mb in range(2 if step in (1, 3) else 1):
+                ids, mask, labels = random_batch(model.config.vocab_size, seed=50 + 2 * step + mb)
+                ex.forward_backward(ids, labels, mask)
+                h2d[reuse].append(ex.stats.h2d_weight_bytes)
+            opt.clip_grad_norm(0.5, ex.grad_norm())
+            opt.step()
+            if step == 2:  # save / evaluate: the flush may apply updates on the host, then an evaluation pass
+                ex.flush_updates()
+                ex.forward_inference(*random_batch(model.config.vocab_size, seed=99)[:1])
+        ex.flush_updates()
+        weights[reuse] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ex.close()
+    for name, w in weights[False].items():
+        assert torch.equal(weights[True][name], w), name
+    # the last backward leaves layers depth..0 in the slots; a step reuses the GPU-updated ones among them, a
+    # second micro-batch all of them; nothing after the flush, the evaluation or the schedule change
+    tail = set(range(depth + 1))
+    gpu_tail = sum(layer_bytes[i] for i in tail & {0, 1})
+    want = [0,                                       # step 0: first pass
+            gpu_tail, sum(layer_bytes[i] for i in tail),  # step 1: after a step; 2nd micro-batch
+            gpu_tail,                                # step 2
+            0, sum(layer_bytes[i] for i in tail),    # step 3: after the flush + evaluation; 2nd micro-batch
+            0,                                       # step 4: schedule change
+            sum(layer_bytes[i] for i in tail & {0, 2})]  # step 5
+    saved = [a - b for a, b in zip(h2d[False], h2d[True], strict=True)]
+    assert saved == want, saved
