@@ -15,8 +15,11 @@ forward starts with them. A slot whose weights still equal the host copy is load
 hooks still run: a GPU-side update is staged and applied on the slot as after a copy). That holds for every slot
 between micro-batches of one optimizer step (no update ran), and after a step for the layers whose update waits
 for their load on the device (`LayerUpdater.device_pending`: their host weights are untouched since the backward
-loaded them). Any flush (save, evaluate, a schedule change: it may apply pending updates on the host), sharded data
-parallel (weights arrive by broadcast) and a step without the deferred updater reuse nothing.
+loaded them). Any flush (save, evaluate, a schedule change: it may apply pending updates on the host), a step that
+found updates of the last step still pending (no pass between: `_start` applies them on the host), sharded data
+parallel (weights arrive by broadcast) and a step without the deferred updater reuse nothing. Code that writes
+the decoder layers' host weights itself (model.load_state_dict, in-place edits) calls `flush_updates` first, as it
+must anyway for the pending updates not to land on top of what it wrote; the flush also drops the reuse.
 """
 
 from __future__ import annotations
@@ -217,7 +220,7 @@ class StreamingExecutor:
         # Note [slot reuse]: on unless switched off (tests compare both); trusted only after a pass and no flush
         self.reuse_slots = True
         self._reuse_ok = False
-        self._reuse_step = 0
+        self._reuse_step = (0, 0)  # (updater.steps, updater.host_applied) at the last pass's start
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
                                                      self.config.activation_tier, self.config.prefetch_depth))
@@ -317,7 +320,8 @@ class StreamingExecutor:
         self.updater.wait_s += time.perf_counter() - t
 
     def flush_updates(self) -> None:
-        """Apply every deferred optimizer update now (before weights or optimizer states are read or saved).
+        """Apply every deferred optimizer update now (before weights or optimizer states are read, saved or written
+        by other code: Note [slot reuse]).
         Sharded data parallel: also broadcasts every layer updated since its last load from its owner, a
         collective: every rank must call it at the same point (the Trainer callback does, at save / evaluate / end)."""
         self._flush_local()
@@ -328,10 +332,14 @@ class StreamingExecutor:
         """Layers whose weights in the slots still equal the host copy at the start of a pass (Note [slot reuse]);
         then marks the slots trustworthy for the next pass."""
         up = self.updater
-        ok = self.reuse_slots and self._reuse_ok and up is not None and self.shard is None
-        keep = set(range(self.num_layers)) if ok and up.steps == self._reuse_step else \
+        now = (up.steps, up.host_applied) if up is not None else (0, 0)
+        # a pending device update applied on the host since the last pass (a second step with no pass between)
+        # changed host weights that the slots may still hold before it
+        ok = self.reuse_slots and self._reuse_ok and up is not None and self.shard is None and \
+            now[1] == self._reuse_step[1]
+        keep = set(range(self.num_layers)) if ok and now[0] == self._reuse_step[0] else \
             set(up.device_pending) if ok else set()
-        self._reuse_ok, self._reuse_step = True, up.steps if up is not None else 0
+        self._reuse_ok, self._reuse_step = True, now
         return keep
 
     def _flush_local(self) -> None:

@@ -51,6 +51,7 @@ class LayerUpdater:
         self.device_layers: set[int] = set()
         self.device_pending: dict[int, dict[str, Any]] = {}  # layer -> snapshot of the step that deferred it
         self.steps = 0  # optimizer steps that deferred updates here
+        self.host_applied = 0  # `wait_all` calls that applied pending device updates on the host (Note [slot reuse])
         self._done = [threading.Event() for _ in layer_params]
         for e in self._done:
             e.set()
@@ -201,6 +202,8 @@ class LayerUpdater:
             if self._error is not None:  # from the preparation, after every update landed
                 err, self._error = self._error, None
                 raise RuntimeError("preparing optimizer states for the next step failed") from err
+        if self.device_pending:  # (also from `_start`: a step with no load since the last one)
+            self.host_applied += 1
         for i in sorted(self.device_pending):  # not streamed in since: update on the CPU
             self.optimizer.step_deferred(self.layer_params[i], self.device_pending[i])
             del self.device_pending[i]

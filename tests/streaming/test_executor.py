@@ -511,3 +511,35 @@ def test_slot_reuse_at_the_step_boundary_equals_reloading(depth):
             sum(layer_bytes[i] for i in tail & {0, 2})]  # step 5
     saved = [a - b for a, b in zip(h2d[False], h2d[True], strict=True)]
     assert saved == want, saved
+
+
+def test_slot_reuse_after_two_steps_without_a_pass_reloads():
+    """Note [slot reuse]: a second `optimizer.step()` with no pass since the first applies the first step's pending
+    GPU-side updates on the host (`LayerUpdater.wait_all`); the slots backward left still hold the weights before
+    them, so the next pass must reload those layers. Bit-identical to reloading every layer."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    base = load_model("qwen2-tiny", "bfloat16", seed=6)
+    L = base.config.num_hidden_layers
+    plan = Schedule("milp", [LayerPlan(checkpoint=True, optimizer_device="gpu") for _ in range(L)])
+    weights = {}
+    for reuse in (False, True):
+        model = copy.deepcopy(base)
+        ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", plan, host_grad_dtype="param")
+        ex.reuse_slots = reuse
+        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-2, min_8bit_size=256,
+                                  master_weights="kahan")  # (fp32 master weights would overwrite a stale slot)
+        opt.set_grad_source(ex.grad_source)
+        opt.set_state_allocator(ex.state_alloc)
+        ex.attach_optimizer(opt)
+        ex.forward_backward(*(lambda i, m, y: (i, y, m))(*random_batch(model.config.vocab_size, seed=1)))
+        opt.step()
+        opt.step()  # no pass in between: the first step's GPU-side updates land on the host here
+        ex.zero_grad()
+        ex.forward_backward(*(lambda i, m, y: (i, y, m))(*random_batch(model.config.vocab_size, seed=2)))
+        opt.step()
+        ex.flush_updates()
+        weights[reuse] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ex.close()
+    for name, w in weights[False].items():
+        assert torch.equal(weights[True][name], w), name
