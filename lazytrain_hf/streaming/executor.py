@@ -209,6 +209,7 @@ class StreamingExecutor:
         # GPU idle time around waits for deferred CPU updates (instrumented): events until the micro-batch's end
         self._update_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
+        self._flush_hook = None  # the optimizer's load_state_dict pre-hook that applies pending updates first
         # GPU-side updates: one staging set per slot (depth + 1 per structure), so the next layer's states go H2D
         # while the previous layer's copy back D2H (one shared set serialized both directions: 2.08 s measured vs
         # 1.57 s predicted); updates staged at load time run at the layer's first compute access (`_before_compute`);
@@ -291,6 +292,11 @@ class StreamingExecutor:
             self.updater.detach()
         self._reuse_ok = False  # Note [slot reuse]: steps before this one updated the host weights unseen
         layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
+        if self._flush_hook is not None:
+            self._flush_hook.remove()
+        # loading optimizer states: the pending updates land first, as the step that deferred them meant (their
+        # snapshots name the param groups the load replaces)
+        self._flush_hook = optimizer.register_load_state_dict_pre_hook(lambda opt, sd: self._flush_local())
         if self.shard is None:
             self.updater = LayerUpdater(optimizer, layer_params)
         else:

@@ -543,3 +543,41 @@ def test_slot_reuse_after_two_steps_without_a_pass_reloads():
         ex.close()
     for name, w in weights[False].items():
         assert torch.equal(weights[True][name], w), name
+
+
+def test_loading_optimizer_states_applies_pending_updates_first():
+    """`optimizer.load_state_dict` with deferred updates still pending (GPU-placed and CPU layers) applies them
+    first, as a flush would (before, their snapshots named the replaced param groups: KeyError at the next load):
+    bit-identical to flushing before the load, and training goes on."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    base = load_model("qwen2-tiny", "bfloat16", seed=6)
+    L = base.config.num_hidden_layers
+    plan = Schedule("milp", [LayerPlan(checkpoint=True, optimizer_device="gpu" if i < 2 else "cpu")
+                             for i in range(L)])
+    weights = {}
+    for load in (False, True):
+        model = copy.deepcopy(base)
+        ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", plan, host_grad_dtype="param")
+        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-2, min_8bit_size=256, master_weights="kahan")
+        opt.set_grad_source(ex.grad_source)
+        opt.set_state_allocator(ex.state_alloc)
+        ex.attach_optimizer(opt)
+        ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
+        ex.forward_backward(ids, labels, mask)
+        opt.step()
+        assert ex.updater.device_pending  # layers 0 and 1 wait for their next load
+        sd = opt.state_dict()  # e.g. a checkpoint's states, taken while updates were pending
+        if not load:
+            ex.flush_updates()  # the reference: apply them, then load
+        opt.load_state_dict(sd)  # (load: the pre-hook applies them on the host first)
+        assert not ex.updater.device_pending
+        ex.zero_grad()
+        ids, mask, labels = random_batch(model.config.vocab_size, seed=4)
+        ex.forward_backward(ids, labels, mask)
+        opt.step()
+        ex.flush_updates()
+        weights[load] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ex.close()
+    for name, w in weights[False].items():
+        assert torch.equal(weights[True][name], w), name
