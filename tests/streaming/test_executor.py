@@ -374,23 +374,38 @@ def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain, keep):
         assert torch.equal(weights[placed][name], w), name
 
 
+def _attached(model, plan, config=None, lr=1e-3, weight_decay=0.1):
+    """A CPU StreamingExecutor for `model` under `plan` (bf16 host gradients) with a Hybrid8bitOptimizer (8-bit
+    states from 256 elements, Kahan) attached as LazyTrainer does: (executor, optimizer)."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    ex = StreamingExecutor(model, config or LazyTrainConfig(), "cpu", plan, host_grad_dtype="param")
+    opt = Hybrid8bitOptimizer(list(model.parameters()), lr=lr, weight_decay=weight_decay, min_8bit_size=256,
+                              master_weights="kahan")
+    opt.set_grad_source(ex.grad_source)
+    opt.set_state_allocator(ex.state_alloc)
+    ex.attach_optimizer(opt)
+    return ex, opt
+
+
+def _final_weights(ex, model):
+    """Flush the deferred updates, close the executor, return the model's weights (name -> tensor)."""
+    ex.flush_updates()
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ex.close()
+    return out
+
+
 def _prepared_runs(plans, budgets, check):
     """Trains a copy of tiny Qwen2 (bf16, Kahan, clipping) for len(plans) steps per prepared-states budget, step k
     under plans[k] (`set_schedule`); `check(ex, opt, budget, step)` runs after each step's backward. Returns the
     weights per budget."""
-    from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     base = load_model("qwen2-tiny", "bfloat16", seed=6)
     weights = {}
     for budget in budgets:
         model = copy.deepcopy(base)
-        ex = StreamingExecutor(model, LazyTrainConfig(prepared_states_budget=budget), "cpu", plans[0],
-                               host_grad_dtype="param")
-        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, min_8bit_size=256,
-                                  master_weights="kahan")
-        opt.set_grad_source(ex.grad_source)
-        opt.set_state_allocator(ex.state_alloc)
-        ex.attach_optimizer(opt)
+        ex, opt = _attached(model, plans[0], LazyTrainConfig(prepared_states_budget=budget))
         for step, plan in enumerate(plans):
             ex.set_schedule(plan)
             ids, mask, labels = random_batch(model.config.vocab_size, seed=30 + step)
@@ -463,7 +478,6 @@ def test_slot_reuse_at_the_step_boundary_equals_reloading(depth):
     layers, whose update then runs on the reused slot). Bit-identical weights to reloading every layer, over steps
     with gradient accumulation, GPU-placed and CPU-updated layers, a flush and an evaluation between steps, and a
     schedule change; fewer H2D bytes exactly where reuse applies."""
-    from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     base = load_model("qwen2-tiny", "bfloat16", seed=6)
     L = base.config.num_hidden_layers
@@ -473,13 +487,8 @@ def test_slot_reuse_at_the_step_boundary_equals_reloading(depth):
     weights, h2d = {}, {}
     for reuse in (False, True):
         model = copy.deepcopy(base)
-        ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", plans[0], host_grad_dtype="param")
+        ex, opt = _attached(model, plans[0])
         ex.reuse_slots = reuse
-        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-3, weight_decay=0.1, min_8bit_size=256,
-                                  master_weights="kahan")
-        opt.set_grad_source(ex.grad_source)
-        opt.set_state_allocator(ex.state_alloc)
-        ex.attach_optimizer(opt)
         h2d[reuse] = []
         for step in range(6):
             if step == 4:
@@ -517,7 +526,6 @@ def test_slot_reuse_after_two_steps_without_a_pass_reloads():
     """Note [slot reuse]: a second `optimizer.step()` with no pass since the first applies the first step's pending
     GPU-side updates on the host (`LayerUpdater.wait_all`); the slots backward left still hold the weights before
     them, so the next pass must reload those layers. Bit-identical to reloading every layer."""
-    from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     base = load_model("qwen2-tiny", "bfloat16", seed=6)
     L = base.config.num_hidden_layers
@@ -525,22 +533,15 @@ def test_slot_reuse_after_two_steps_without_a_pass_reloads():
     weights = {}
     for reuse in (False, True):
         model = copy.deepcopy(base)
-        ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", plan, host_grad_dtype="param")
-        ex.reuse_slots = reuse
-        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-2, min_8bit_size=256,
-                                  master_weights="kahan")  # (fp32 master weights would overwrite a stale slot)
-        opt.set_grad_source(ex.grad_source)
-        opt.set_state_allocator(ex.state_alloc)
-        ex.attach_optimizer(opt)
+        ex, opt = _attached(model, plan, lr=1e-2, weight_decay=0.0)  # Kahan (fp32 master weights would overwrite
+        ex.reuse_slots = reuse                                           # a stale slot)
         ex.forward_backward(*(lambda i, m, y: (i, y, m))(*random_batch(model.config.vocab_size, seed=1)))
         opt.step()
         opt.step()  # no pass in between: the first step's GPU-side updates land on the host here
         ex.zero_grad()
         ex.forward_backward(*(lambda i, m, y: (i, y, m))(*random_batch(model.config.vocab_size, seed=2)))
         opt.step()
-        ex.flush_updates()
-        weights[reuse] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        ex.close()
+        weights[reuse] = _final_weights(ex, model)
     for name, w in weights[False].items():
         assert torch.equal(weights[True][name], w), name
 
@@ -549,7 +550,6 @@ def test_loading_optimizer_states_applies_pending_updates_first():
     """`optimizer.load_state_dict` with deferred updates still pending (GPU-placed and CPU layers) applies them
     first, as a flush would (before, their snapshots named the replaced param groups: KeyError at the next load):
     bit-identical to flushing before the load, and training goes on."""
-    from lazytrain_hf.optim import Hybrid8bitOptimizer
 
     base = load_model("qwen2-tiny", "bfloat16", seed=6)
     L = base.config.num_hidden_layers
@@ -558,11 +558,7 @@ def test_loading_optimizer_states_applies_pending_updates_first():
     weights = {}
     for load in (False, True):
         model = copy.deepcopy(base)
-        ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", plan, host_grad_dtype="param")
-        opt = Hybrid8bitOptimizer(list(model.parameters()), lr=1e-2, min_8bit_size=256, master_weights="kahan")
-        opt.set_grad_source(ex.grad_source)
-        opt.set_state_allocator(ex.state_alloc)
-        ex.attach_optimizer(opt)
+        ex, opt = _attached(model, plan, lr=1e-2, weight_decay=0.0)
         ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
         ex.forward_backward(ids, labels, mask)
         opt.step()
@@ -576,8 +572,6 @@ def test_loading_optimizer_states_applies_pending_updates_first():
         ids, mask, labels = random_batch(model.config.vocab_size, seed=4)
         ex.forward_backward(ids, labels, mask)
         opt.step()
-        ex.flush_updates()
-        weights[load] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        ex.close()
+        weights[load] = _final_weights(ex, model)
     for name, w in weights[False].items():
         assert torch.equal(weights[True][name], w), name
