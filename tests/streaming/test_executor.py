@@ -563,6 +563,8 @@ def test_loading_optimizer_states_applies_pending_updates_first():
         ex.forward_backward(ids, labels, mask)
         opt.step()
         assert ex.updater.device_pending  # layers 0 and 1 wait for their next load
+        for i in range(2, L):  # the worker's CPU updates done: the states read next are not mid-update
+            ex.updater.wait(i)
         sd = opt.state_dict()  # e.g. a checkpoint's states, taken while updates were pending
         if not load:
             ex.flush_updates()  # the reference: apply them, then load
