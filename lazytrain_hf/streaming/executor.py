@@ -12,14 +12,14 @@ each transformers version's own mask and position logic instead of re-implementi
 
 Note [slot reuse]: backward ends with its last layers (1, 0 at prefetch depth 1) in weight slots, and the next
 forward starts with them. A slot whose weights still equal the host copy is loaded without the H2D copy (the load's
-hooks still run: a GPU-side update is staged and applied on the slot as after a copy). That holds for every slot
-between micro-batches of one optimizer step (no update ran), and after a step for the layers whose update waits
-for their load on the device (`LayerUpdater.device_pending`: their host weights are untouched since the backward
-loaded them). Any flush (save, evaluate, a schedule change: it may apply pending updates on the host), a step that
-found updates of the last step still pending (no pass between: `_start` applies them on the host), sharded data
-parallel (weights arrive by broadcast) and a step without the deferred updater reuse nothing. Code that writes
-the decoder layers' host weights itself (model.load_state_dict, in-place edits) calls `flush_updates` first, as it
-must anyway for the pending updates not to land on top of what it wrote; the flush also drops the reuse.
+hooks still run: a GPU-side update is staged and applied on the slot as after a copy). The slot records the layer's
+`LayerUpdater.host_writes` count at its load (`WeightStreamer.host_version`): the updater counts a CPU update when
+the step starts it and a pending device update when it is applied on the host (a flush, a schedule change, a second
+step with no pass between); a GPU-side update writes the slot and the host copy alike and is not counted. So every
+slot is reused between micro-batches of one step, and after a step the GPU-updated layers. Sharded data parallel
+(weights arrive by broadcast) and a run without the deferred updater reuse nothing. Code that writes the decoder
+layers' host weights itself (model.load_state_dict, in-place edits) calls `flush_updates` first, as it must anyway
+for the pending updates not to land on top of what it wrote; the flush also forgets every slot's count.
 """
 
 from __future__ import annotations
@@ -218,10 +218,7 @@ class StreamingExecutor:
         self._launches: dict[int, tuple] = {}  # id(slot) -> (slot, layer, queued update, copy-back list)
         self._staging_layer: int | None = None  # the layer whose GPU-side update is being staged
         self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
-        # Note [slot reuse]: on unless switched off (tests compare both); trusted only after a pass and no flush
-        self.reuse_slots = True
-        self._reuse_ok = False
-        self._reuse_step = (0, 0)  # (updater.steps, updater.host_applied) at the last pass's start
+        self.reuse_slots = True  # Note [slot reuse]: on unless switched off (tests compare both)
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
                                                      self.config.activation_tier, self.config.prefetch_depth))
@@ -265,12 +262,10 @@ class StreamingExecutor:
             self.streamer.after_load = self._after_load
             self.streamer.before_compute = self._before_compute
             self.streamer.skip_h2d = self.shard.receives if self.shard is not None else None
-        before = self._device_layers() if self.schedule is not None else None
+            self.streamer.host_version = self._host_version
         self.schedule = schedule
         self._ops = plan_ops(schedule)
         self._segment_end = dict(schedule.segments())  # segment start -> end
-        if before != self._device_layers():  # pending device updates may be applied on the host: Note [slot reuse]
-            self._reuse_ok = False
         if self.updater is not None:
             self.updater.set_device_layers(self._device_layers())
         self._set_kept_layers()
@@ -290,7 +285,6 @@ class StreamingExecutor:
         (see streaming/updates.py). The optimizer must provide `set_deferred` / `step_deferred`."""
         if self.updater is not None:
             self.updater.detach()
-        self._reuse_ok = False  # Note [slot reuse]: steps before this one updated the host weights unseen
         layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
         if self._flush_hook is not None:
             self._flush_hook.remove()
@@ -334,22 +328,16 @@ class StreamingExecutor:
         if self.shard is not None:
             self.shard.resolve(self.store)
 
-    def _reusable_layers(self) -> set[int]:
-        """Layers whose weights in the slots still equal the host copy at the start of a pass (Note [slot reuse]);
-        then marks the slots trustworthy for the next pass."""
+    def _host_version(self, layer: int) -> tuple[Any, int] | None:
+        """Note [slot reuse]: (updater, its host-write count of `layer`), or None where writes are not tracked."""
         up = self.updater
-        now = (up.steps, up.host_applied) if up is not None else (0, 0)
-        # a pending device update applied on the host since the last pass (a second step with no pass between)
-        # changed host weights that the slots may still hold before it
-        ok = self.reuse_slots and self._reuse_ok and up is not None and self.shard is None and \
-            now[1] == self._reuse_step[1]
-        keep = set(range(self.num_layers)) if ok and now[0] == self._reuse_step[0] else \
-            set(up.device_pending) if ok else set()
-        self._reuse_ok, self._reuse_step = True, now
-        return keep
+        if not self.reuse_slots or up is None or self.shard is not None:
+            return None
+        return up, up.host_writes[layer]
 
     def _flush_local(self) -> None:
-        self._reuse_ok = False  # host weights may change here (Note [slot reuse])
+        if self.streamer is not None:
+            self.streamer.forget()  # host weights may be written next by other code (Note [slot reuse])
         self._run_pending_launches()
         if self.streamer is not None and self.device.type == "cuda":
             for ev in self.streamer.host_written.values():  # GPU-side updates copying back to host memory
@@ -673,7 +661,7 @@ class StreamingExecutor:
         for s in self.streamer.slots:
             s.module.train(train)
         self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
-        self.streamer.invalidate(self._reusable_layers())
+        self.streamer.invalidate()
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
         self._update_stalls.clear()
         self.streamer.copies.clear()
@@ -820,7 +808,6 @@ class StreamingExecutor:
             s.module.train(self.model.training)
         self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
-        self._reuse_ok = False  # Note [slot reuse]: only a training pass vouches for its slots
         self.streamer.begin(list(range(self.num_layers)))
         h, calls = self._capture(input_ids.to(self.device),
                                  None if attention_mask is None else attention_mask.to(self.device),

@@ -50,8 +50,10 @@ class LayerUpdater:
         self.on_step = on_step
         self.device_layers: set[int] = set()
         self.device_pending: dict[int, dict[str, Any]] = {}  # layer -> snapshot of the step that deferred it
-        self.steps = 0  # optimizer steps that deferred updates here
-        self.host_applied = 0  # `wait_all` calls that applied pending device updates on the host (Note [slot reuse])
+        # per layer, the host-weight writes this updater made or started (CPU updates, pending device updates applied
+        # on the host); a GPU-side update writes the slot and its host copy alike and does not count (Note [slot
+        # reuse] in streaming/executor.py)
+        self.host_writes = [0] * len(layer_params)
         self._done = [threading.Event() for _ in layer_params]
         for e in self._done:
             e.set()
@@ -125,7 +127,6 @@ class LayerUpdater:
 
     def _start(self, snapshot: dict[str, Any]) -> None:
         self.wait_all()  # stops a preparation still running: the layers it did not reach update as before
-        self.steps += 1
         self.wait_s = self.stall_ms = 0.0
         if self.on_step is not None:
             self.on_step()
@@ -134,6 +135,7 @@ class LayerUpdater:
                 self.device_pending[i] = snapshot
             else:
                 self._done[i].clear()
+                self.host_writes[i] += 1  # counted before the worker writes
         self._thread = threading.Thread(target=self._run, args=(snapshot,), name="lazytrain-updates", daemon=True)
         self._thread.start()
 
@@ -202,9 +204,8 @@ class LayerUpdater:
             if self._error is not None:  # from the preparation, after every update landed
                 err, self._error = self._error, None
                 raise RuntimeError("preparing optimizer states for the next step failed") from err
-        if self.device_pending:  # (also from `_start`: a step with no load since the last one)
-            self.host_applied += 1
         for i in sorted(self.device_pending):  # not streamed in since: update on the CPU
+            self.host_writes[i] += 1
             self.optimizer.step_deferred(self.layer_params[i], self.device_pending[i])
             del self.device_pending[i]
 

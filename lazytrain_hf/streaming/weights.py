@@ -60,7 +60,8 @@ class Slot:
     free: torch.cuda.Event | None = None
     grads_free: torch.cuda.Event | None = None  # recorded on the D2H stream once `grads` were copied out
     storage_ptrs: set[int] = field(default_factory=set)
-    held: int = -1  # after `invalidate(keep=...)`: the layer whose current weights the slot still holds (-1: none)
+    version: object = None  # `WeightStreamer.host_version` of the weights loaded (None: unknown)
+    held: int = -1  # after `invalidate`: the layer whose current host weights the slot still holds (-1: none)
 
 
 class WeightStreamer:
@@ -96,6 +97,9 @@ class WeightStreamer:
         # callable(layer) -> True: this load takes the weights from elsewhere (sharded data parallel: a broadcast
         # from the layer's owner in `before_compute`), so the H2D copy from the host store is skipped
         self.skip_h2d = None
+        # callable(layer) -> a token that changes whenever the layer's host weights may have changed, or None (not
+        # tracked): a slot loaded at the same token still holds them (Note [slot reuse] in streaming/executor.py)
+        self.host_version = None
         # callable(slot, layer): on the compute stream once the slot is ready, before compute uses it (the executor
         # runs a staged GPU-side update there, then a sharded layer's broadcast)
         self.before_compute = None
@@ -187,6 +191,7 @@ class WeightStreamer:
         host = self.store.buffers[layer].weights
         copy = not reuse and (self.skip_h2d is None or not self.skip_h2d(layer))
         slot.held = -1
+        slot.version = self.host_version(layer) if self.host_version is not None else None
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(slot.free)
@@ -216,11 +221,16 @@ class WeightStreamer:
         if copy:
             self.h2d_bytes += sum(t.numel() * t.element_size() for t in host.values())
 
-    def invalidate(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
-        """Start a new pass: forget which layers the slots hold (host weights changed, e.g. after an optimizer step),
-        except that a slot holding a layer in `keep` remembers it (`Slot.held`) and a load of that layer takes it
-        without the H2D copy (Note [slot reuse] in streaming/executor.py). The caller vouches that those slots
-        hold the layers' current host weights."""
+    def invalidate(self) -> None:
+        """Start a new pass: forget which layers the slots hold (host weights may have changed, e.g. after an
+        optimizer step), except that a slot whose `host_version` is still current remembers its layer (`Slot.held`)
+        and a load of that layer takes it without the H2D copy (Note [slot reuse] in streaming/executor.py)."""
         for s in self.slots:
-            s.held = s.layer if s.layer in keep else -1
+            current = s.layer >= 0 and s.version is not None and s.version == self.host_version(s.layer)
+            s.held = s.layer if current else -1
             s.layer = -1
+
+    def forget(self) -> None:
+        """No slot is known to hold current host weights (they may be written by code outside the executor)."""
+        for s in self.slots:
+            s.version = None
