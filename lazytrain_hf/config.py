@@ -39,6 +39,11 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+#: LazyTrainConfig fields that are memory sizes (bytes, or strings such as "24GiB"), with an example value
+SIZE_FIELDS = {"gpu_memory_budget": "'24GiB'", "host_memory_budget": "'100GiB'", "nvme_budget": "'200GiB'",
+               "prepared_states_budget": "'20GiB' (0: off)"}
+
+
 def did_you_mean(bad: list[str], known: Any, prefix: str = "") -> str:
     """' (did you mean training.max_steps?)' for the unknown keys `bad` that have a close key in `known` (difflib,
     cutoff 0.8; named `prefix.key`, or `key` without a prefix), else ''."""
@@ -224,7 +229,7 @@ class LazyTrainConfig:
         for key in _CHOICES:
             if isinstance(getattr(self, key), str):
                 setattr(self, key, getattr(self, key).lower())
-        for key in ("gpu_memory_budget", "host_memory_budget", "nvme_budget", "prepared_states_budget"):
+        for key in SIZE_FIELDS:
             try:
                 setattr(self, key, parse_bytes(getattr(self, key)))
             except ValueError as e:
@@ -245,8 +250,7 @@ class LazyTrainConfig:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.9:
             problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), e.g. 0.12 (the "
                             f"default), but got {margin!r}")
-        for key, example in (("gpu_memory_budget", "'24GiB'"), ("host_memory_budget", "'100GiB'"),
-                             ("nvme_budget", "'200GiB'"), ("prepared_states_budget", "'20GiB' (0: off)")):
+        for key, example in SIZE_FIELDS.items():
             value = getattr(self, key)
             if isinstance(value, int) and value < 0:
                 problems.append(f"lazytrain_config.{key} must be a size >= 0 such as {example}, but got {value}")

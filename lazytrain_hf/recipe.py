@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from .config import LazyTrainConfig, did_you_mean
+from .config import SIZE_FIELDS, LazyTrainConfig, did_you_mean
 
 __all__ = ["Recipe", "load_recipe", "training_argument_fields"]
 
@@ -256,7 +256,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     if isinstance(lazy, dict):  # LazyTrainConfig checks its own bool fields
         lazy = _read_bool_words(lazy, {f.name for f in dataclasses.fields(LazyTrainConfig) if str(f.type) == "bool"})
     if isinstance(lazy, dict):  # a size without a unit would be bytes ("24": 24 bytes), surely not meant (as in `plan`)
-        for k in ("gpu_memory_budget", "host_memory_budget", "nvme_budget", "prepared_states_budget"):
+        for k in SIZE_FIELDS:
             v = lazy.get(k)
             if (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0) or \
                     (isinstance(v, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", v) and float(v) > 0):
