@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s11a | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 6 warm-up (3 of them calibrate the MILP plan) + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -158,6 +158,15 @@ for stage in "$@"; do
            timeout 100 $PIN $H --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 95 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 120 $PIN $H --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 130 $PIN $H --out $RRES --rows-per-pass 16 --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s11a)  # 1 GPU (~8 min): the GPU tests in full (slot reuse, the optimizer-load hook and the 2% switch rule were
+           # built after the last GPU call), then Note [slot reuse] off / on at MILP 24 GiB B=16 in one run (rows
+           # record h2d_weight_gib_per_step; the first row builds the kernels)
+           bash "$0" tests
+           HRES=${HARNESS_OUT:-$OUT/7b-s11a-$(date +%Y%m%d).json}
+           ORES=${HARNESS_OUT_NOREUSE:-$OUT/7b-s11a-noreuse-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --systems lazytrain_milp --caps 24 --batch-sizes 16"
+           HARNESS_SLOT_REUSE=0 timeout 165 $PIN $H --out $ORES --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 120 $PIN $H --out $HRES --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s10a)  # 1 GPU (~7.5 min): the GPU tests in full (the review pass and prepared moments came after the last GPU
            # call), the ISA tests (AVX-512 prepared bits on real AVX-512), the two halves of the C++ update apart
            # (64 Mi, Kahan, bf16 grads, 16 and 8 threads), then MILP 24 GiB B=16 with prepared moments (default)

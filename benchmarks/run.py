@@ -383,6 +383,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _env_settings() -> list[str]:
+    """The environment settings that change what a row measures (LazyTrain's overrides, the slot-reuse A/B), as
+    `NAME=value` words for the recorded command; paths and the commit stamp are left out."""
+    skip = {"LAZYTRAIN_GSM8K_DIR", "LAZYTRAIN_GIT_COMMIT"}
+    return [f"{k}={os.environ[k]}" for k in sorted(os.environ)
+            if (k.startswith("LAZYTRAIN_") and k not in skip) or k == "HARNESS_SLOT_REUSE"]
+
+
 def main(argv: list[str] | None = None, started: float | None = None) -> Results:
     """The harness. `started`: when --budget-s starts counting (epoch seconds; default now). The command line passes
     the process's start, so that the ~20 s of imports count against a budget sized to a fixed device call."""
@@ -394,7 +402,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
     except FileNotFoundError as e:
         raise SystemExit(f"benchmarks.run: {e}") from None
     deadline = (started or time.time()) + (args.budget_s or 1e9)
-    res = Results(Path(args.out), args.suite, " ".join(["python -m benchmarks.run", *argv]))
+    res = Results(Path(args.out), args.suite, " ".join([*_env_settings(), "python -m benchmarks.run", *argv]))
     other_seq = sorted({r["seq_len"] for r in res.doc["rows"]} - {args.seq_len, None})
     if other_seq:   # rows are keyed by system, model, cap and batch: a resume would keep them as if measured now
         raise SystemExit(f"benchmarks.run: {args.out} holds rows at seq_len {other_seq}, not {args.seq_len}: pass "

@@ -74,6 +74,8 @@ class StepTimer(TrainerCallback):
         self.optim_s: list[float] = []
         self.h2d_ms: list[float] = []
         self.d2h_ms: list[float] = []
+        self.h2d_weight_bytes: list[int] = []  # weight H2D bytes per optimizer step (all its micro-batches)
+        self._h2d0 = 0
         self.update_ms: dict[str, list[float | None]] = {k: [] for k in UPDATE_COUNTERS}  # one entry per step
         self.rss_peak = 0
         self.skipped = 0  # optimizer steps skipped for a non-finite gradient norm (Hybrid8's `last_step_skipped`)
@@ -102,6 +104,8 @@ class StepTimer(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._rows = 0
+        ex = getattr(self.trainer, "executor", None)
+        self._h2d0 = ex.streamer.h2d_bytes if ex is not None and ex.streamer is not None else 0
         self._t0 = self._now()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs: Any):
@@ -121,6 +125,8 @@ class StepTimer(TrainerCallback):
         if ex is not None:
             self.h2d_ms.append(float(ex.stats.extra.get("exposed_h2d_ms", 0.0)))
             self.d2h_ms.append(float(ex.stats.extra.get("exposed_d2h_ms", 0.0)))
+            if ex.streamer is not None:
+                self.h2d_weight_bytes.append(ex.streamer.h2d_bytes - self._h2d0)
             for key, vals in self.update_ms.items():  # deferred CPU updates: blocked time, worker time, ...
                 vals.append(ex.stats.extra.get(key))  # None when absent (no update ran yet), not a zero
 
@@ -278,7 +284,8 @@ def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                    solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))
     extra = {"schedule_policy": sched.policy, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
              "retained": sum(lp.retain for lp in sched.layers), "prefetch_depth": sched.prefetch_depth,
-             "recomputed_layers": ex.stats.recomputed_layers, "weight_loads": ex.stats.weight_loads}
+             "recomputed_layers": ex.stats.recomputed_layers, "weight_loads": ex.stats.weight_loads,
+             "slot_reuse": ex.reuse_slots}
     cal = getattr(trainer, "calibration", None)
     if cal is not None and cal.done:  # measured warm-up steps vs the plan (hf/calibrate.py)
         extra["calibration"] = {"k": cal.k, "compute_scale": cal.scale, "cpu_optim_params_per_s": cal.cpu_rate,

@@ -108,6 +108,8 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         if timer.h2d_ms[warm:]:
             fields.update(exposed_h2d_ms=statistics.median(timer.h2d_ms[warm:]),
                           exposed_d2h_ms=statistics.median(timer.d2h_ms[warm:]))
+        if timer.h2d_weight_bytes[warm:]:
+            extra["h2d_weight_gib_per_step"] = statistics.median(timer.h2d_weight_bytes[warm:]) / GIB
         timed = {k: [x for x in v[warm:] if x is not None] for k, v in timer.update_ms.items()}
         extra.update({k: statistics.median(v) for k, v in timed.items() if v})
         fwd = (L + (L - lt_extra["retained"]) + lt_extra["recomputed_layers"]) / L
@@ -166,6 +168,8 @@ def run(spec: dict[str, Any]) -> None:
                 trainer = build_trainer(system, spec, model, args, dataset, timer)
                 if getattr(trainer, "executor", None) is not None and device == "cuda":
                     trainer.executor.instrument(True)
+                if getattr(trainer, "executor", None) is not None and os.environ.get("HARNESS_SLOT_REUSE") == "0":
+                    trainer.executor.reuse_slots = False  # A/B of Note [slot reuse] (streaming/executor.py)
             else:  # LazyTrain: same Trainer and executor, new batch size (the MILP replans at train begin)
                 trainer.args.per_device_train_batch_size = B
                 trainer._train_batch_size = B

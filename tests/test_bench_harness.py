@@ -69,6 +69,27 @@ def test_each_batch_size_of_one_process_trains_on_its_own_rows(tmp_path, system)
     assert [r["extra"]["rows_per_step"] for r in rows] == [[1, 1, 1], [3, 3, 3]]
 
 
+@requires_gsm8k
+def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, monkeypatch):
+    """LazyTrain rows record the weight H2D bytes per optimizer step and whether slot reuse was on; the
+    HARNESS_SLOT_REUSE=0 A/B switch reaches the worker and turns it off (never fewer bytes than with reuse; equal
+    here: on CPU no layer is GPU-updated, so no slot is reused across steps), and the recorded command names it."""
+    from benchmarks import run
+
+    got = {}
+    for reuse in ("1", "0"):
+        monkeypatch.setenv("HARNESS_SLOT_REUSE", reuse)
+        out = tmp_path / f"r{reuse}.json"
+        args = run.parse_args(["--suite", "smoke", "--out", str(out)])
+        spec = run._spec(args, run.SUITES["smoke"], "lazytrain_fixed", "qwen3-tiny", None, [3])
+        (r,) = run.run_process(spec, timeout_s=300, deadline=time.time() + 600, workdir=tmp_path)
+        assert r["status"] == "ok", r["reason"]
+        got[reuse] = r["extra"]
+    assert got["1"]["slot_reuse"] is True and got["0"]["slot_reuse"] is False
+    assert got["0"]["h2d_weight_gib_per_step"] >= got["1"]["h2d_weight_gib_per_step"] > 0
+    assert "HARNESS_SLOT_REUSE=0" in " ".join(run._env_settings())
+
+
 def test_worker_timeout_is_recorded(tmp_path):
     from benchmarks import run
 
