@@ -384,11 +384,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _env_settings() -> list[str]:
-    """The environment settings that change what a row measures (LazyTrain's overrides, the slot-reuse A/B), as
-    `NAME=value` words for the recorded command; paths and the commit stamp are left out."""
+    """The environment settings that change what a row measures (LazyTrain's overrides, the slot-reuse A/B, the
+    CUDA allocator's configuration), as `NAME=value` words for the recorded command; paths and the commit stamp are
+    left out."""
     skip = {"LAZYTRAIN_GSM8K_DIR", "LAZYTRAIN_GIT_COMMIT"}
     return [f"{k}={os.environ[k]}" for k in sorted(os.environ)
-            if (k.startswith("LAZYTRAIN_") and k not in skip) or k == "HARNESS_SLOT_REUSE"]
+            if (k.startswith("LAZYTRAIN_") and k not in skip) or k in ("HARNESS_SLOT_REUSE", "HARNESS_PROFILE_STEP",
+                                                                          "PYTORCH_CUDA_ALLOC_CONF")]
 
 
 def main(argv: list[str] | None = None, started: float | None = None) -> Results:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,6 +68,11 @@ class StepTimer(TrainerCallback):
     def __init__(self, device: str) -> None:
         self.cuda = device == "cuda"
         self.trainer: Any = None  # set after the Trainer exists (LazyTrain executor counters)
+        # torch.profiler over one step (0-based index within a train() call), its kernel table written to
+        # profile_path: where the GPU time of a step goes (HARNESS_PROFILE_STEP / HARNESS_PROFILE_DIR in worker.py)
+        self.profile_step: int | None = None
+        self.profile_path: Path | None = None
+        self._prof: Any = None
         self.reset()
 
     def reset(self) -> None:
@@ -75,6 +81,9 @@ class StepTimer(TrainerCallback):
         self.h2d_ms: list[float] = []
         self.d2h_ms: list[float] = []
         self.h2d_weight_bytes: list[int] = []  # weight H2D bytes per optimizer step (all its micro-batches)
+        # CUDA caching allocator counters at each step end (cumulative): retries after freeing the cache, and
+        # cudaMalloc / cudaFree calls; under a memory cap either costs device synchronizations inside the step
+        self.alloc_counts: list[tuple[int, int, int]] = []
         self._h2d0 = 0
         self.update_ms: dict[str, list[float | None]] = {k: [] for k in UPDATE_COUNTERS}  # one entry per step
         self.rss_peak = 0
@@ -106,6 +115,12 @@ class StepTimer(TrainerCallback):
         self._rows = 0
         ex = getattr(self.trainer, "executor", None)
         self._h2d0 = ex.streamer.h2d_bytes if ex is not None and ex.streamer is not None else 0
+        if self.profile_step is not None and len(self.step_s) == self.profile_step:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._prof = profile(activities=acts)
+            self._prof.__enter__()
         self._t0 = self._now()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs: Any):
@@ -119,8 +134,14 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.step_s.append(self._now() - self._t0)
+        if self._prof is not None:
+            self._write_profile()
         self.rows.append(self._rows)
         self.rss_peak = max(self.rss_peak, _rss_bytes())
+        if self.cuda:
+            m = torch.cuda.memory_stats()
+            self.alloc_counts.append((m.get("num_alloc_retries", 0), m.get("num_device_alloc", 0),
+                                      m.get("num_device_free", 0)))
         ex = getattr(self.trainer, "executor", None)
         if ex is not None:
             self.h2d_ms.append(float(ex.stats.extra.get("exposed_h2d_ms", 0.0)))
@@ -129,6 +150,17 @@ class StepTimer(TrainerCallback):
                 self.h2d_weight_bytes.append(ex.streamer.h2d_bytes - self._h2d0)
             for key, vals in self.update_ms.items():  # deferred CPU updates: blocked time, worker time, ...
                 vals.append(ex.stats.extra.get(key))  # None when absent (no update ran yet), not a zero
+
+
+    def _write_profile(self) -> None:
+        """Stop the profiler; write its per-name table (sorted by device time, then CPU time) and the step's time."""
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        key = "device_time_total" if self.cuda else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=80, max_name_column_width=90)
+        path = self.profile_path or Path(f"profile-step{self.profile_step}.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"step {self.profile_step}: {self.step_s[-1] * 1e3:.1f} ms (profiled)\n{table}\n")
 
 
 def _rss_bytes() -> int:

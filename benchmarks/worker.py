@@ -96,6 +96,15 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
     extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm,
                              "rows_per_step": timer.rows}
+    if spec["device"] == "cuda":
+        extra["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        c = timer.alloc_counts
+        if len(c) > warm:  # per timed step: allocator retries, cudaMalloc and cudaFree calls
+            base_c = c[warm - 1] if warm else (0, 0, 0)
+            n_t = len(c) - warm
+            extra["alloc_per_step"] = dict(zip(("retries", "cuda_malloc", "cuda_free"),
+                                               ((c[-1][i] - base_c[i]) / n_t for i in range(3)), strict=True))
+        extra["cuda_alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if system != "zero_offload" and timer.optim_s[warm:]:
         fields["optimizer_ms"] = statistics.median(timer.optim_s[warm:]) * 1e3
     elif system == "zero_offload":
@@ -156,6 +165,10 @@ def run(spec: dict[str, Any]) -> None:
     trainer, build_extra, oom_at = None, {}, None
     for B in spec["batch_sizes"]:
         r = row(**base, params=facts["params"], batch_size=B, status="ok")
+        if os.environ.get("HARNESS_PROFILE_STEP"):  # one profiled step per row (it counts among the timed ones)
+            timer.profile_step = int(os.environ["HARNESS_PROFILE_STEP"])
+            timer.profile_path = (Path(os.environ.get("HARNESS_PROFILE_DIR", ".")) /
+                                  f"profile-{system}-cap{spec['gpu_cap_gib']}-b{B}.txt")
         if oom_at is not None:
             r.update(status="oom", reason=f"not run: batch {oom_at} was already out of memory")
             _emit(out, r)
@@ -186,6 +199,8 @@ def run(spec: dict[str, Any]) -> None:
             r["extra"].update(build_extra, setup_s=round(setup_s, 2), train_call_s=round(time.perf_counter() - t1, 2))
             if folded:
                 r["extra"]["token_ids_folded_modulo"] = folded
+            if timer.profile_step is not None:
+                r["extra"].update(profiled_step=timer.profile_step, profile=str(timer.profile_path))
         except Exception as e:  # the row carries the failure; a crash of the process is the parent's to report
             traceback.print_exc(file=sys.stderr)
             kind = type(e).__name__

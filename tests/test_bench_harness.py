@@ -77,6 +77,8 @@ def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, mo
     from benchmarks import run
 
     got = {}
+    monkeypatch.setenv("HARNESS_PROFILE_STEP", "1")  # and a profiled step's table (the second of three)
+    monkeypatch.setenv("HARNESS_PROFILE_DIR", str(tmp_path / "prof"))
     for reuse in ("1", "0"):
         monkeypatch.setenv("HARNESS_SLOT_REUSE", reuse)
         out = tmp_path / f"r{reuse}.json"
@@ -88,6 +90,10 @@ def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, mo
     assert got["1"]["slot_reuse"] is True and got["0"]["slot_reuse"] is False
     assert got["0"]["h2d_weight_gib_per_step"] >= got["1"]["h2d_weight_gib_per_step"] > 0
     assert "HARNESS_SLOT_REUSE=0" in " ".join(run._env_settings())
+    prof = tmp_path / "prof" / "profile-lazytrain_fixed-capNone-b3.txt"
+    assert got["0"]["profiled_step"] == 1 and got["0"]["profile"] == str(prof)
+    text = prof.read_text()
+    assert text.startswith("step 1: ") and "aten::" in text  # the profiled step's operator table
 
 
 def test_worker_timeout_is_recorded(tmp_path):

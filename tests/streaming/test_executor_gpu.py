@@ -92,11 +92,11 @@ def test_cuda_gpu_side_layer_updates_equal_cpu_updates(state_dtype, model_dtype,
     if delay == "late-h2d":
         load = WeightStreamer._load
 
-        def late_load(self, slot, layer):
+        def late_load(self, slot, layer, reuse=False):
             self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.h2d_stream):
                 torch.cuda._sleep(20_000_000)
-            load(self, slot, layer)
+            load(self, slot, layer, reuse=reuse)
 
         monkeypatch.setattr(WeightStreamer, "_load", late_load)
     elif delay == "late-compute":
