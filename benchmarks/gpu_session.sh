@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s11a | s11b | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s11a | s11b | s11c | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 6 warm-up (3 of them calibrate the MILP plan) + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -182,6 +182,17 @@ for stage in "$@"; do
            # then one profiled step (the 4th timed) of MILP B=16: its kernel table lands in $OUT
            HARNESS_PROFILE_STEP=9 HARNESS_PROFILE_DIR=$OUT timeout 120 $PIN $H --out $OUT/7b-s11b-profile-$(date +%Y%m%d).json \
              --systems lazytrain_milp --caps 24 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s11c)  # 1 GPU (~7 min): the allocator A/B on ONE plan (HARNESS_CALIBRATE_STEPS=0: no re-plan, so both rows run the
+           # first plan whatever the host's CPU rate): MILP 24 GiB B=16 default allocator, then expandable segments;
+           # then the profiled step s11b ran out of time for (CUDA kernels only now), calibrated as usual
+           HRES=${HARNESS_OUT:-$OUT/7b-s11c-$(date +%Y%m%d).json}
+           ERES=${HARNESS_OUT_EXP:-$OUT/7b-s11c-expandable-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --batch-sizes 16 --systems lazytrain_milp --caps 24"
+           HARNESS_CALIBRATE_STEPS=0 timeout 165 $PIN $H --out $HRES --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
+           HARNESS_CALIBRATE_STEPS=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 120 $PIN $H --out $ERES \
+             --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
+           HARNESS_PROFILE_STEP=9 HARNESS_PROFILE_DIR=$OUT timeout 185 $PIN $H --out $OUT/7b-s11c-profile-$(date +%Y%m%d).json \
+             --budget-s 180 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s10a)  # 1 GPU (~7.5 min): the GPU tests in full (the review pass and prepared moments came after the last GPU
            # call), the ISA tests (AVX-512 prepared bits on real AVX-512), the two halves of the C++ update apart
            # (64 Mi, Kahan, bf16 grads, 16 and 8 threads), then MILP 24 GiB B=16 with prepared moments (default)

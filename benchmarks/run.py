@@ -390,6 +390,7 @@ def _env_settings() -> list[str]:
     skip = {"LAZYTRAIN_GSM8K_DIR", "LAZYTRAIN_GIT_COMMIT"}
     return [f"{k}={os.environ[k]}" for k in sorted(os.environ)
             if (k.startswith("LAZYTRAIN_") and k not in skip) or k in ("HARNESS_SLOT_REUSE", "HARNESS_PROFILE_STEP",
+                                                                          "HARNESS_CALIBRATE_STEPS",
                                                                           "PYTORCH_CUDA_ALLOC_CONF")]
 
 

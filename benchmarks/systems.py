@@ -15,6 +15,8 @@ constant LR), the same GSM8K token rows, warm-up steps excluded from timing. Wha
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -118,7 +120,7 @@ class StepTimer(TrainerCallback):
         if self.profile_step is not None and len(self.step_s) == self.profile_step:
             from torch.profiler import ProfilerActivity, profile
 
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            acts = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]  # CUDA: kernels only (cheap)
             self._prof = profile(activities=acts)
             self._prof.__enter__()
         self._t0 = self._now()
@@ -161,6 +163,9 @@ class StepTimer(TrainerCallback):
         path = self.profile_path or Path(f"profile-step{self.profile_step}.txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"step {self.profile_step}: {self.step_s[-1] * 1e3:.1f} ms (profiled)\n{table}\n")
+        per_name = {e.key: {"count": e.count, "device_us": getattr(e, key), "self_device_us":
+                            getattr(e, "self_" + key)} for e in prof.key_averages()}
+        path.with_suffix(".json").write_text(json.dumps({"step_ms": self.step_s[-1] * 1e3, "ops": per_name}))
 
 
 def _rss_bytes() -> int:
@@ -252,7 +257,8 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                # optimizer allocates its states in step 2), so the timed steps run one plan, predicted before them.
                # The step right after the re-plan is not timed either: the CPU update worker finished while the
                # solver ran, so that step waited for no update (session 6: 0.4-0.9 s faster than the rest)
-               "calibrate_steps": max(0, int(spec.get("warmup", 0)) - 3)}
+               # HARNESS_CALIBRATE_STEPS=0: run the first plan throughout (A/B rows on one plan)
+               "calibrate_steps": int(os.environ.get("HARNESS_CALIBRATE_STEPS", max(0, int(spec.get("warmup", 0)) - 3)))}
         kw.update(lazytrain_config=cfg, bf16=True)
         from lazytrain_hf.optim.functional import gpu_kernel_choice, triton_status
 

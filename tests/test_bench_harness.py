@@ -94,6 +94,8 @@ def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, mo
     assert got["0"]["profiled_step"] == 1 and got["0"]["profile"] == str(prof)
     text = prof.read_text()
     assert text.startswith("step 1: ") and "aten::" in text  # the profiled step's operator table
+    ops = json.loads(prof.with_suffix(".json").read_text())["ops"]
+    assert ops["aten::mm"]["count"] > 0 and ops["aten::mm"]["device_us"] > 0  # CPU run: "device" is the CPU
 
 
 def test_worker_timeout_is_recorded(tmp_path):
