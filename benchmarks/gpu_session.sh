@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s11a | s11b | s11c | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s11a | s11b | s11c | s11d | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 6 warm-up (3 of them calibrate the MILP plan) + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -193,6 +193,14 @@ for stage in "$@"; do
              --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            HARNESS_PROFILE_STEP=9 HARNESS_PROFILE_DIR=$OUT timeout 185 $PIN $H --out $OUT/7b-s11c-profile-$(date +%Y%m%d).json \
              --budget-s 180 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s11d)  # 1 GPU (~7.5 min): issue 3's batch 32 and 8 side by side at this session's code (slot reuse on): stock B=32
+           # uncapped, MILP 24 GiB B=32 (the first LazyTrain row builds the kernels), stock B=8, MILP B=8
+           HRES=${HARNESS_OUT:-$OUT/7b-s11d-$(date +%Y%m%d).json}
+           H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --out $HRES"
+           timeout 95 $PIN $H --systems stock_trainer --caps none --batch-sizes 32 --budget-s 90 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 165 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 70 $PIN $H --systems stock_trainer --caps none --batch-sizes 8 --budget-s 65 2>&1 | grep -v -i warning | grep -v train_runtime
+           timeout 110 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 105 2>&1 | grep -v -i warning | grep -v train_runtime ;;
     s10a)  # 1 GPU (~7.5 min): the GPU tests in full (the review pass and prepared moments came after the last GPU
            # call), the ISA tests (AVX-512 prepared bits on real AVX-512), the two halves of the C++ update apart
            # (64 Mi, Kahan, bf16 grads, 16 and 8 threads), then MILP 24 GiB B=16 with prepared moments (default)
