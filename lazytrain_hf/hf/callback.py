@@ -31,6 +31,7 @@ class LazyTrainCallback(TrainerCallback):
 
     def __init__(self, trainer: LazyTrainer) -> None:
         self.trainer = trainer
+        self._warned_retries = False
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
         ex = self.trainer.executor
@@ -91,6 +92,7 @@ class LazyTrainCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.trainer.meter.stop(self.trainer.executor_metrics())
         cal = self.trainer.calibration
+        self._warn_alloc_retries(state.global_step, cal)
         if cal is not None and "step_time_s" in self.trainer.meter.last:
             if cal.end_step(self.trainer.meter.last["step_time_s"]):
                 try:
@@ -105,6 +107,20 @@ class LazyTrainCallback(TrainerCallback):
         if control.should_save or control.should_evaluate or control.should_training_stop or \
                 state.global_step >= state.max_steps:
             self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
+
+    def _warn_alloc_retries(self, step: int, cal: Calibration | None) -> None:
+        """Once per run: a step after the warm-up (first 2 steps, the calibration) in which the CUDA caching
+        allocator reached the memory cap and freed its cache to retry (`cuda_alloc_retries` in the logs)."""
+        retries = self.trainer.meter.last.get("cuda_alloc_retries", 0)
+        if self._warned_retries or not retries or step <= 2 or (cal is not None and not cal.done):
+            return
+        self._warned_retries = True
+        logger.warning(
+            "LazyTrain: in step %d the CUDA caching allocator reached the GPU memory cap and freed its cache to "
+            "retry %d allocation(s); each retry synchronizes the GPU and slows the step (fragmentation: memory is "
+            "reserved but not in blocks of the needed size). Fix: start the run with "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or raise lazytrain_config.gpu_memory_margin "
+            "(now %.2f) so that the plan leaves more room.", step, retries, self.trainer.lazy_config.gpu_memory_margin)
 
     def _recalibrated_plans(self) -> BucketSchedules | None:
         """The bucket plans solved again with the measured CPU optimizer rate and the GPU compute costs scaled by

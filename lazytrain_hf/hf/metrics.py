@@ -35,10 +35,12 @@ class StepMeter:
     peak_tflops: float | None = None  # device bf16 peak for MFU, TFLOP/s
     tokens: int = 0
     _t0: float | None = None
+    _retries0: int = 0
     last: dict[str, float] = field(default_factory=dict)
 
     def start(self) -> None:
         self._sync()
+        self._retries0 = self._alloc_retries()
         self._t0 = time.perf_counter()
         self.tokens = 0
 
@@ -58,8 +60,16 @@ class StepMeter:
             m["mfu"] = _sig(m["tflops"] / self.peak_tflops)
         if self.device.type == "cuda":
             m["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(self.device) / GIB, 3)
+            m["cuda_alloc_retries"] = self._alloc_retries() - self._retries0
         m.update(extra or {})
         self.last = m
+
+    def _alloc_retries(self) -> int:
+        """The CUDA caching allocator's `num_alloc_retries` (torch.cuda.memory_stats): allocations that failed at
+        the memory cap and succeeded after the cache was freed, each one a device synchronization. 0 off CUDA."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,0 +1,49 @@
+"""StepMeter's per-step CUDA allocator retries and the callback's one warning about them (CPU: torch.cuda faked)."""
+
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from lazytrain_hf.hf.calibrate import Calibration
+from lazytrain_hf.hf.callback import LazyTrainCallback
+from lazytrain_hf.hf.metrics import StepMeter
+
+
+def test_step_meter_counts_the_steps_allocator_retries(monkeypatch):
+    retries = iter([3, 5, 5, 5])  # cumulative num_alloc_retries at each start / stop
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": next(retries)})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    meter = StepMeter(num_params=10, device=torch.device("cuda", 0))
+    meter.start()
+    meter.stop()
+    assert meter.last["cuda_alloc_retries"] == 2  # 5 - 3: this step's retries, not the run's
+    meter.start()
+    meter.stop()
+    assert meter.last["cuda_alloc_retries"] == 0
+    cpu = StepMeter(num_params=10, device=torch.device("cpu"))
+    cpu.start()
+    cpu.stop()
+    assert "cuda_alloc_retries" not in cpu.last
+
+
+def test_allocator_retries_warn_once_after_the_warm_up(caplog):
+    trainer = SimpleNamespace(meter=SimpleNamespace(last={"cuda_alloc_retries": 2}),
+                              lazy_config=SimpleNamespace(gpu_memory_margin=0.12))
+    cb = LazyTrainCallback(trainer)
+    calibrating = Calibration(steps=3)
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf.hf.callback"):
+        cb._warn_alloc_retries(2, None)  # warm-up step: the optimizer states are being allocated
+        cb._warn_alloc_retries(4, calibrating)  # the calibration may still re-plan
+        assert not caplog.records
+        trainer.meter.last["cuda_alloc_retries"] = 0
+        cb._warn_alloc_retries(7, None)
+        assert not caplog.records
+        trainer.meter.last["cuda_alloc_retries"] = 2
+        cb._warn_alloc_retries(8, None)
+        cb._warn_alloc_retries(9, None)
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "step 8" in msg and "2 allocation" in msg
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg and "gpu_memory_margin" in msg
