@@ -29,6 +29,9 @@ RES="$OUT/executor-$(date +%Y%m%d).json"
 # count) on a larger host.
 PIN=""; if [ -n "${CPUSET:-}" ]; then PIN="taskset -c $CPUSET"; export LAZYTRAIN_CPU_THREADS=$(( $(taskset -c "$CPUSET" nproc) )); fi
 COMMON="--model qwen2.5-7b --seq-len 1024 --steps 5 --loss-chunk-tokens 2048 --out $RES"
+# hrow <timeout s> <benchmarks.run args...>: one harness call of the 7b suite, pinned, warnings filtered
+hrow() { local t=$1; shift; timeout "$t" $PIN python3 -m benchmarks.run --suite 7b --min-start-s 40 "$@" 2>&1 \
+  | grep -v -i warning | grep -v train_runtime; }
 for stage in "$@"; do
   case $stage in
     tests) timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/streaming tests/optim tests/profiling -rfE \
@@ -187,20 +190,18 @@ for stage in "$@"; do
            # then the profiled step s11b ran out of time for (CUDA kernels only now), calibrated as usual
            HRES=${HARNESS_OUT:-$OUT/7b-s11c-$(date +%Y%m%d).json}
            ERES=${HARNESS_OUT_EXP:-$OUT/7b-s11c-expandable-$(date +%Y%m%d).json}
-           H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --batch-sizes 16 --systems lazytrain_milp --caps 24"
-           HARNESS_CALIBRATE_STEPS=0 timeout 165 $PIN $H --out $HRES --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
-           HARNESS_CALIBRATE_STEPS=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 120 $PIN $H --out $ERES \
-             --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
-           HARNESS_PROFILE_STEP=9 HARNESS_PROFILE_DIR=$OUT timeout 185 $PIN $H --out $OUT/7b-s11c-profile-$(date +%Y%m%d).json \
-             --budget-s 180 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+           M="--batch-sizes 16 --systems lazytrain_milp --caps 24"
+           HARNESS_CALIBRATE_STEPS=0 hrow 165 $M --out $HRES --budget-s 160
+           HARNESS_CALIBRATE_STEPS=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True hrow 120 $M --out $ERES --budget-s 115
+           HARNESS_PROFILE_STEP=9 HARNESS_PROFILE_DIR=$OUT hrow 185 $M --out $OUT/7b-s11c-profile-$(date +%Y%m%d).json \
+             --budget-s 180 ;;
     s11d)  # 1 GPU (~7.5 min): issue 3's batch 32 and 8 side by side at this session's code (slot reuse on): stock B=32
            # uncapped, MILP 24 GiB B=32 (the first LazyTrain row builds the kernels), stock B=8, MILP B=8
            HRES=${HARNESS_OUT:-$OUT/7b-s11d-$(date +%Y%m%d).json}
-           H="python3 -m benchmarks.run --suite 7b --min-start-s 40 --out $HRES"
-           timeout 95 $PIN $H --systems stock_trainer --caps none --batch-sizes 32 --budget-s 90 2>&1 | grep -v -i warning | grep -v train_runtime
-           timeout 165 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 160 2>&1 | grep -v -i warning | grep -v train_runtime
-           timeout 70 $PIN $H --systems stock_trainer --caps none --batch-sizes 8 --budget-s 65 2>&1 | grep -v -i warning | grep -v train_runtime
-           timeout 110 $PIN $H --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 105 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+           hrow 95 --out $HRES --systems stock_trainer --caps none --batch-sizes 32 --budget-s 90
+           hrow 165 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 160
+           hrow 70 --out $HRES --systems stock_trainer --caps none --batch-sizes 8 --budget-s 65
+           hrow 110 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 105 ;;
     s10a)  # 1 GPU (~7.5 min): the GPU tests in full (the review pass and prepared moments came after the last GPU
            # call), the ISA tests (AVX-512 prepared bits on real AVX-512), the two halves of the C++ update apart
            # (64 Mi, Kahan, bf16 grads, 16 and 8 threads), then MILP 24 GiB B=16 with prepared moments (default)
