@@ -374,6 +374,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown models {unknown}: use registry names ({', '.join(sorted(ARCHITECTURES))}), a local model "
                 "folder or a Hub id")
+    # the harness's A/B and profiling switches are read in the workers: refuse bad values here, before any row runs
+    for name, lo, hi in (("HARNESS_SLOT_REUSE", 0, 1), ("HARNESS_PROFILE_STEP", 0, None),
+                         ("HARNESS_CALIBRATE_STEPS", 0, None)):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            val = int(raw)
+        except ValueError:
+            val = -1
+        if val < lo or (hi is not None and val > hi):
+            p.error(f"environment {name}={raw!r}: must be an integer {'0 or 1' if hi == 1 else '>= 0'}; unset it "
+                    "for the default")
     if args.device == "cuda":
         import torch
 

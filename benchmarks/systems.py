@@ -153,9 +153,9 @@ class StepTimer(TrainerCallback):
             for key, vals in self.update_ms.items():  # deferred CPU updates: blocked time, worker time, ...
                 vals.append(ex.stats.extra.get(key))  # None when absent (no update ran yet), not a zero
 
-
     def _write_profile(self) -> None:
-        """Stop the profiler; write its per-name table (sorted by device time, then CPU time) and the step's time."""
+        """Stop the profiler; write its per-name table (by device time on CUDA, CPU time otherwise) with the step's
+        time, and the same totals as JSON beside it. A profile step beyond the run's steps writes nothing."""
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         key = "device_time_total" if self.cuda else "cpu_time_total"

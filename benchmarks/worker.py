@@ -199,8 +199,9 @@ def run(spec: dict[str, Any]) -> None:
             r["extra"].update(build_extra, setup_s=round(setup_s, 2), train_call_s=round(time.perf_counter() - t1, 2))
             if folded:
                 r["extra"]["token_ids_folded_modulo"] = folded
-            if timer.profile_step is not None:
-                r["extra"].update(profiled_step=timer.profile_step, profile=str(timer.profile_path))
+            if timer.profile_step is not None:  # None: the run had fewer steps than the profile step's index
+                done = timer.profile_path is not None and timer.profile_path.exists()
+                r["extra"].update(profiled_step=timer.profile_step, profile=str(timer.profile_path) if done else None)
         except Exception as e:  # the row carries the failure; a crash of the process is the parent's to report
             traceback.print_exc(file=sys.stderr)
             kind = type(e).__name__

@@ -98,6 +98,18 @@ def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, mo
     assert ops["aten::mm"]["count"] > 0 and ops["aten::mm"]["device_us"] > 0  # CPU run: "device" is the CPU
 
 
+@pytest.mark.parametrize("name, value", [("HARNESS_PROFILE_STEP", "abc"), ("HARNESS_CALIBRATE_STEPS", "-1"),
+                                         ("HARNESS_SLOT_REUSE", "2")])
+def test_bad_harness_switches_exit_before_any_row(tmp_path, monkeypatch, capsys, name, value):
+    from benchmarks import run
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(run, "run_process", lambda *a, **k: pytest.fail("a row ran"))
+    with pytest.raises(SystemExit):
+        run.main(["--suite", "smoke", "--out", str(tmp_path / "x.json")])
+    assert f"environment {name}={value!r}" in capsys.readouterr().err
+
+
 def test_worker_timeout_is_recorded(tmp_path):
     from benchmarks import run
 
