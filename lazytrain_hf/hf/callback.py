@@ -112,15 +112,19 @@ class LazyTrainCallback(TrainerCallback):
         """Once per run: a step after the warm-up (first 2 steps, the calibration) in which the CUDA caching
         allocator reached the memory cap and freed its cache to retry (`cuda_alloc_retries` in the logs)."""
         retries = self.trainer.meter.last.get("cuda_alloc_retries", 0)
-        if self._warned_retries or not retries or step <= 2 or (cal is not None and not cal.done):
+        calibrating = cal is not None and cal.steps > 0 and not cal.done
+        if self._warned_retries or not retries or step <= 2 or calibrating:
             return
         self._warned_retries = True
+        cfg = self.trainer.lazy_config
+        margin = (f", or raise lazytrain_config.gpu_memory_margin (now {cfg.gpu_memory_margin:.2f}) so that the MILP "
+                  "plan leaves more room" if cfg.policy == "milp" and not cfg.schedule_path else
+                  ", or lower lazytrain_config.gpu_memory_budget and plan again (policy \"milp\")")
         logger.warning(
             "LazyTrain: in step %d the CUDA caching allocator reached the GPU memory cap and freed its cache to "
             "retry %d allocation(s); each retry synchronizes the GPU and slows the step (fragmentation: memory is "
             "reserved but not in blocks of the needed size). Fix: start the run with "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or raise lazytrain_config.gpu_memory_margin "
-            "(now %.2f) so that the plan leaves more room.", step, retries, self.trainer.lazy_config.gpu_memory_margin)
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True%s.", step, retries, margin)
 
     def _recalibrated_plans(self) -> BucketSchedules | None:
         """The bucket plans solved again with the measured CPU optimizer rate and the GPU compute costs scaled by

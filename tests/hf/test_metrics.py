@@ -22,6 +22,10 @@ def test_step_meter_counts_the_steps_allocator_retries(monkeypatch):
     meter.start()
     meter.stop()
     assert meter.last["cuda_alloc_retries"] == 0
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})  # no allocator activity yet
+    meter.start()
+    meter.stop()
+    assert meter.last["cuda_alloc_retries"] == 0
     cpu = StepMeter(num_params=10, device=torch.device("cpu"))
     cpu.start()
     cpu.stop()
@@ -30,7 +34,7 @@ def test_step_meter_counts_the_steps_allocator_retries(monkeypatch):
 
 def test_allocator_retries_warn_once_after_the_warm_up(caplog):
     trainer = SimpleNamespace(meter=SimpleNamespace(last={"cuda_alloc_retries": 2}),
-                              lazy_config=SimpleNamespace(gpu_memory_margin=0.12))
+                              lazy_config=SimpleNamespace(gpu_memory_margin=0.12, policy="milp", schedule_path=None))
     cb = LazyTrainCallback(trainer)
     calibrating = Calibration(steps=3)
     with caplog.at_level(logging.WARNING, logger="lazytrain_hf.hf.callback"):
@@ -46,4 +50,15 @@ def test_allocator_retries_warn_once_after_the_warm_up(caplog):
     assert len(caplog.records) == 1
     msg = caplog.records[0].getMessage()
     assert "step 8" in msg and "2 allocation" in msg
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg and "gpu_memory_margin" in msg
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg and "gpu_memory_margin (now 0.12)" in msg
+
+
+def test_allocator_retries_warn_without_calibration_and_name_a_fix_that_applies(caplog):
+    """calibrate_steps 0 (a Calibration that never completes) still warns; a fixed policy is not told to change
+    the MILP's margin, which it never reads."""
+    trainer = SimpleNamespace(meter=SimpleNamespace(last={"cuda_alloc_retries": 1}),
+                              lazy_config=SimpleNamespace(gpu_memory_margin=0.12, policy="fixed", schedule_path=None))
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf.hf.callback"):
+        LazyTrainCallback(trainer)._warn_alloc_retries(3, Calibration(steps=0))
+    (rec,) = caplog.records
+    assert "gpu_memory_margin" not in rec.getMessage() and "gpu_memory_budget" in rec.getMessage()
