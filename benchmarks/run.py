@@ -312,6 +312,10 @@ def _parse_caps(s: str) -> list[float | None]:
             for c in s.split(",")]
 
 
+#: the harness's A/B and profiling switches (environment, read in the workers) -> their integer range (None: open)
+SWITCHES = {"HARNESS_SLOT_REUSE": (0, 1), "HARNESS_PROFILE_STEP": (0, None), "HARNESS_CALIBRATE_STEPS": (0, None)}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=sorted(SUITES), required=True)
@@ -375,8 +379,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown models {unknown}: use registry names ({', '.join(sorted(ARCHITECTURES))}), a local model "
                 "folder or a Hub id")
     # the harness's A/B and profiling switches are read in the workers: refuse bad values here, before any row runs
-    for name, lo, hi in (("HARNESS_SLOT_REUSE", 0, 1), ("HARNESS_PROFILE_STEP", 0, None),
-                         ("HARNESS_CALIBRATE_STEPS", 0, None)):
+    for name, (lo, hi) in SWITCHES.items():
         raw = os.environ.get(name)
         if raw is None:
             continue
@@ -402,9 +405,7 @@ def _env_settings() -> list[str]:
     left out."""
     skip = {"LAZYTRAIN_GSM8K_DIR", "LAZYTRAIN_GIT_COMMIT"}
     return [f"{k}={os.environ[k]}" for k in sorted(os.environ)
-            if (k.startswith("LAZYTRAIN_") and k not in skip) or k in ("HARNESS_SLOT_REUSE", "HARNESS_PROFILE_STEP",
-                                                                          "HARNESS_CALIBRATE_STEPS",
-                                                                          "PYTORCH_CUDA_ALLOC_CONF")]
+            if (k.startswith("LAZYTRAIN_") and k not in skip) or k in SWITCHES or k == "PYTORCH_CUDA_ALLOC_CONF"]
 
 
 def main(argv: list[str] | None = None, started: float | None = None) -> Results:
