@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s11a | s11b | s11c | s11d | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s12a | s12b | s11a | s11b | s11c | s11d | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 6 warm-up (3 of them calibrate the MILP plan) + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -161,6 +161,19 @@ for stage in "$@"; do
            timeout 100 $PIN $H --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 95 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 120 $PIN $H --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 2>&1 | grep -v -i warning | grep -v train_runtime
            timeout 130 $PIN $H --out $RRES --rows-per-pass 16 --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 125 2>&1 | grep -v -i warning | grep -v train_runtime ;;
+    s12a)  # 1 GPU (~9.5 min): issue 3's batch 32 with the allocator A/B on ONE plan (HARNESS_CALIBRATE_STEPS=0; the
+           # first row builds the kernels): MILP 24 GiB default allocator, then expandable segments; stock B=32
+           # uncapped (120 s: s11d's 90 s was too short cold); then expandable segments with gpu_memory_margin 0.06,
+           # calibrated as usual
+           HRES=${HARNESS_OUT:-$OUT/7b-s12a-$(date +%Y%m%d).json}
+           ERES=${HARNESS_OUT_EXP:-$OUT/7b-s12a-expandable-$(date +%Y%m%d).json}
+           M="--batch-sizes 32 --systems lazytrain_milp --caps 24"
+           X=expandable_segments:True
+           HARNESS_CALIBRATE_STEPS=0 hrow 165 $M --out $HRES --budget-s 160
+           HARNESS_CALIBRATE_STEPS=0 PYTORCH_CUDA_ALLOC_CONF=$X hrow 125 $M --out $ERES --budget-s 120
+           hrow 125 --out $HRES --systems stock_trainer --caps none --batch-sizes 32 --budget-s 120
+           HARNESS_GPU_MEMORY_MARGIN=0.06 PYTORCH_CUDA_ALLOC_CONF=$X hrow 150 $M \
+             --out $OUT/7b-s12a-margin06-$(date +%Y%m%d).json --budget-s 145 ;;
     s11a)  # 1 GPU (~8 min): the GPU tests in full (slot reuse, the optimizer-load hook and the 2% switch rule were
            # built after the last GPU call), then Note [slot reuse] off / on at MILP 24 GiB B=16 in one run (rows
            # record h2d_weight_gib_per_step; the first row builds the kernels)

@@ -312,8 +312,11 @@ def _parse_caps(s: str) -> list[float | None]:
             for c in s.split(",")]
 
 
-#: the harness's A/B and profiling switches (environment, read in the workers) -> their integer range (None: open)
-SWITCHES = {"HARNESS_SLOT_REUSE": (0, 1), "HARNESS_PROFILE_STEP": (0, None), "HARNESS_CALIBRATE_STEPS": (0, None)}
+#: the harness's A/B and profiling switches (environment, read in the workers) -> (type, range, what it takes);
+#: the range is [lo, hi] for integers (hi None: open) and [lo, hi) for fractions
+SWITCHES = {"HARNESS_SLOT_REUSE": (int, 0, 1, "0 or 1"), "HARNESS_PROFILE_STEP": (int, 0, None, "an integer >= 0"),
+            "HARNESS_CALIBRATE_STEPS": (int, 0, None, "an integer >= 0"),
+            "HARNESS_GPU_MEMORY_MARGIN": (float, 0.0, 0.9, "a fraction in [0, 0.9), as gpu_memory_margin")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -379,17 +382,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown models {unknown}: use registry names ({', '.join(sorted(ARCHITECTURES))}), a local model "
                 "folder or a Hub id")
     # the harness's A/B and profiling switches are read in the workers: refuse bad values here, before any row runs
-    for name, (lo, hi) in SWITCHES.items():
+    for name, (kind, lo, hi, what) in SWITCHES.items():
         raw = os.environ.get(name)
         if raw is None:
             continue
         try:
-            val = int(raw)
+            val = kind(raw)
         except ValueError:
-            val = -1
-        if val < lo or (hi is not None and val > hi):
-            p.error(f"environment {name}={raw!r}: must be an integer {'0 or 1' if hi == 1 else '>= 0'}; unset it "
-                    "for the default")
+            val = lo - 1
+        if not lo <= val or (hi is not None and (val > hi if kind is int else val >= hi)):
+            p.error(f"environment {name}={raw!r}: must be {what}; unset it for the default")
     if args.device == "cuda":
         import torch
 

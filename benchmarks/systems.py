@@ -259,6 +259,8 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                # solver ran, so that step waited for no update (session 6: 0.4-0.9 s faster than the rest)
                # HARNESS_CALIBRATE_STEPS=0: run the first plan throughout (A/B rows on one plan)
                "calibrate_steps": int(os.environ.get("HARNESS_CALIBRATE_STEPS", max(0, int(spec.get("warmup", 0)) - 3)))}
+        if os.environ.get("HARNESS_GPU_MEMORY_MARGIN"):  # the MILP's allocator margin (default 0.12)
+            cfg["gpu_memory_margin"] = float(os.environ["HARNESS_GPU_MEMORY_MARGIN"])
         kw.update(lazytrain_config=cfg, bf16=True)
         from lazytrain_hf.optim.functional import gpu_kernel_choice, triton_status
 

@@ -79,6 +79,7 @@ def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, mo
     got = {}
     monkeypatch.setenv("HARNESS_PROFILE_STEP", "1")  # and a profiled step's table (the second of three)
     monkeypatch.setenv("HARNESS_PROFILE_DIR", str(tmp_path / "prof"))
+    monkeypatch.setenv("HARNESS_GPU_MEMORY_MARGIN", "0.05")  # and the MILP's margin switch reaches the config
     for reuse in ("1", "0"):
         monkeypatch.setenv("HARNESS_SLOT_REUSE", reuse)
         out = tmp_path / f"r{reuse}.json"
@@ -90,6 +91,7 @@ def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, mo
     assert got["1"]["slot_reuse"] is True and got["0"]["slot_reuse"] is False
     assert got["0"]["h2d_weight_gib_per_step"] >= got["1"]["h2d_weight_gib_per_step"] > 0
     assert "HARNESS_SLOT_REUSE=0" in " ".join(run._env_settings())
+    assert got["0"]["lazytrain_config"]["gpu_memory_margin"] == 0.05
     prof = tmp_path / "prof" / "profile-lazytrain_fixed-capNone-b3.txt"
     assert got["0"]["profiled_step"] == 1 and got["0"]["profile"] == str(prof)
     text = prof.read_text()
@@ -99,7 +101,8 @@ def test_lazytrain_rows_record_weight_h2d_and_the_slot_reuse_switch(tmp_path, mo
 
 
 @pytest.mark.parametrize("name, value", [("HARNESS_PROFILE_STEP", "abc"), ("HARNESS_CALIBRATE_STEPS", "-1"),
-                                         ("HARNESS_SLOT_REUSE", "2")])
+                                         ("HARNESS_SLOT_REUSE", "2"), ("HARNESS_GPU_MEMORY_MARGIN", "0.9"),
+                                         ("HARNESS_GPU_MEMORY_MARGIN", "-0.1"), ("HARNESS_GPU_MEMORY_MARGIN", "x")])
 def test_bad_harness_switches_exit_before_any_row(tmp_path, monkeypatch, capsys, name, value):
     from benchmarks import run
 
