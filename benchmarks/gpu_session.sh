@@ -174,6 +174,14 @@ for stage in "$@"; do
            hrow 125 --out $HRES --systems stock_trainer --caps none --batch-sizes 32 --budget-s 120
            HARNESS_GPU_MEMORY_MARGIN=0.06 PYTORCH_CUDA_ALLOC_CONF=$X hrow 150 $M \
              --out $OUT/7b-s12a-margin06-$(date +%Y%m%d).json --budget-s 145 ;;
+    s12b)  # 1 GPU (~9 min): issue 3's batch 64 (MILP last measured in session 6) and 16 side by side at this session's
+           # code: stock B=64 uncapped (may not fit the whole H200), MILP 24 GiB B=64 (builds the kernels), stock B=16,
+           # MILP 24 GiB B=16; default allocator throughout (s12a: expandable segments changed nothing on one plan)
+           HRES=${HARNESS_OUT:-$OUT/7b-s12b-$(date +%Y%m%d).json}
+           hrow 160 --out $HRES --systems stock_trainer --caps none --batch-sizes 64 --budget-s 155
+           hrow 170 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 64 --budget-s 165
+           hrow 80 --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 75
+           hrow 120 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 ;;
     s11a)  # 1 GPU (~8 min): the GPU tests in full (slot reuse, the optimizer-load hook and the 2% switch rule were
            # built after the last GPU call), then Note [slot reuse] off / on at MILP 24 GiB B=16 in one run (rows
            # record h2d_weight_gib_per_step; the first row builds the kernels)
