@@ -182,6 +182,10 @@ for stage in "$@"; do
            hrow 170 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 64 --budget-s 165
            hrow 80 --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 75
            hrow 120 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 115 ;;
+    s12c)  # 1 GPU (~5 min): MILP 24 GiB B=64 alone (s12b's 165 s were too short for it: kernel build, two slow
+           # first steps and 11 steps of ~7 s)
+           HRES=${HARNESS_OUT:-$OUT/7b-s12c-$(date +%Y%m%d).json}
+           hrow 300 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 64 --budget-s 290 ;;
     s11a)  # 1 GPU (~8 min): the GPU tests in full (slot reuse, the optimizer-load hook and the 2% switch rule were
            # built after the last GPU call), then Note [slot reuse] off / on at MILP 24 GiB B=16 in one run (rows
            # record h2d_weight_gib_per_step; the first row builds the kernels)
