@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s12a | s12b | s11a | s11b | s11c | s11d | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s12a | s12b | s12c | s12d | s11a | s11b | s11c | s11d | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 6 warm-up (3 of them calibrate the MILP plan) + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -186,6 +186,13 @@ for stage in "$@"; do
            # first steps and 11 steps of ~7 s)
            HRES=${HARNESS_OUT:-$OUT/7b-s12c-$(date +%Y%m%d).json}
            hrow 300 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 64 --budget-s 290 ;;
+    s12d)  # 1 GPU (~7 min): the GPU tests in full (the state arena now reserves the optimizer's exact states, and the
+           # optimizer's state allocation was refactored), then B=16 side by side: stock uncapped, MILP 24 GiB (rows
+           # record pinned planned vs locked: predicted 1.000x, was 1.049-1.051x)
+           TESTS_TIMEOUT=200 bash "$0" tests
+           HRES=${HARNESS_OUT:-$OUT/7b-s12d-$(date +%Y%m%d).json}
+           hrow 80 --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 75
+           hrow 125 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 120 ;;
     s11a)  # 1 GPU (~8 min): the GPU tests in full (slot reuse, the optimizer-load hook and the 2% switch rule were
            # built after the last GPU call), then Note [slot reuse] off / on at MILP 24 GiB B=16 in one run (rows
            # record h2d_weight_gib_per_step; the first row builds the kernels)

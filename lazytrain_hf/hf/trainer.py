@@ -136,6 +136,7 @@ class LazyTrainerMixin:
             inner = self._inner_optimizer(opt)
             inner.set_grad_source(self.executor.grad_source)
             inner.set_state_allocator(self.executor.state_alloc)  # exact-size pinned states (before any resume)
+            self.executor.reserve_states(inner)  # ... in one chunk per dtype: locked bytes == planned
             if self.lazy_config.overlap_optimizer:
                 self.executor.attach_optimizer(inner)
         return opt

@@ -471,28 +471,42 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         return (group["state_dtype"] == "8bit" and p.numel() >= group["min_8bit_size"]
                 and id(p) not in self._fp32_state_ids)
 
+    def _state_layout(self, p: Tensor, group: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Key -> (shape, dtype) of each state tensor ``p`` gets (one source for allocation and `state_specs`)."""
+        shape = tuple(p.shape)
+        if self._wants_8bit(p, group):
+            nb = (num_blocks(p.numel(), group["block_size"]),)
+            out = {"state1": (shape, torch.uint8), "state2": (shape, torch.uint8),
+                   "absmax1": (nb, torch.float32), "absmax2": (nb, torch.float32)}
+        else:
+            out = {"state1": (shape, torch.float32), "state2": (shape, torch.float32)}
+        mode = _resolve_master(group["master_weights"], p.dtype)
+        if mode != "none":
+            out[mode if mode == "kahan" else "master"] = (shape, p.dtype if mode == "kahan" else torch.float32)
+        return out
+
+    def state_specs(self) -> list[tuple[Tensor, tuple[int, ...], torch.dtype]]:
+        """(parameter, shape, dtype) of every state tensor the first step allocates (moments, absmax, master or
+        Kahan buffers), for the parameters that have no state yet: what an allocator (`set_state_allocator`) will be
+        asked for, so it can size its memory up front (the executor's `reserve_states`)."""
+        return [(p, shape, dtype) for group in self.param_groups for p in group["params"]
+                if not self.state.get(p) for shape, dtype in self._state_layout(p, group).values()]
+
     @torch.no_grad()
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
         """Allocate the states of ``p`` on its device (pinned when ``p`` is pinned host memory)."""
         state = self.state[p]
-        n = p.numel()
         a = self._state_alloc
         state["step"] = 0
-        if self._wants_8bit(p, group):
-            books = self._books_for(p.device)
-            nb = num_blocks(n, group["block_size"])
-            state["state1"] = _alloc_like(p, p.shape, torch.uint8, a).fill_(zero_code(books.qmap1.cpu()))
-            state["state2"] = _alloc_like(p, p.shape, torch.uint8, a).fill_(zero_code(books.qmap2.cpu()))
-            state["absmax1"] = _alloc_like(p, (nb,), torch.float32, a).zero_()
-            state["absmax2"] = _alloc_like(p, (nb,), torch.float32, a).zero_()
-        else:
-            state["state1"] = _alloc_like(p, p.shape, torch.float32, a).zero_()
-            state["state2"] = _alloc_like(p, p.shape, torch.float32, a).zero_()
-        mode = _resolve_master(group["master_weights"], p.dtype)
-        if mode == "fp32":
-            state["master"] = _alloc_like(p, p.shape, torch.float32, a).copy_(p.detach())
-        elif mode == "kahan":
-            state["kahan"] = _alloc_like(p, p.shape, p.dtype, a).zero_()
+        for key, (shape, dtype) in self._state_layout(p, group).items():
+            state[key] = t = _alloc_like(p, shape, dtype, a)
+            if key in ("state1", "state2") and dtype == torch.uint8:  # 8-bit codes start at the code of 0
+                t.fill_(zero_code(self._books_for(p.device).qmap1.cpu() if key == "state1" else
+                                  self._books_for(p.device).qmap2.cpu()))
+            elif key == "master":
+                t.copy_(p.detach())
+            else:
+                t.zero_()
 
     # ------------------------------------------------------------------ accounting and checkpoints
     def state_bytes(self) -> dict[str, int]:

@@ -197,8 +197,10 @@ class PinnedArena:
     states (68 MB codes, 136 MB Kahan buffers) would lock 128 / 256 MB each. The arena carves tensors first-fit from
     chunks of about `chunk_bytes`, one pool per dtype (so tensors sharing a storage share its dtype, as torch.save
     requires), page-locked in place with cudaHostRegister (`pin_tensor`); locked bytes exceed used bytes by at most
-    the chunks' unused tails. Without `pin` it hands out ordinary memory. Thread-safe (the CPU update worker and
-    GPU-side updates allocate states concurrently). Nothing is freed before `release`.
+    the chunks' unused tails. `reserve` sizes a pool's next chunk to a known total instead (the executor reserves the
+    optimizer's states: without it the tails and the last chunks' free space were 2.5 GiB at Qwen2.5-7B, 1.05x).
+    Without `pin` it hands out ordinary memory. Thread-safe (the CPU update worker and GPU-side updates allocate
+    states concurrently). Nothing is freed before `release`.
 
     Attributes:
         used_bytes: bytes handed out; reserved_bytes: bytes allocated in chunks (page-locked when `pin`);
@@ -212,8 +214,23 @@ class PinnedArena:
         self._chunks: dict[torch.dtype, list[list]] = {}  # dtype -> [[1-D tensor, next free element], ...]
         self._registered = Registrations()
         self._lock = threading.Lock()
+        self._next: dict[torch.dtype, int] = {}  # dtype -> elements of that pool's next chunk (`reserve`)
         self.used_bytes = 0
         self.reserved_bytes = 0
+
+    @staticmethod
+    def footprint(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
+        """Elements an `alloc` of `shape` takes from its chunk (rounded up to 64 bytes, the alignment)."""
+        align = max(1, 64 // torch.empty((), dtype=dtype).element_size())
+        return -(-math.prod(shape) // align) * align
+
+    def reserve(self, dtype: torch.dtype, numel: int) -> None:
+        """Make the next chunk of `dtype`'s pool exactly `numel` elements (the sum of `footprint` over the tensors
+        about to be allocated), allocated lazily by the first `alloc` that needs a chunk; allocations beyond it open
+        ordinary chunks. So locked bytes equal used bytes when the estimate is exact."""
+        if numel > 0:
+            with self._lock:
+                self._next[dtype] = int(numel)
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` (64-byte aligned) in the arena."""
@@ -221,13 +238,13 @@ class PinnedArena:
         n = math.prod(shape)
         if n == 0:
             return torch.empty(shape, dtype=dtype)
-        align = max(1, 64 // size)
-        need = -(-n // align) * align  # elements
+        need = self.footprint(shape, dtype)  # elements
         with self._lock:
             pool = self._chunks.setdefault(dtype, [])
             chunk = next((c for c in pool if c[0].numel() - c[1] >= need), None)
             if chunk is None:
-                t = self._registered.empty(max(self.chunk_bytes // size, need), dtype, self.pin)
+                t = self._registered.empty(max(self._next.pop(dtype, 0) or self.chunk_bytes // size, need), dtype,
+                                           self.pin)
                 chunk = [t, 0]
                 pool.append(chunk)
                 self.reserved_bytes += t.numel() * size

@@ -168,8 +168,10 @@ def test_cuda_gpu_idle_while_waiting_for_cpu_updates_is_measured(monkeypatch):
 def test_cuda_locked_host_bytes_match_the_accounting():
     """Issue 3: what the process page-locks (cudaHostRegister'd bytes + what PyTorch's caching host allocator
     gained) is at most 1.05x `pinned_bytes["planned"]`, for a CPU-tier schedule (every boundary offloaded) whose
-    gradients take the staging path (bf16 model, fp32 host gradients); the second step allocates no host buffer.
-    No optimizer: its state arena locks whole 512 MiB chunks, far above a tiny model's states."""
+    gradients take the staging path (bf16 model, fp32 host gradients), with the optimizer's states in the executor's
+    arena sized by `reserve_states` (its 512 MiB chunks alone locked far more than a tiny model's states); the
+    second step allocates no host buffer."""
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
     from lazytrain_hf.planning.fixed import fixed_schedule
     from lazytrain_hf.streaming.host_store import host_allocator_bytes
 
@@ -177,19 +179,24 @@ def test_cuda_locked_host_bytes_match_the_accounting():
     torch.cuda.synchronize()
     host0 = host_allocator_bytes()
     ex = StreamingExecutor(model, LazyTrainConfig(), "cuda", fixed_schedule(4, 1, "cpu", 2))
+    opt = Hybrid8bitOptimizer(model.parameters(), lr=1e-3, block_size=64, min_8bit_size=256)
+    opt.set_grad_source(ex.grad_source)
+    opt.set_state_allocator(ex.state_alloc)
+    assert ex.reserve_states(opt) > 0
     ids, mask, labels = random_batch(model.config.vocab_size, seed=12)
     counts = []
     for _ in range(2):
         ex.zero_grad()
         ex.forward_backward(ids, labels, mask)
+        opt.step()
         torch.cuda.synchronize()
         counts.append((ex.stash.buffers.allocations, ex.grads.staging_bytes, host_allocator_bytes()))
     assert counts[0] == counts[1], counts
     pb = ex.pinned_bytes
     assert pb["planned"] == sum(pb[k] for k in ("store", "optimizer_states", "grad_staging", "activations"))
-    assert pb["grad_staging"] > 0 and pb["activations"] > 0
+    assert pb["grad_staging"] > 0 and pb["activations"] > 0 and pb["optimizer_states"] > 0
     locked = pb["registered"] + host_allocator_bytes() - host0
     assert pb["registered"] <= locked <= 1.05 * pb["planned"], (pb, host0)
-    assert pb["registered"] == pb["planned"], pb  # every part registered in place at its exact size
+    assert pb["planned"] <= pb["registered"] <= pb["planned"] + 64 * len(opt.state) * 5, pb  # 64-B rounding only
     ex.close()
     assert ex.pinned_bytes["registered"] == 0

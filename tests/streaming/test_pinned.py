@@ -263,3 +263,58 @@ def test_optimizer_checkpoint_is_compact_with_arena_states(tmp_path):
     for k, v in before.items():
         assert torch.equal(after[k], v), k
     ex.close()
+
+
+def test_arena_reserve_makes_one_exact_chunk():
+    arena = host_store.PinnedArena(pin=False, chunk_bytes=4096)
+    shapes = [(100,), (7, 3), (1000,), (64,)]
+    total = sum(arena.footprint(s, torch.bfloat16) for s in shapes)
+    assert total == 128 + 32 + 1024 + 64  # each rounded up to 64 bytes (32 bf16 elements)
+    arena.reserve(torch.bfloat16, total)
+    out = [arena.alloc(s, torch.bfloat16) for s in reversed(shapes)]  # any order fills it
+    assert len(arena.chunks()) == 1 and arena.reserved_bytes == 2 * total
+    assert arena.used_bytes == 2 * sum(t.numel() for t in out)
+    arena.alloc((5,), torch.bfloat16)  # beyond the reservation: an ordinary chunk
+    assert len(arena.chunks()) == 2 and arena.reserved_bytes == 2 * total + 4096
+
+
+@pytest.mark.parametrize("master", ["kahan", "fp32"])
+def test_state_specs_are_what_the_first_step_allocates(master):
+    model = load_model("qwen3-tiny", "bfloat16", seed=2)
+    opt = Hybrid8bitOptimizer(model.parameters(), lr=1e-3, block_size=64, min_8bit_size=300, master_weights=master)
+    specs = opt.state_specs()
+    kinds = {(dt, len(shape)) for _, shape, dt in specs}  # 8-bit codes, absmax, fp32 moments, master / Kahan
+    assert {torch.uint8, torch.float32} <= {dt for dt, _ in kinds}
+    assert (torch.bfloat16 if master == "kahan" else torch.float32) in {dt for dt, _ in kinds}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    got = [(p, tuple(v.shape), v.dtype) for p in model.parameters() for v in opt.state[p].values() if torch.is_tensor(v)]
+    assert sorted((id(p), s, str(d)) for p, s, d in got) == sorted((id(p), s, str(d)) for p, s, d in specs)
+    assert opt.state_specs() == []  # every parameter has its states now
+
+
+def test_reserved_states_lock_exactly_what_they_use():
+    """Issue 3: locked <= 1.05x planned. The arena's 512 MiB chunks locked 2.5 GiB beyond the states at Qwen2.5-7B
+    (tails the large tensors do not fit, and each dtype's last chunk); `reserve_states` sizes one chunk per dtype to
+    the optimizer's states of the streamed layers, so the arena reserves what it hands out (plus 64-byte rounding)."""
+    _, (ids, labels, mask), ex, opt = _arena_run(fixed_schedule(4, 1, "gpu", 1))
+    reserved = ex.reserve_states(opt)
+    streamed = [(s, dt) for p, s, dt in opt.state_specs() if ex.is_streamed(p)]
+    assert reserved == sum(host_store.PinnedArena.footprint(s, dt) * dt.itemsize for s, dt in streamed)
+    for _ in range(2):
+        ex.zero_grad()
+        ex.forward_backward(ids, labels, mask)
+        opt.step()
+    arena = ex.state_arena
+    assert arena.reserved_bytes == reserved and len(arena.chunks()) == len({dt for _, dt in streamed})
+    assert arena.used_bytes <= arena.reserved_bytes <= arena.used_bytes + 64 * len(streamed)
+    ex.close()
+    # a sharded rank reserves its own layers' states only
+    _, _, ex2, opt2 = _arena_run(fixed_schedule(4, 1, "gpu", 1))
+    ex2.shard = type("Shard", (), {"owned": {0}})()
+    layer0 = sum(host_store.PinnedArena.footprint(s, dt) * dt.itemsize for p, s, dt in opt2.state_specs()
+                 if ex2.is_streamed(p) and ex2._param_specs[id(p)][0] == 0)
+    assert ex2.reserve_states(opt2) == layer0 > 0
+    ex2.shard = None
+    ex2.close()
