@@ -7,7 +7,10 @@ it came from, the header lists every file's commit and commands.
 
 Markdown: the exact commands, one table per (model, GPU cap) with every row (failures with their reason), the ratios
 LazyTrain-MILP / every other system (same batch, and best batch vs best batch), the largest feasible batches, and the
-project's targets (issue 6) marked met / not met / not measured. PNG (default benchmarks/results/<stem>.png): TFLOPS
+project's targets marked met / not met / not measured: issue 6's (best TFLOPS and largest batch per system), and issue
+3's (LazyTrain-MILP at 24 GiB vs the uncapped stock Trainer measured in the same results file, per batch 8-64, with the
+most recent file's pair deciding; exposed transfer share of the step; host bytes per parameter; pinned memory locked vs
+planned; MegaTrain's 152 TFLOPS at batch 32 as a reference). PNG (default benchmarks/results/<stem>.png): TFLOPS
 6ND vs batch size per system, one panel per cap (a row of panels per model), out-of-memory batches marked x.
 """
 
@@ -168,6 +171,100 @@ def targets(doc: dict[str, Any], model: str = "qwen2.5-7b") -> list[str]:
     return out
 
 
+#: issue 3: MILP at this cap vs the uncapped stock Trainer (the all-on-GPU baseline), per batch size
+ISSUE3_CAP, ISSUE3_BATCHES, MEGATRAIN_B32 = 24, (8, 16, 32, 64), 152.0
+
+
+def _per_file(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A document's rows split by their results file (row "source"; a merged doc's "sources" give the order), so a
+    caller without the per-file docs never pairs rows of different runs."""
+    by: dict[Any, list[dict[str, Any]]] = {}
+    for r in doc["rows"]:
+        by.setdefault(r.get("source"), []).append(r)
+    names = [s["file"] for s in doc.get("sources", [])]
+    return [(n or "this results file", {"rows": by[n]}) for n in names + [n for n in by if n not in names] if n in by]
+
+
+def targets_issue3(doc: dict[str, Any], docs: list[tuple[str, dict[str, Any]]] | None = None,
+                   model: str = "qwen2.5-7b") -> list[str]:
+    """The goals of issue 3 (LazyTrain-MILP under a 24 GiB cap, seq 1024), each met / not met / not measured.
+    `doc` is the merged document; `docs` the results files (name, doc) in command-line order, later = more recent
+    (default: `doc`'s rows split by their source file)."""
+    cap = ISSUE3_CAP
+    out = [f"| target ({model}) | measured | verdict |", "| --- | --- | --- |"]
+    is_milp = lambda r: (r["system"], r["model"], r["gpu_cap_gib"]) == (REF, model, cap)  # noqa: E731
+    is_stock = lambda r: (r["system"], r["model"], r["gpu_cap_gib"]) == ("stock_trainer", model, None)  # noqa: E731
+    milp = sorted((r for r in doc["rows"] if is_milp(r) and r["status"] == "ok"), key=lambda r: r["batch_size"])
+
+    # 1. same-run pairs only: the stock Trainer's speed drifts between machines and runs
+    files = []
+    for name, d in (docs if docs is not None else _per_file(doc)):
+        last = {(r["system"], r["batch_size"]): r for r in d["rows"] if is_milp(r) or is_stock(r)}  # later row wins
+        files.append((name, last))
+    for B in ISSUE3_BATCHES:
+        name = f"{cap} GiB, B={B}: MILP >= 0.85x stock Trainer (uncapped) TFLOPS 6ND, same run"
+        pairs = []
+        for fname, last in files:
+            m, st = last.get((REF, B)), last.get(("stock_trainer", B))
+            if (m and st and m["status"] == st["status"] == "ok" and m["tflops_6nd"] and st["tflops_6nd"]
+                    and m["seq_len"] == st["seq_len"]):   # equal tokens/step
+                pairs.append((m["tflops_6nd"] / st["tflops_6nd"], fname))
+        if pairs:
+            ratio, fname = pairs[-1]
+            lo, hi = min(p[0] for p in pairs), max(p[0] for p in pairs)
+            out.append(f"| {name} | {ratio:.2f}x ({fname}); all same-run pairs {lo:.2f}-{hi:.2f}x, n={len(pairs)} | "
+                       f"{'met' if ratio >= 0.85 else 'not met'} |")
+            continue
+        st_rows = [r for _, last in files if (r := last.get(("stock_trainer", B)))]
+        oom = [f for f, last in files if (last.get(("stock_trainer", B)) or {}).get("status") == "oom"]
+        if oom and not any(r["status"] == "ok" for r in st_rows) and any(r["batch_size"] == B for r in milp):
+            out.append(f"| {name} | stock out of memory uncapped ({oom[-1]}); MILP ok | met (LazyTrain only) |")
+        else:
+            out.append(f"| {name} | - | not measured |")
+
+    # 2. exposed transfer share, only where a step has enough tokens to hide it
+    big = [r for r in milp if r["seq_len"] and r["batch_size"] * r["seq_len"] >= 16384]
+    for r in big:
+        name = f"{cap} GiB, B={r['batch_size']}: exposed transfer <= 10% of step time (>= 16k tokens/step)"
+        if r["exposed_h2d_ms"] is None or r["exposed_d2h_ms"] is None or not r["step_s_median"]:
+            out.append(f"| {name} | - | not measured |")
+            continue
+        ms = r["exposed_h2d_ms"] + r["exposed_d2h_ms"]
+        share = ms / (r["step_s_median"] * 1000)
+        out.append(f"| {name} | {share:.1%} ({ms:.0f} of {r['step_s_median'] * 1000:.0f} ms) | "
+                   f"{'met' if share <= 0.10 else 'not met'} |")
+    if not big:
+        out.append(f"| {cap} GiB: exposed transfer <= 10% of step time (>= 16k tokens/step) | - | not measured |")
+
+    # 3. and 4. the worst row decides
+    bpp = [(r["peak_host_rss_gib"] * 2**30 / r["params"], r["batch_size"]) for r in milp
+           if r["peak_host_rss_gib"] is not None and r["params"]]
+    name = f"{cap} GiB: host bytes per parameter <= 10 (fp32 master weights included)"
+    if bpp:
+        v, B = max(bpp)
+        out.append(f"| {name} | {v:.1f} (largest, B={B}; peak RSS / parameters) | {'met' if v <= 10 else 'not met'} |")
+    else:
+        out.append(f"| {name} | - | not measured |")
+    pin = [(r["pinned_locked_gib"] / r["pinned_planned_gib"], r["batch_size"]) for r in milp
+           if r["pinned_locked_gib"] is not None and r["pinned_planned_gib"]]
+    name = f"{cap} GiB: pinned memory locked <= 1.05x planned"
+    if pin:
+        v, B = max(pin)
+        out.append(f"| {name} | {v:.3f}x (largest, B={B}) | {'met' if v <= 1.05 else 'not met'} |")
+    else:
+        out.append(f"| {name} | - | not measured |")
+
+    # 5. reference point, not a goal of ours to tune for
+    r32 = next((r for r in milp if r["batch_size"] == 32 and r["tflops_6nd"]), None)
+    name = f"{cap} GiB, B=32: MILP vs MegaTrain's {MEGATRAIN_B32:g} TFLOPS (reference, same cap)"
+    if r32:
+        v = r32["tflops_6nd"] / MEGATRAIN_B32
+        out.append(f"| {name} | {v:.2f}x ({r32['tflops_6nd']:.1f} TFLOPS 6ND) | {'met' if v >= 1 else 'not met'} |")
+    else:
+        out.append(f"| {name} | - | not measured |")
+    return out
+
+
 def merge(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """One report document from several results files (name, doc) of one suite: rows and max-batch entries
     concatenated (a later file's row for the same (system, model, cap, batch) replaces an earlier one), each row's
@@ -210,7 +307,9 @@ def _header(doc: dict[str, Any]) -> list[str]:
     return out
 
 
-def markdown(doc: dict[str, Any], png: str | None) -> str:
+def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[str, Any]]] | None = None) -> str:
+    """The report; `docs`, the results files (name, doc) that `doc` merges, in command-line order, for issue 3's
+    same-run pairs (default: `doc`'s rows split by their source file)."""
     lines = [f"# Benchmarks: suite `{doc['suite']}`, {doc['date']}", "", *_header(doc),
              "All systems run through the HF Trainer on the same GSM8K token rows (real Qwen tokenizer, packed rows, no "
              "padding), bf16 random weights of the real config, AdamW lr 1e-5, betas (0.9, 0.999), eps 1e-8, weight "
@@ -230,6 +329,7 @@ def markdown(doc: dict[str, Any], png: str | None) -> str:
                   *max_batch_table(doc["max_batch"]), ""]
     if any(r["model"] == "qwen2.5-7b" for r in doc["rows"]):
         lines += ["## Targets (issue 6)", "", *targets(doc), ""]
+        lines += ["## Targets (issue 3)", "", *targets_issue3(doc, docs), ""]
     return "\n".join(lines)
 
 
@@ -301,7 +401,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         rel = png.resolve().relative_to(md.resolve().parent)
     except ValueError:
         rel = png.resolve()
-    md.write_text(markdown(doc, str(rel)) + "\n")
+    md.write_text(markdown(doc, str(rel), docs) + "\n")
     print(f"wrote {md} and {png}")
     return md, png
 

@@ -201,6 +201,52 @@ def test_report_targets_and_ratios():
     assert "(8-bit Adam: largest measured batch, no search: an upper bound on the ratio) | 8.00x | met |" in text
 
 
+def test_report_issue3_targets_pair_rows_of_one_run_only():
+    """Issue 3: MILP-24 vs the uncapped stock Trainer counts only pairs from one results file, the most recent file's
+    pair decides; exposed transfer only at >= 16k tokens/step; host bytes per parameter from peak RSS / params."""
+    from benchmarks.common import row
+    from benchmarks.report import markdown, merge
+
+    def r(system, B, status="ok", t=None, step=1.0, h2d=None, rss=None, cap=None):
+        return row(system=system, model="qwen2.5-7b", gpu_cap_gib=cap, batch_size=B, seq_len=1024, status=status,
+                   params=7_000_000_000, tflops_6nd=t, step_s_median=step, step_s_p10=step, step_s_p90=step,
+                   steps_timed=5, exposed_h2d_ms=h2d, exposed_d2h_ms=h2d and 0.0, peak_host_rss_gib=rss)
+
+    milp = lambda B, t, **kw: r("lazytrain_milp", B, t=t, cap=24, **kw)  # noqa: E731
+    old = {"suite": "7b", "date": "2026-01-01", "rows": [
+        milp(32, 400.0, step=3.0, h2d=60.0, rss=50.0), r("stock_trainer", 32, t=440.0),  # 0.91x, older
+        milp(16, 330.0, step=2.0, h2d=260.0, rss=60.0),     # 13% exposed; its stock row is only in `new`
+        r("stock_trainer", 64, "oom")]}
+    new = {"suite": "7b", "date": "2026-01-02", "rows": [
+        milp(32, 330.0, step=3.0, h2d=60.0, rss=50.0), r("stock_trainer", 32, t=440.0),  # 0.75x, most recent
+        r("stock_trainer", 16, t=440.0),
+        milp(8, 200.0, step=1.0, h2d=900.0, rss=40.0),      # 8192 tokens: not a target-2 row
+        milp(64, 400.0, step=7.0, h2d=140.0, rss=40.0)]}   # 2% exposed
+    docs = [("old.json", old), ("new.json", new)]
+    text = markdown(merge(docs), None, docs)
+    section = text[text.index("## Targets (issue 3)"):]
+    t1 = "MILP >= 0.85x stock Trainer (uncapped) TFLOPS 6ND, same run"
+    assert f"| 24 GiB, B=32: {t1} | 0.75x (new.json); all same-run pairs 0.75-0.91x, n=2 | not met |" in section
+    assert f"| 24 GiB, B=16: {t1} | - | not measured |" in section   # MILP in old, stock in new: no pair
+    assert f"| 24 GiB, B=8: {t1} | - | not measured |" in section
+    assert f"| 24 GiB, B=64: {t1} | stock out of memory uncapped (old.json); MILP ok | met (LazyTrain only) |" \
+        in section
+    assert "| 24 GiB, B=16: exposed transfer <= 10% of step time (>= 16k tokens/step) | 13.0% (260 of 2000 ms) " \
+           "| not met |" in section
+    assert "| 24 GiB, B=64: exposed transfer <= 10% of step time (>= 16k tokens/step) | 2.0% (140 of 7000 ms) " \
+           "| met |" in section
+    assert "B=8: exposed" not in section
+    assert f"| {60 * 2**30 / 7e9:.1f} (largest, B=16; peak RSS / parameters) | met |" in section  # 9.2 bytes
+    assert "| 24 GiB: pinned memory locked <= 1.05x planned | - | not measured |" in section
+    assert "| 24 GiB, B=32: MILP vs MegaTrain's 152 TFLOPS (reference, same cap) | 2.17x (330.0 TFLOPS 6ND) | met |" \
+        in section
+    # the most recent pair decides, whichever way: with the files in the other order, 0.91x is met
+    text = markdown(merge(docs[::-1]), None, docs[::-1])
+    assert f"| 24 GiB, B=32: {t1} | 0.91x (old.json); all same-run pairs 0.75-0.91x, n=2 | met |" in text
+    # without the per-file docs, a merged doc's rows are still paired within their source file only
+    assert "| 24 GiB, B=16: " + t1 + " | - | not measured |" in markdown(merge(docs), None)
+
+
 def test_report_merges_results_files_of_one_suite():
     """Rows of calls at different commits report as one table: each names its file, a later file's row for the
     same (system, model, cap, batch) wins, every file's commit is listed; files of different suites are refused."""
