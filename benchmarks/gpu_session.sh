@@ -3,7 +3,7 @@
 # with .devsite/ (bash ../shared/tools/device-site.sh) and GSM8K under .data/gsm8k/ carried along.
 # Start it as `LAZYTRAIN_GIT_COMMIT=<local git rev-parse HEAD> bash benchmarks/gpu_session.sh <stage>`: the tree copied
 # to the GPU machine carries a stale .git, so results would name the wrong commit.
-#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s12a | s12b | s12c | s12d | s11a | s11b | s11c | s11d | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
+#   bash benchmarks/gpu_session.sh <stage>     stage: tests | gputests | s12a | s12b | s12c | s12d | s12e | s11a | s11b | s11c | s11d | s10a | s10b | s10c | s10d | s10e | s9a | s9b | s9c | s9d | s9e | s8t | s8b | s8c | s8d | s8 | s7 | s7b | optim4 | s6b | milp24gpu | optim | s5 | s6 | s6harness | fixed | overlap | milp | stock | ddp | ddpshard | ddptests | memcal | milp24 | cap80 | cap80big | harness7b | harness7b-maxbatch
 #
 # harness7b: the side-by-side harness (python -m benchmarks.run --suite 7b, issue 6), Qwen2.5-7B shape, seq 1024,
 # caps 24 then 80 GiB, 6 warm-up (3 of them calibrate the MILP plan) + 5 timed steps per batch. Needs .dssite/ (bash benchmarks/build_deepspeed_wheel.sh)
@@ -193,6 +193,12 @@ for stage in "$@"; do
            HRES=${HARNESS_OUT:-$OUT/7b-s12d-$(date +%Y%m%d).json}
            hrow 80 --out $HRES --systems stock_trainer --caps none --batch-sizes 16 --budget-s 75
            hrow 125 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 16 --budget-s 120 ;;
+    s12e)  # 1 GPU (~6 min, the session's last device time): rows at batch 8 and 32 with the exact-size state
+           # reservation (the report's pinned target reads each batch's latest row): stock B=8, MILP 24 GiB B=8, MILP B=32
+           HRES=${HARNESS_OUT:-$OUT/7b-s12e-$(date +%Y%m%d).json}
+           hrow 70 --out $HRES --systems stock_trainer --caps none --batch-sizes 8 --budget-s 65
+           hrow 110 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 8 --budget-s 105
+           hrow 150 --out $HRES --systems lazytrain_milp --caps 24 --batch-sizes 32 --budget-s 145 ;;
     s11a)  # 1 GPU (~8 min): the GPU tests in full (slot reuse, the optimizer-load hook and the 2% switch rule were
            # built after the last GPU call), then Note [slot reuse] off / on at MILP 24 GiB B=16 in one run (rows
            # record h2d_weight_gib_per_step; the first row builds the kernels)
