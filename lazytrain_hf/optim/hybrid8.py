@@ -498,11 +498,12 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         a = self._state_alloc
         state["step"] = 0
+        books = None
         for key, (shape, dtype) in self._state_layout(p, group).items():
             state[key] = t = _alloc_like(p, shape, dtype, a)
-            if key in ("state1", "state2") and dtype == torch.uint8:  # 8-bit codes start at the code of 0
-                t.fill_(zero_code(self._books_for(p.device).qmap1.cpu() if key == "state1" else
-                                  self._books_for(p.device).qmap2.cpu()))
+            if dtype == torch.uint8:  # 8-bit codes (state1 / state2) start at the code of 0
+                books = books or self._books_for(p.device)
+                t.fill_(zero_code((books.qmap1 if key == "state1" else books.qmap2).cpu()))
             elif key == "master":
                 t.copy_(p.detach())
             else:
