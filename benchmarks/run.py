@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lazytrain_hf.config import LazyTrainConfig
+
 from .common import git_commit, gsm8k_dir, row
 from .systems import ONE_BATCH_PER_PROCESS, SYSTEMS, unsupported_reason
 from .worker import fmt_row
@@ -312,6 +314,8 @@ def _parse_caps(s: str) -> list[float | None]:
             for c in s.split(",")]
 
 
+DEFAULT_MARGIN = LazyTrainConfig.gpu_memory_margin  # LazyTrain's, when HARNESS_GPU_MEMORY_MARGIN is unset
+
 #: the harness's A/B and profiling switches (environment, read in the workers) -> (type, range, what it takes);
 #: the range is [lo, hi] for integers (hi None: open) and [lo, hi) for fractions
 SWITCHES = {"HARNESS_SLOT_REUSE": (int, 0, 1, "0 or 1"), "HARNESS_PROFILE_STEP": (int, 0, None, "an integer >= 0"),
@@ -426,12 +430,16 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
     if other_seq:   # rows are keyed by system, model, cap and batch: a resume would keep them as if measured now
         raise SystemExit(f"benchmarks.run: {args.out} holds rows at seq_len {other_seq}, not {args.seq_len}: pass "
                          "another --out, or the same --seq-len to resume it")
-    # (lazytrain_config key, this run's value, its flag, the value of a LazyTrain row written before the key
-    # existed: such rows kept no gradients on the GPU)
+    # (lazytrain_config key, this run's value, its flag, the value of a LazyTrain row that lacks the key: rows
+    # written before keep_gpu_grads existed kept no gradients on the GPU; the margin is recorded only when set)
+    margin = os.environ.get("HARNESS_GPU_MEMORY_MARGIN")
     for key, value, flag, missing in (
             ("max_rows_per_pass", args.rows_per_pass, f"--rows-per-pass {args.rows_per_pass}", None),
             ("keep_gpu_grads", not args.no_kept_grads,
-             "--no-kept-grads" if args.no_kept_grads else "kept gradients (no --no-kept-grads)", False)):
+             "--no-kept-grads" if args.no_kept_grads else "kept gradients (no --no-kept-grads)", False),
+            ("gpu_memory_margin", float(margin) if margin else DEFAULT_MARGIN,
+             f"HARNESS_GPU_MEMORY_MARGIN={margin}" if margin else f"the default margin {DEFAULT_MARGIN}",
+             DEFAULT_MARGIN)):
         configs = [(r.get("extra") or {}).get("lazytrain_config") for r in res.doc["rows"]]
         other = sorted({c.get(key, missing) for c in configs if isinstance(c, dict)} - {value, None}, key=str)
         if other:  # the same reason, for LazyTrain rows

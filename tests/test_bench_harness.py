@@ -236,10 +236,11 @@ def test_report_issue3_targets_pair_rows_of_one_run_only():
     assert "| 24 GiB, B=64: exposed transfer <= 10% of step time (>= 16k tokens/step) | 2.0% (140 of 7000 ms) " \
            "| met |" in section
     assert "B=8: exposed" not in section
-    assert f"| {60 * 2**30 / 7e9:.1f} (largest, B=16; peak RSS / parameters) | met |" in section  # 9.2 bytes
+    assert f"| {60 * 2**30 / 7e9:.1f} (largest, B=16, old.json) | met |" in section  # 9.2 bytes; its file named
+    assert "host bytes per parameter <= 10 (peak RSS; master weights: -)" in section  # rows without a config
     assert "| 24 GiB: pinned memory locked <= 1.05x planned | - | not measured |" in section
-    assert "| 24 GiB, B=32: MILP vs MegaTrain's 152 TFLOPS (reference, same cap) | 2.17x (330.0 TFLOPS 6ND) | met |" \
-        in section
+    assert "| 24 GiB, B=32: MILP vs MegaTrain's 152 TFLOPS (reference, same cap) | 2.17x (330.0 TFLOPS 6ND) | " \
+           "reference |" in section
     # the most recent pair decides, whichever way: with the files in the other order, 0.91x is met
     text = markdown(merge(docs[::-1]), None, docs[::-1])
     assert f"| 24 GiB, B=32: {t1} | 0.91x (old.json); all same-run pairs 0.75-0.91x, n=2 | met |" in text
@@ -363,6 +364,16 @@ def test_out_folder_and_rows_of_another_seq_len_are_refused(tmp_path, capsys, mo
     # a LazyTrain row from before the option existed kept no gradients: a kept run does not resume into its file
     with pytest.raises(SystemExit, match=r"keep_gpu_grads=\[False\], not kept gradients"):
         run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--data-dir", str(data), "--out", str(out2)])
+    # and of another MILP margin (HARNESS_GPU_MEMORY_MARGIN; rows without the key ran the default)
+    out3 = tmp_path / "m.json"
+    run.Results(out3, "smoke", "test").put([row(
+        system="lazytrain_milp", model="qwen3-tiny", gpu_cap_gib=None, batch_size=1, seq_len=32, status="ok",
+        extra={"lazytrain_config": {"max_rows_per_pass": 8, "keep_gpu_grads": True, "gpu_memory_margin": 0.06}})])
+    with pytest.raises(SystemExit, match=r"gpu_memory_margin=\[0.06\], not the default margin 0.12"):
+        run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--data-dir", str(data), "--out", str(out3)])
+    monkeypatch.setenv("HARNESS_GPU_MEMORY_MARGIN", "0.2")
+    with pytest.raises(SystemExit, match=r"gpu_memory_margin=\[0.06\], not HARNESS_GPU_MEMORY_MARGIN=0.2"):
+        run.main(["--suite", "smoke", "--systems", "lazytrain_milp", "--data-dir", str(data), "--out", str(out3)])
 
 
 @pytest.mark.parametrize("bad", [["--batch-sizes", "0"], ["--steps", "0"], ["--seq-len", "0"], ["--warmup", "-1"],

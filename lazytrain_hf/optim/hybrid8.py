@@ -485,12 +485,20 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             out[mode if mode == "kahan" else "master"] = (shape, p.dtype if mode == "kahan" else torch.float32)
         return out
 
-    def state_specs(self) -> list[tuple[Tensor, tuple[int, ...], torch.dtype]]:
-        """(parameter, shape, dtype) of every state tensor the first step allocates (moments, absmax, master or
-        Kahan buffers), for the parameters that have no state yet: what an allocator (`set_state_allocator`) will be
-        asked for, so it can size its memory up front (the executor's `reserve_states`)."""
-        return [(p, shape, dtype) for group in self.param_groups for p in group["params"]
-                if not self.state.get(p) for shape, dtype in self._state_layout(p, group).values()]
+    def state_specs(self, state_dict: dict[str, Any] | None = None) -> list[tuple[Tensor, tuple[int, ...], torch.dtype]]:
+        """(parameter, shape, dtype) of every state tensor an allocator (`set_state_allocator`) will be asked for,
+        so it can size its memory up front (the executor's `reserve_states`): without `state_dict`, what the first
+        step allocates for the parameters that have no state yet (moments, absmax, master or Kahan buffers); with
+        one, what `load_state_dict(state_dict)` allocates (the saved layout, which may differ from this run's
+        options). Entries of a state dict that does not fit are skipped (the load reports them)."""
+        if state_dict is None:
+            return [(p, shape, dtype) for group in self.param_groups for p in group["params"]
+                    if not self.state.get(p) for shape, dtype in self._state_layout(p, group).values()]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+        states = state_dict.get("state", {})
+        return [(p, _saved_shape(key, value, p), value.dtype) for i, p in zip(saved, params)
+                for key, value in (states.get(i) or {}).items() if key != "step" and isinstance(value, Tensor)]
 
     @torch.no_grad()
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
@@ -701,6 +709,11 @@ def _alloc_like(p: Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dty
     return torch.empty(shape, dtype=dtype, device=p.device, pin_memory=_is_pinned(p))
 
 
+def _saved_shape(key: str, value: Tensor, p: Tensor) -> tuple[int, ...]:
+    """The shape a saved state tensor is restored in: absmax as saved (one per block), the rest as ``p``."""
+    return tuple(value.shape) if key.startswith("absmax") else tuple(p.shape)
+
+
 def _restore_state(p: Tensor, saved: dict[str, Any], block_size: int, where: str,
                    problems: list[str], alloc: StateAllocator | None = None) -> dict[str, Any] | None:
     """Copy one parameter's saved state next to ``p`` (device, pinnedness), keeping the saved dtypes."""
@@ -724,7 +737,7 @@ def _restore_state(p: Tensor, saved: dict[str, Any], block_size: int, where: str
             problems.append(f"{where}: state {key!r} has {value.numel()} elements, expected {expected} for a "
                             f"parameter of shape {tuple(p.shape)} (block_size {block_size})")
             continue
-        shape = value.shape if key.startswith("absmax") else p.shape
+        shape = _saved_shape(key, value, p)
         out[key] = _alloc_like(p, shape, value.dtype, alloc).copy_(value.reshape(shape))
     if "step" not in out or "state1" not in out or "state2" not in out:
         problems.append(f"{where}: saved state lacks 'step', 'state1' or 'state2'")

@@ -161,7 +161,8 @@ class StreamingExecutor:
             only its share of the layers (streaming/shard.py).
 
     Raises:
-        ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
+        ValueError: unsupported architecture, a schedule whose layer count differs from the model's, or a frozen
+            (requires_grad=False) decoder-layer parameter.
     """
 
     def __init__(self, model: nn.Module, config: LazyTrainConfig | None = None,
@@ -174,12 +175,21 @@ class StreamingExecutor:
         self.base, self.layer_prefix = find_decoder(model)
         self.layers: nn.ModuleList = self.base.layers
         self.num_layers = len(self.layers)
+        frozen = [f"{self.layer_prefix}{i}.{n}" for i, layer in enumerate(self.layers)
+                  for n, p in layer.named_parameters() if not p.requires_grad]
+        if frozen:  # their gradients would be computed, clipped with the rest and stepped
+            raise ValueError(f"the layer-streaming executor trains every decoder-layer parameter, but {len(frozen)} "
+                             f"have requires_grad=False ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}):"
+                             " frozen decoder parameters (e.g. PEFT / LoRA base weights) are not supported yet. "
+                             "Unfreeze them, or train without the executor: lazytrain_config policy 'none' (the "
+                             "stock Trainer path; optim='lazytrain_hybrid8' still works there)")
         ltypes = getattr(model.config, "layer_types", None) or [None] * self.num_layers
         self.keys = [structure_key(layer, ltypes[i]) for i, layer in enumerate(self.layers)]
         pin = self.config.pin_memory and self.device.type == "cuda"
         self._place_resident()
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
+        self._reserve_hooks: dict[int, Any] = {}  # id(optimizer) -> its load pre-hook (`reserve_states`)
         self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
         sharded = self.dp is not None and self.config.resolved_dp_updates() == "sharded"
         if self.config.dp_updates == "sharded" and self.dp is None:
@@ -506,19 +516,27 @@ class StreamingExecutor:
         """Size the state arena to the optimizer's states of the streamed layers this process updates (a sharded
         rank: its own layers), from `optimizer.state_specs()` (Hybrid8bitOptimizer), one exact chunk per dtype:
         locked bytes then equal the planned ones (issue 3: <= 1.05x; 512 MiB chunks alone locked 2.5 GiB more at
-        Qwen2.5-7B). Call after `set_state_allocator(self.state_alloc)`, before the first step or a resume.
-        An optimizer without `state_specs` is left to the arena's ordinary chunks. Returns the bytes reserved."""
+        Qwen2.5-7B). Call after `set_state_allocator(self.state_alloc)`, before the first step or a resume; a later
+        `optimizer.load_state_dict` re-reserves for the saved layout (a resume may keep other options than this
+        run asked for). An optimizer without `state_specs` is left to the arena's ordinary chunks. Returns the bytes
+        reserved."""
         specs = getattr(optimizer, "state_specs", None)
         if specs is None:
             return 0
+        if id(optimizer) not in self._reserve_hooks:
+            def before_load(opt: Any, state_dict: dict[str, Any]) -> None:
+                self._reserve(opt.state_specs(state_dict))
+            self._reserve_hooks[id(optimizer)] = optimizer.register_load_state_dict_pre_hook(before_load)
+        return self._reserve(specs())
+
+    def _reserve(self, specs: list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]) -> int:
         need: dict[torch.dtype, int] = {}
-        for p, shape, dtype in specs():
+        for p, shape, dtype in specs:
             hit = self._param_specs.get(id(p))
             if hit is None or (self.shard is not None and hit[0] not in self.shard.owned):
                 continue  # resident (the optimizer's own memory), or another rank's layer
             need[dtype] = need.get(dtype, 0) + PinnedArena.footprint(shape, dtype)
-        for dtype, numel in need.items():
-            self.state_arena.reserve(dtype, numel)
+        self.state_arena.reserve(need)
         return sum(n * torch.empty((), dtype=dt).element_size() for dt, n in need.items())
 
     @property

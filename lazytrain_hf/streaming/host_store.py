@@ -224,13 +224,13 @@ class PinnedArena:
         align = max(1, 64 // torch.empty((), dtype=dtype).element_size())
         return -(-math.prod(shape) // align) * align
 
-    def reserve(self, dtype: torch.dtype, numel: int) -> None:
-        """Make the next chunk of `dtype`'s pool exactly `numel` elements (the sum of `footprint` over the tensors
-        about to be allocated), allocated lazily by the first `alloc` that needs a chunk; allocations beyond it open
-        ordinary chunks. So locked bytes equal used bytes when the estimate is exact."""
-        if numel > 0:
-            with self._lock:
-                self._next[dtype] = int(numel)
+    def reserve(self, sizes: dict[torch.dtype, int]) -> None:
+        """Make the next chunk of each dtype's pool exactly `sizes[dtype]` elements (the sum of `footprint` over the
+        tensors about to be allocated), allocated lazily by the first `alloc` that needs a chunk; allocations beyond
+        it open ordinary chunks. Replaces every reservation not yet taken (a resume re-reserves for the saved
+        layout). So locked bytes equal used bytes when the estimate is exact."""
+        with self._lock:
+            self._next = {dt: int(n) for dt, n in sizes.items() if n > 0}
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` (64-byte aligned) in the arena."""

@@ -4,6 +4,7 @@ that add up (CPU: the same buffers exist unpinned, so every accounting path runs
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -270,7 +271,7 @@ def test_arena_reserve_makes_one_exact_chunk():
     shapes = [(100,), (7, 3), (1000,), (64,)]
     total = sum(arena.footprint(s, torch.bfloat16) for s in shapes)
     assert total == 128 + 32 + 1024 + 64  # each rounded up to 64 bytes (32 bf16 elements)
-    arena.reserve(torch.bfloat16, total)
+    arena.reserve({torch.bfloat16: total, torch.uint8: 0})
     out = [arena.alloc(s, torch.bfloat16) for s in reversed(shapes)]  # any order fills it
     assert len(arena.chunks()) == 1 and arena.reserved_bytes == 2 * total
     assert arena.used_bytes == 2 * sum(t.numel() for t in out)
@@ -318,3 +319,38 @@ def test_reserved_states_lock_exactly_what_they_use():
     assert ex2.reserve_states(opt2) == layer0 > 0
     ex2.shard = None
     ex2.close()
+
+
+def test_a_resume_reserves_for_the_saved_layout():
+    """A resume keeps the saved layout (here Kahan buffers, while this run asks for fp32 master weights): the load
+    re-reserves for the states it restores, so nothing is reserved for the layout this run asked for (an fp32
+    chunk for 7B master weights would have locked ~26 GiB for a few hundred MB of absmax)."""
+    _, (ids, labels, mask), ex, opt = _arena_run(fixed_schedule(4, 1, "gpu", 1))
+    ex.reserve_states(opt)
+    ex.zero_grad()
+    ex.forward_backward(ids, labels, mask)
+    opt.step()
+    saved = opt.state_dict()
+    ex.close()
+    model, _, ex2, _ = _arena_run(fixed_schedule(4, 1, "gpu", 1))
+    model.to(torch.bfloat16)  # bf16 params: "fp32" master weights asked for, the saved states have none
+    opt2 = Hybrid8bitOptimizer(model.parameters(), lr=1e-3, block_size=64, master_weights="fp32")
+    opt2.set_state_allocator(ex2.state_alloc)
+    asked = ex2.reserve_states(opt2)
+    opt2.load_state_dict(saved)
+    arena = ex2.state_arena
+    streamed = [(s, dt) for p, s, dt in opt2.state_specs(saved) if ex2.is_streamed(p)]
+    assert arena.used_bytes == sum(math.prod(s) * dt.itemsize for s, dt in streamed) > 0
+    assert arena.used_bytes <= arena.reserved_bytes <= arena.used_bytes + 64 * len(streamed) < asked
+    assert not arena._next  # every reservation taken
+    ex2.close()
+
+
+def test_frozen_decoder_parameters_are_refused_before_anything_moves():
+    model = load_model("qwen3-tiny", "float32", seed=2)
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    before = model.model.layers[1].mlp.up_proj.weight.data_ptr()
+    with pytest.raises(ValueError, match=r"requires_grad=False \(model\.layers\.1\.mlp\.up_proj\.weight\).*"
+                                         r"policy 'none'"):
+        StreamingExecutor(model, LazyTrainConfig(), "cpu")
+    assert model.model.layers[1].mlp.up_proj.weight.data_ptr() == before  # not moved into a host store
