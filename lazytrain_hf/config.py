@@ -234,8 +234,8 @@ class LazyTrainConfig:
                 setattr(self, key, parse_bytes(getattr(self, key)))
             except ValueError as e:
                 problems.append(f"lazytrain_config.{key}: {e}")
-        if isinstance(self.fp32_state_modules, str):
-            self.fp32_state_modules = [self.fp32_state_modules]
+        if isinstance(self.fp32_state_modules, str):  # "q_proj|k_proj", as in optim_args
+            self.fp32_state_modules = [m for m in self.fp32_state_modules.split("|") if m]
         # 3. validate
         for key, allowed in _CHOICES.items():
             if getattr(self, key) not in allowed:

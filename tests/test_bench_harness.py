@@ -225,22 +225,23 @@ def test_report_issue3_targets_pair_rows_of_one_run_only():
     docs = [("old.json", old), ("new.json", new)]
     text = markdown(merge(docs), None, docs)
     section = text[text.index("## Targets (issue 3)"):]
+    assert "Only lazytrain_milp rows at this cap: no ratios" in text  # not an empty ratios table
     t1 = "MILP >= 0.85x stock Trainer (uncapped) TFLOPS 6ND, same run"
     assert f"| 24 GiB, B=32: {t1} | 0.75x (new.json); all same-run pairs 0.75-0.91x, n=2 | not met |" in section
     assert f"| 24 GiB, B=16: {t1} | - | not measured |" in section   # MILP in old, stock in new: no pair
     assert f"| 24 GiB, B=8: {t1} | - | not measured |" in section
     assert f"| 24 GiB, B=64: {t1} | stock out of memory uncapped (old.json); MILP ok | met (LazyTrain only) |" \
         in section
-    assert "| 24 GiB, B=16: exposed transfer <= 10% of step time (>= 16k tokens/step) | 13.0% (260 of 2000 ms) " \
-           "| not met |" in section
-    assert "| 24 GiB, B=64: exposed transfer <= 10% of step time (>= 16k tokens/step) | 2.0% (140 of 7000 ms) " \
-           "| met |" in section
+    assert "| 24 GiB, B=16: exposed transfer <= 10% of step time (>= 16k tokens/step) | 13.0% (260 of 2000 ms, " \
+           "old.json) | not met |" in section
+    assert "| 24 GiB, B=64: exposed transfer <= 10% of step time (>= 16k tokens/step) | 2.0% (140 of 7000 ms, " \
+           "new.json) | met |" in section
     assert "B=8: exposed" not in section
     assert f"| {60 * 2**30 / 7e9:.1f} (largest, B=16, old.json) | met |" in section  # 9.2 bytes; its file named
     assert "host bytes per parameter <= 10 (peak RSS; master weights: -)" in section  # rows without a config
     assert "| 24 GiB: pinned memory locked <= 1.05x planned | - | not measured |" in section
-    assert "| 24 GiB, B=32: MILP vs MegaTrain's 152 TFLOPS (reference, same cap) | 2.17x (330.0 TFLOPS 6ND) | " \
-           "reference |" in section
+    assert "| 24 GiB, B=32: MILP vs MegaTrain's 152 TFLOPS (reference, same cap) | 2.17x (330.0 TFLOPS 6ND, " \
+           "new.json) | reference |" in section
     # the most recent pair decides, whichever way: with the files in the other order, 0.91x is met
     text = markdown(merge(docs[::-1]), None, docs[::-1])
     assert f"| 24 GiB, B=32: {t1} | 0.91x (old.json); all same-run pairs 0.75-0.91x, n=2 | met |" in text

@@ -487,18 +487,28 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
 
     def state_specs(self, state_dict: dict[str, Any] | None = None) -> list[tuple[Tensor, tuple[int, ...], torch.dtype]]:
         """(parameter, shape, dtype) of every state tensor an allocator (`set_state_allocator`) will be asked for,
-        so it can size its memory up front (the executor's `reserve_states`): without `state_dict`, what the first
-        step allocates for the parameters that have no state yet (moments, absmax, master or Kahan buffers); with
-        one, what `load_state_dict(state_dict)` allocates (the saved layout, which may differ from this run's
-        options). Entries of a state dict that does not fit are skipped (the load reports them)."""
-        if state_dict is None:
-            return [(p, shape, dtype) for group in self.param_groups for p in group["params"]
-                    if not self.state.get(p) for shape, dtype in self._state_layout(p, group).values()]
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
-        states = state_dict.get("state", {})
-        return [(p, _saved_shape(key, value, p), value.dtype) for i, p in zip(saved, params)
-                for key, value in (states.get(i) or {}).items() if key != "step" and isinstance(value, Tensor)]
+        so it can size its memory up front (the executor's `reserve_states`). Without `state_dict`: what the first
+        step allocates for the parameters that have no state yet (moments, absmax, master or Kahan buffers). With
+        one: what `load_state_dict(state_dict)` allocates (the saved layout, which may differ from this run's
+        options) plus, for parameters it holds no state for, what their first step allocates (accelerate reloads
+        an optimizer's own empty state when it wraps it). Saved entries that do not fit are still listed (the load
+        reports them)."""
+        saved_of: dict[int, dict[str, Any]] = {}
+        if state_dict is not None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+            states = state_dict.get("state", {})
+            saved_of = {id(p): states[i] for i, p in zip(ids, params) if states.get(i)}
+        out: list[tuple[Tensor, tuple[int, ...], torch.dtype]] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                saved = saved_of.get(id(p))
+                if saved:
+                    out += [(p, _saved_shape(k, v, p), v.dtype) for k, v in saved.items()
+                            if k != "step" and isinstance(v, Tensor)]
+                elif state_dict is not None or not self.state.get(p):  # a load replaces every state
+                    out += [(p, shape, dtype) for shape, dtype in self._state_layout(p, group).values()]
+        return out
 
     @torch.no_grad()
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:

@@ -72,6 +72,21 @@ class _Capture(nn.Module):
         return hidden_states
 
 
+def _refuse_frozen_layers(model: nn.Module) -> None:
+    """Frozen decoder-layer parameters would get gradients, enter the clipping norm and be stepped: refuse them
+    (a PEFT model is looked into through its base model, where LoRA freezes the layers' weights)."""
+    unwrap = getattr(model, "get_base_model", None)
+    base, prefix = find_decoder(unwrap() if callable(unwrap) else model)
+    frozen = [f"{prefix}{i}.{n}" for i, layer in enumerate(base.layers) for n, p in layer.named_parameters()
+              if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"the layer-streaming executor trains every decoder-layer parameter, but {len(frozen)} have "
+                         f"requires_grad=False ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}): frozen "
+                         "decoder parameters (e.g. PEFT / LoRA base weights) are not supported yet. Unfreeze them, "
+                         "or train without the executor: lazytrain_config policy 'none' (the stock Trainer path; "
+                         "optim='lazytrain_hybrid8' still works there)")
+
+
 def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
     """The base model holding `.layers`, `.norm`, `.embed_tokens`, and the parameter-name prefix of its layers.
 
@@ -170,19 +185,12 @@ class StreamingExecutor:
                  host_grad_dtype: str = "fp32", data_parallel: DataParallel | str | None = "auto") -> None:
         self.config = config or LazyTrainConfig()
         check_supported(model.config)
+        _refuse_frozen_layers(model)
         self.model = model
         self.device = torch.device(device or self.config.resolved_device())
         self.base, self.layer_prefix = find_decoder(model)
         self.layers: nn.ModuleList = self.base.layers
         self.num_layers = len(self.layers)
-        frozen = [f"{self.layer_prefix}{i}.{n}" for i, layer in enumerate(self.layers)
-                  for n, p in layer.named_parameters() if not p.requires_grad]
-        if frozen:  # their gradients would be computed, clipped with the rest and stepped
-            raise ValueError(f"the layer-streaming executor trains every decoder-layer parameter, but {len(frozen)} "
-                             f"have requires_grad=False ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}):"
-                             " frozen decoder parameters (e.g. PEFT / LoRA base weights) are not supported yet. "
-                             "Unfreeze them, or train without the executor: lazytrain_config policy 'none' (the "
-                             "stock Trainer path; optim='lazytrain_hybrid8' still works there)")
         ltypes = getattr(model.config, "layer_types", None) or [None] * self.num_layers
         self.keys = [structure_key(layer, ltypes[i]) for i, layer in enumerate(self.layers)]
         pin = self.config.pin_memory and self.device.type == "cuda"
@@ -769,7 +777,8 @@ class StreamingExecutor:
                     g = self._backward(slot, inputs.pop(i), g, calls[i])
                 self.grads.push(grad_slot, i)
                 self.streamer.release(slot)
-        h0.backward(g)  # embedding gradient (and anything else before layer 0)
+        if h0.requires_grad:  # embedding gradient (and anything else before layer 0); none if those are frozen
+            h0.backward(g)
         if self.dp is not None and sync_gradients:
             self._reduce_resident()
         self.grads.flush()

@@ -198,3 +198,12 @@ def test_fp32_state_modules_matching_no_parameter_is_an_error():
     with pytest.raises(ValueError) as e:
         parse_optim_args({"block_size": "100", "master_weights": "foo", "fp32_state_modules": "q_prj"}, model=model)
     assert all(s in str(e.value) for s in ("block_size must be", "master_weights must be", "['q_prj'] match no"))
+
+
+def test_lazytrain_config_fp32_state_modules_takes_the_optim_args_form():
+    """lazytrain_config's fp32_state_modules as one string splits on '|', as in optim_args (whose error message
+    suggests that form): it was one name that matched nothing."""
+    from lazytrain_hf.config import LazyTrainConfig
+
+    assert LazyTrainConfig(fp32_state_modules="q_proj|k_proj").fp32_state_modules == ["q_proj", "k_proj"]
+    assert LazyTrainConfig(fp32_state_modules="q_proj").fp32_state_modules == ["q_proj"]

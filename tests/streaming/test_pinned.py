@@ -354,3 +354,22 @@ def test_frozen_decoder_parameters_are_refused_before_anything_moves():
                                          r"policy 'none'"):
         StreamingExecutor(model, LazyTrainConfig(), "cpu")
     assert model.model.layers[1].mlp.up_proj.weight.data_ptr() == before  # not moved into a host store
+
+
+def test_a_peft_model_gets_the_frozen_parameters_error():
+    peft = pytest.importorskip("peft")
+    model = load_model("qwen3-tiny", "float32", seed=2)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"requires_grad=False \(model\.layers\.0\..*PEFT / LoRA.*policy 'none'"):
+        StreamingExecutor(lora, LazyTrainConfig(), "cpu")
+
+
+def test_state_specs_of_a_state_dict_cover_parameters_it_holds_no_state_for():
+    """accelerate reloads a fresh optimizer's own empty state when it wraps it: the specs of that load are this
+    run's layout (not nothing), so the executor's reservation survives it."""
+    _, _, ex, opt = _arena_run(fixed_schedule(4, 1, "gpu", 1))
+    assert opt.state_specs(opt.state_dict()) == opt.state_specs() != []
+    reserved = ex.reserve_states(opt)
+    opt.load_state_dict(opt.state_dict())  # what AcceleratedOptimizer.__init__ does
+    assert sum(n * dt.itemsize for dt, n in ex.state_arena._next.items()) == reserved
+    ex.close()
