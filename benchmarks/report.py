@@ -96,7 +96,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[str]:
     if ref is None:
         return [f"No measured {REF} row here: no ratios."]
     if not {r["system"] for r in rows} - {REF}:
-        return [f"Only {REF} rows at this cap: no ratios (the stock Trainer's rows are under its own cap)."]
+        return [f"Only {REF} rows at this cap: no ratios here (the uncapped stock Trainer, where measured, is under "
+                "cap none)."]
     mine = {r["batch_size"]: r["tflops_6nd"] for r in rows if r["system"] == REF and r["status"] == "ok"}
     out = [f"Ratios {REF} / system (TFLOPS 6ND). {REF} best: {ref['tflops_6nd']:.3g} at batch {ref['batch_size']}.",
            "", "| system | its best TFLOPS 6ND (batch) | best / best | same batch |", "| --- | --- | ---: | --- |"]

@@ -73,10 +73,14 @@ class _Capture(nn.Module):
 
 
 def _refuse_frozen_layers(model: nn.Module) -> None:
-    """Frozen decoder-layer parameters would get gradients, enter the clipping norm and be stepped: refuse them
-    (a PEFT model is looked into through its base model, where LoRA freezes the layers' weights)."""
-    unwrap = getattr(model, "get_base_model", None)
-    base, prefix = find_decoder(unwrap() if callable(unwrap) else model)
+    """Frozen decoder-layer parameters would get gradients, enter the clipping norm and be stepped: refuse them, and
+    PEFT models (LoRA freezes the layers' weights and adds adapters inside them)."""
+    if callable(getattr(model, "get_base_model", None)):  # a PEFT model: adapters inside the streamed layers
+        raise ValueError(f"{type(model).__name__} (PEFT) is not supported by the layer-streaming executor yet: its "
+                         "adapters live inside the decoder layers and its base weights are frozen. Train it without "
+                         "the executor: lazytrain_config policy 'none' (the stock Trainer path; "
+                         "optim='lazytrain_hybrid8' still works there)")
+    base, prefix = find_decoder(model)
     frozen = [f"{prefix}{i}.{n}" for i, layer in enumerate(base.layers) for n, p in layer.named_parameters()
               if not p.requires_grad]
     if frozen:
