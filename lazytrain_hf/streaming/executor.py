@@ -180,8 +180,8 @@ class StreamingExecutor:
             only its share of the layers (streaming/shard.py).
 
     Raises:
-        ValueError: unsupported architecture, a schedule whose layer count differs from the model's, or a frozen
-            (requires_grad=False) decoder-layer parameter.
+        ValueError: unsupported architecture, a schedule whose layer count differs from the model's, a frozen
+            (requires_grad=False) decoder-layer parameter, or a PEFT model (policy 'none' trains those).
     """
 
     def __init__(self, model: nn.Module, config: LazyTrainConfig | None = None,
