@@ -280,16 +280,26 @@ class LazyTrainConfig:
 
     @classmethod
     def from_any(cls, value: LazyTrainConfig | dict[str, Any] | str | os.PathLike | None) -> LazyTrainConfig:
-        """Build from a config, a dict, a YAML path or None (defaults).
+        """Build from a config, a dict, a JSON object string (as HF's command line passes dict arguments, e.g.
+        `--lazytrain_config '{"policy": "milp"}'`), a YAML path or None (defaults).
 
         Raises:
-            ValueError: unknown keys (all listed, with the allowed keys) or invalid values.
+            ValueError: unknown keys (all listed, with the allowed keys), invalid values, or a string that starts
+                with "{" but is not a JSON object.
             FileNotFoundError: a YAML path that does not exist.
         """
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"lazytrain_config looks like JSON but does not parse ({e}); pass a dict, a JSON "
+                                 "object such as '{\"policy\": \"milp\"}', or a YAML path") from None
         if isinstance(value, (str, os.PathLike)):
             import yaml
 

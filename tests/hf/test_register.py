@@ -207,3 +207,17 @@ def test_lazytrain_config_fp32_state_modules_takes_the_optim_args_form():
 
     assert LazyTrainConfig(fp32_state_modules="q_proj|k_proj").fp32_state_modules == ["q_proj", "k_proj"]
     assert LazyTrainConfig(fp32_state_modules="q_proj").fp32_state_modules == ["q_proj"]
+
+
+def test_lazytrain_config_takes_a_json_object_string():
+    """HF's command line passes dict arguments as JSON strings; they were read as YAML paths."""
+    import pytest
+
+    from lazytrain_hf.config import LazyTrainConfig
+
+    cfg = LazyTrainConfig.from_any('{"policy": "milp", "fp32_state_modules": "q_proj|k_proj"}')
+    assert cfg.policy == "milp" and cfg.fp32_state_modules == ["q_proj", "k_proj"]
+    with pytest.raises(ValueError, match="looks like JSON but does not parse"):
+        LazyTrainConfig.from_any('{"policy": milp}')
+    with pytest.raises(FileNotFoundError, match="no YAML file"):
+        LazyTrainConfig.from_any("missing.yaml")
