@@ -72,14 +72,18 @@ class _Capture(nn.Module):
         return hidden_states
 
 
-def _refuse_frozen_layers(model: nn.Module) -> None:
-    """Frozen decoder-layer parameters would get gradients, enter the clipping norm and be stepped: refuse them, and
-    PEFT models (LoRA freezes the layers' weights and adds adapters inside them)."""
+#: the fix named by the refusals below
+_WITHOUT_EXECUTOR = ("without the executor: lazytrain_config policy 'none' (the stock Trainer path; "
+                     "optim='lazytrain_hybrid8' still works there)")
+
+
+def _trainable_decoder(model: nn.Module) -> tuple[nn.Module, str]:
+    """`find_decoder`, refusing frozen decoder-layer parameters (they would get gradients, enter the clipping norm
+    and be stepped) and PEFT models (LoRA freezes the layers' weights and adds adapters inside them)."""
     if callable(getattr(model, "get_base_model", None)):  # a PEFT model: adapters inside the streamed layers
         raise ValueError(f"{type(model).__name__} (PEFT) is not supported by the layer-streaming executor yet: its "
-                         "adapters live inside the decoder layers and its base weights are frozen. Train it without "
-                         "the executor: lazytrain_config policy 'none' (the stock Trainer path; "
-                         "optim='lazytrain_hybrid8' still works there)")
+                         "adapters live inside the decoder layers and its base weights are frozen. Train it "
+                         + _WITHOUT_EXECUTOR)
     base, prefix = find_decoder(model)
     frozen = [f"{prefix}{i}.{n}" for i, layer in enumerate(base.layers) for n, p in layer.named_parameters()
               if not p.requires_grad]
@@ -87,8 +91,8 @@ def _refuse_frozen_layers(model: nn.Module) -> None:
         raise ValueError(f"the layer-streaming executor trains every decoder-layer parameter, but {len(frozen)} have "
                          f"requires_grad=False ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}): frozen "
                          "decoder parameters (e.g. PEFT / LoRA base weights) are not supported yet. Unfreeze them, "
-                         "or train without the executor: lazytrain_config policy 'none' (the stock Trainer path; "
-                         "optim='lazytrain_hybrid8' still works there)")
+                         "or train " + _WITHOUT_EXECUTOR)
+    return base, prefix
 
 
 def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
@@ -189,10 +193,9 @@ class StreamingExecutor:
                  host_grad_dtype: str = "fp32", data_parallel: DataParallel | str | None = "auto") -> None:
         self.config = config or LazyTrainConfig()
         check_supported(model.config)
-        _refuse_frozen_layers(model)
+        self.base, self.layer_prefix = _trainable_decoder(model)
         self.model = model
         self.device = torch.device(device or self.config.resolved_device())
-        self.base, self.layer_prefix = find_decoder(model)
         self.layers: nn.ModuleList = self.base.layers
         self.num_layers = len(self.layers)
         ltypes = getattr(model.config, "layer_types", None) or [None] * self.num_layers
@@ -549,7 +552,7 @@ class StreamingExecutor:
                 continue  # resident (the optimizer's own memory), or another rank's layer
             need[dtype] = need.get(dtype, 0) + PinnedArena.footprint(shape, dtype)
         self.state_arena.reserve(need)
-        return sum(n * torch.empty((), dtype=dt).element_size() for dt, n in need.items())
+        return sum(n * dt.itemsize for dt, n in need.items())
 
     @property
     def pinned_bytes(self) -> dict[str, int]:

@@ -221,7 +221,7 @@ class PinnedArena:
     @staticmethod
     def footprint(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
         """Elements an `alloc` of `shape` takes from its chunk (rounded up to 64 bytes, the alignment)."""
-        align = max(1, 64 // torch.empty((), dtype=dtype).element_size())
+        align = max(1, 64 // dtype.itemsize)
         return -(-math.prod(shape) // align) * align
 
     def reserve(self, sizes: dict[torch.dtype, int]) -> None:
@@ -234,7 +234,7 @@ class PinnedArena:
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` (64-byte aligned) in the arena."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         n = math.prod(shape)
         if n == 0:
             return torch.empty(shape, dtype=dtype)
