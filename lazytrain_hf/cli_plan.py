@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the layer's next load; lazytrain_config.gpu_layer_updates, default on)")
     parser.add_argument("--rows-per-pass", type=int, default=None,
                         help="the executor's max_rows_per_pass (layers run over the batch in chunks of this many rows)")
+    parser.add_argument("--resident", choices=("auto", "gpu", "host_embedding", "host"), default="auto",
+                        help="where the embedding and LM head live (lazytrain_config.resident_placement): on the "
+                             "GPU, the embedding in host memory, or both in host memory; auto (default): --policy "
+                             "milp plans each and keeps the fastest that fits, --policy fixed keeps them on the GPU "
+                             "when they take at most half the GPU memory")
     parser.add_argument("--hardware", default=None,
                         help="hardware profile JSON (from lazytrain_hf.profiling.probe), or 'defaults' for the "
                              "H200 figures; default: this machine's cached probe if any, else the H200 figures")
@@ -118,10 +123,11 @@ def run(args: argparse.Namespace) -> int:
         nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)
 
     from .models import check_supported, resolve_config
+    from .planning.fixed import fixed_resident
     from .planning.milp import InfeasiblePlanError, with_margin
     from .planning.planner import largest_feasible_batch, make_schedule
     from .planning.schedule import input_hashes, plan_fingerprint
-    from .profiling.analytic import analytic_cost_model, model_shape
+    from .profiling.analytic import analytic_cost_model, model_shape, resident_placements
 
     try:
         config = resolve_config(args.model)
@@ -131,35 +137,63 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shape = model_shape(config, args.model)
 
-    def build(batch: int) -> Any:
+    def build(batch: int, resident: str) -> Any:
         return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
                                    nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model,
-                                   kept_grads=args.gradient_accumulation_steps == 1, **_OPTIMIZER_LAYOUT)
+                                   kept_grads=args.gradient_accumulation_steps == 1, resident=resident,
+                                   **_OPTIMIZER_LAYOUT)
 
-    cm = build(args.batch_size)
+    allowed = resident_placements(shape)
+    if args.resident not in ("auto", *allowed):
+        print(f"lazytrain-hf plan: --resident {args.resident}: this model ties its LM head to the embedding; use one "
+              f"of {', '.join(allowed)}", file=sys.stderr)
+        return 2
+    if args.resident != "auto":
+        candidates = [args.resident]
+    elif args.policy == "fixed":
+        budget = gpu_given if gpu_given is not None else hardware.gpu_memory_bytes
+        candidates = [fixed_resident(build(args.batch_size, "gpu").resident_bytes, budget, allowed)]
+    else:
+        candidates = list(allowed)
+    cm = build(args.batch_size, candidates[0])
     nvme_asked = (sizes["nvme_budget"] if args.nvme_dir else 0)  # None: defaulted (free disk)
     inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_given, host_given, nvme_asked)
     fp = plan_fingerprint(inputs)
     _print_header(args, shape, cm, hardware)
+    sched, error, tried = None, None, []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            sched = make_schedule(cm, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
+        for resident in candidates:  # the fastest placement that fits
+            c = build(args.batch_size, resident)
+            try:
+                s = make_schedule(c, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
                                   prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
                                   mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer,
                                   fingerprint=fp, strict=True)
-        except InfeasiblePlanError as e:
-            print(f"\nNo plan: {with_margin(e, args.gpu_memory_margin)}")
+            except InfeasiblePlanError as e:
+                error = e
+                tried.append(f"{resident}: no plan")
+                continue
+            s.resident = resident
+            tried.append(f"{resident}: {s.predicted['step_ms']:.0f} ms")
+            if sched is None or s.predicted["step_ms"] < sched.predicted["step_ms"]:
+                sched, cm = s, c
+        if sched is None:
+            where = f" (embedding / LM head placements tried: {', '.join(candidates)})" if len(candidates) > 1 else ""
+            print(f"\nNo plan{where}: {with_margin(error, args.gpu_memory_margin)}")
             return 1
     sched.solver["fingerprint_inputs"] = input_hashes(inputs)
     for w in caught:
         print(f"warning: {w.message}")
     _print_table(sched, cm)
+    _print_resident(sched, cm, tried)
     _print_prediction(sched, cm)
     if args.max_batch > 0:
+        # feasibility: the placement that needs the least GPU memory among those this run may take
+        lean = candidates[-1] if args.policy == "milp" else sched.resident
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            best = largest_feasible_batch(build, args.policy, max_batch=args.max_batch,
+            best = largest_feasible_batch(lambda b: build(b, lean), args.policy, max_batch=args.max_batch,
                                           checkpoint_every=args.checkpoint_every, tier=args.tier,
                                           prefetch_depth=args.prefetch_depth)
         cap = " (the search cap)" if best == args.max_batch else ""
@@ -181,7 +215,8 @@ def _plan_inputs(args: argparse.Namespace, config: dict[str, Any], hardware: dic
     return plan_inputs(config, args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes, hardware,
                        policy=args.policy, rows_per_pass=args.rows_per_pass, gpu_optimizer=args.gpu_optimizer,
                        gpu_memory_margin=args.gpu_memory_margin, fixed=fixed,
-                       kept_grads=args.gradient_accumulation_steps == 1, **_OPTIMIZER_LAYOUT)
+                       kept_grads=args.gradient_accumulation_steps == 1, resident=args.resident,
+                       **_OPTIMIZER_LAYOUT)
 
 
 def _fixed_knobs(args: argparse.Namespace) -> list[str]:
@@ -331,6 +366,15 @@ def _print_table(sched: Any, cm: Any) -> None:
     print("(boundary: where the layer's input is stored for backward; backward: kept = activations retained, "
           "re-forward = forward rerun from its boundary, rebuilt = rerun from an earlier boundary; optimizer: "
           "where the layer's update runs, gpu = at its next load in the forward, cpu = host worker threads)")
+
+
+def _print_resident(sched: Any, cm: Any, tried: list[str]) -> None:
+    where = {"gpu": "embedding and LM head on the GPU (weights, gradients, optimizer states)",
+             "host_embedding": "embedding in host memory (looked up and updated on the CPU); LM head on the GPU",
+             "host": "embedding and LM head in host memory (updated on the CPU; the head's weights copied to the "
+                     "GPU once per step)"}[sched.resident]
+    also = f" (placements planned: {'; '.join(tried)})" if len(tried) > 1 else ""
+    print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU{also}")
 
 
 def _print_prediction(sched: Any, cm: Any) -> None:

@@ -93,6 +93,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "state_dtype": ("8bit", "fp32"),
     "master_weights": ("auto", "fp32", "kahan", "none"),
     "dp_updates": ("auto", "replicated", "sharded"),
+    "resident_placement": ("auto", "gpu", "host_embedding", "host"),
 }
 
 
@@ -181,6 +182,12 @@ class LazyTrainConfig:
         min_8bit_size (int, defaults to 4096): tensors with fewer elements keep fp32 states (bitsandbytes default).
         fp32_state_modules (list of str, defaults to []): extra module-name substrings whose parameters keep fp32
             states (embeddings and lm_head always do).
+        resident_placement (str, defaults to "auto"): where the input embedding and the LM head live with their
+            gradients and (fp32) optimizer states: "gpu"; "host_embedding" (the embedding in host memory: looked up
+            and updated on the CPU; untied heads only); "host" (the LM head too: updated on the CPU, its weights
+            copied to the GPU once per step); "auto": policy "milp" plans each placement and takes the fastest that
+            fits; policy "fixed" keeps them on the GPU when they take at most half the GPU budget, else "host"
+            (streaming/resident.py). The final norm stays on the GPU. Data parallel runs keep them on the GPU.
     """
 
     policy: str = "fixed"
@@ -213,6 +220,7 @@ class LazyTrainConfig:
     block_size: int = 256
     min_8bit_size: int = 4096
     fp32_state_modules: list[str] = field(default_factory=list)
+    resident_placement: str = "auto"
 
     def __post_init__(self) -> None:
         problems: list[str] = []

@@ -157,7 +157,7 @@ class LazyTrainCallback(TrainerCallback):
                         "keeping it", k, "not used" if rate is None else f"{rate / 1e9:.2f} G params/s")
             return None
         scale = old_scale * k
-        plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate)
+        plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate, resident=old.resident)
         new = plans.schedules[plans.buckets[-1]]
         # the running plan valued with the same calibrated costs: switch only for a clear gain (SWITCH_GAIN)
         cm = cost_model_for_trainer(tr, plans.buckets[-1], scale, rate)[0]

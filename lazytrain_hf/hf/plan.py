@@ -63,25 +63,30 @@ def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
 
 
 def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.0,
-                           cpu_optim_params_per_s: float | None = None) -> tuple[Any, str, str]:
+                           cpu_optim_params_per_s: float | None = None,
+                           resident: str | None = None) -> tuple[Any, str, str]:
     """The cost model `plan_for_trainer` solves on, for `seq_len` tokens per sequence: (cost model, "measured" or
     "analytic" layer costs, fingerprint). `compute_scale` multiplies the GPU compute costs and
     `cpu_optim_params_per_s` replaces the probed CPU optimizer rate (calibration from measured steps,
-    hf/calibrate.py)."""
-    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, seq_len, compute_scale, cpu_optim_params_per_s)
+    hf/calibrate.py). `resident`: the embedding / LM head placement (default: the executor's current one)."""
+    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, seq_len, compute_scale, cpu_optim_params_per_s,
+                                                     resident)
     return cm, layer_costs, plan_fingerprint(inputs)
 
 
 def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.0,
-                           cpu_optim_params_per_s: float | None = None) -> tuple[Any, str, dict[str, Any]]:
+                           cpu_optim_params_per_s: float | None = None,
+                           resident: str | None = None) -> tuple[Any, str, dict[str, Any]]:
     """`cost_model_for_trainer` with the plan inputs instead of their fingerprint (budgets resolved once)."""
     cfg = trainer.lazy_config
+    resident = resident or trainer.executor.resident.placement
     B = trainer.args.per_device_train_batch_size  # as run_shape
     hardware, gpu, host, nvme = _budgets(trainer)
     cm = analytic_cost_model(trainer.model.config, B, seq_len, hardware, gpu_bytes=gpu, host_bytes=host,
                              nvme_bytes=nvme, loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
                              master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                             rows_per_pass=cfg.max_rows_per_pass, kept_grads=_kept_grads(trainer))
+                             rows_per_pass=cfg.max_rows_per_pass, kept_grads=_kept_grads(trainer),
+                             resident=resident)
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
                                            trainer.plan_layer_costs)
     if compute_scale != 1.0:
@@ -106,7 +111,8 @@ def _inputs(trainer: Any, seq_len: int, hardware: Any) -> dict[str, Any]:
                        rows_per_pass=cfg.max_rows_per_pass,
                        gpu_optimizer=_gpu_optimizer(trainer), loss_chunk_tokens=cfg.loss_chunk_tokens,
                        state_dtype=cfg.state_dtype, master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                       gpu_memory_margin=cfg.gpu_memory_margin, kept_grads=_kept_grads(trainer))
+                       gpu_memory_margin=cfg.gpu_memory_margin, kept_grads=_kept_grads(trainer),
+                       resident=cfg.resident_placement)
 
 
 def _kept_grads(trainer: Any) -> bool:
@@ -127,7 +133,8 @@ def _gpu_optimizer(trainer: Any) -> bool:
 
 
 def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: tuple[int, ...] = (1, 2, 3),
-                     compute_scale: float = 1.0, cpu_optim_params_per_s: float | None = None) -> Schedule:
+                     compute_scale: float = 1.0, cpu_optim_params_per_s: float | None = None,
+                     resident: str | None = None) -> Schedule:
     """Solve the MILP (lazytrain_hf.planning.milp) for this trainer's model, batch shape and budgets.
 
     Args:
@@ -136,6 +143,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
         compute_scale: multiplies the GPU compute costs (calibration from measured steps, hf/calibrate.py).
         cpu_optim_params_per_s: the CPU optimizer rate to plan with (parameters/s; default: the hardware probe's);
             calibration passes the rate the executor measured.
+        resident: the embedding / LM head placement to plan for (default: the executor's current one); the plan
+            records it (`Schedule.resident`) and the executor moves them when it switches to the plan.
 
     Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
     `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM / data-parallel ranks on this host), `nvme_budget`
@@ -147,18 +156,24 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
     """
     cfg = trainer.lazy_config
     T = seq_len or run_shape(trainer)[1]
-    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, T, compute_scale, cpu_optim_params_per_s)
+    resident = resident or trainer.executor.resident.placement
+    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, T, compute_scale, cpu_optim_params_per_s, resident)
     try:
         schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
                               mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=_gpu_optimizer(trainer),
                               fingerprint=plan_fingerprint(inputs))
     except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
         raise with_margin(e, cfg.gpu_memory_margin) from None
+    schedule.resident = resident
     schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
                            cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
                            fingerprint_inputs=input_hashes(inputs))
-    logger.info("MILP plan for batch %d x %d: %s, predicted %s", trainer.args.per_device_train_batch_size, T,
-                schedule.solver, schedule.predicted)
+    p = schedule.predicted
+    logger.info("MILP plan for batch %d x %d (embedding / LM head: %s): predicted step %.0f ms, peak GPU %.2f GiB, "
+                "solved in %.0f ms (gap %.2f%%)", trainer.args.per_device_train_batch_size, T, resident,
+                p.get("step_ms", float("nan")), p.get("peak_gpu_bytes", 0) / GIB,
+                schedule.solver.get("solve_ms") or 0.0, 100 * (schedule.solver.get("mip_gap") or 0.0))
+    logger.debug("MILP plan details: solver %s, predicted %s", schedule.solver, schedule.predicted)
     return schedule
 
 
@@ -190,20 +205,45 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
     return apply_layer_measurements(cm, measured, time_scale=B / rows), "measured"
 
 
+def resident_candidates(trainer: Any) -> list[str]:
+    """Placements of the embedding and LM head the planner tries: the configured one, or (`auto`) every one this
+    model can run (streaming/resident.py), GPU first; data-parallel ranks keep them on the GPU."""
+    cfg = trainer.lazy_config
+    if cfg.resident_placement != "auto":
+        return [cfg.resident_placement]
+    ex = trainer.executor
+    return ["gpu"] if ex.dp is not None else list(ex.resident.allowed())
+
+
 def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
-                             cpu_optim_params_per_s: float | None = None) -> BucketSchedules:
+                             cpu_optim_params_per_s: float | None = None,
+                             resident: str | None = None) -> BucketSchedules:
     """One MILP plan per sequence-length bucket (`lazytrain_config.plan_buckets` of them, powers of two up to the
     longest sequence; lazytrain_hf/planning/buckets.py). Every bucket uses the prefetch depth of the longest
     bucket's plan, so switching plans between batches never reallocates weight slots. `compute_scale`: as in
-    `plan_for_trainer`, and so is `cpu_optim_params_per_s`.
+    `plan_for_trainer`, and so is `cpu_optim_params_per_s`. `resident`: the embedding / LM head placement; None:
+    the longest bucket is planned for each of `resident_candidates` and the fastest feasible one is kept (one
+    placement for the whole run: every bucket's plan has it).
 
     Raises:
-        InfeasiblePlanError: the longest bucket has no schedule within the budgets.
+        InfeasiblePlanError: the longest bucket has no schedule within the budgets (in any placement tried; the
+            error of the placement that needs the least GPU memory).
     """
     _, T = run_shape(trainer)
     buckets = seq_len_buckets(T, min_seq_len=min(128, max(8, T // 8)), max_buckets=trainer.lazy_config.plan_buckets)
     rates = dict(compute_scale=compute_scale, cpu_optim_params_per_s=cpu_optim_params_per_s)
-    longest = plan_for_trainer(trainer, buckets[-1], **rates)
+    longest, error = None, None
+    for placement in [resident] if resident else resident_candidates(trainer):
+        try:
+            plan = plan_for_trainer(trainer, buckets[-1], resident=placement, **rates)
+        except InfeasiblePlanError as e:
+            error = e
+            continue
+        if longest is None or plan.predicted.get("step_ms", 0.0) < longest.predicted.get("step_ms", 0.0):
+            longest = plan
+    if longest is None:
+        raise error
+    rates["resident"] = longest.resident
     plans = {buckets[-1]: longest}
     for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is
         plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,), **rates)

@@ -72,6 +72,10 @@ class CostModel:
         gpu_reserve_bytes: GPU bytes held back for allocator fragmentation and the CUDA context's leftovers.
         resident_optim_on_gpu: the resident parameters' update runs on the GPU (their states and gradients then
             live there, inside `resident_bytes`), as the executor does; False: on the CPU.
+        resident_cpu_params: of the resident parameters, those updated on the CPU whatever
+            `resident_optim_on_gpu` says: the parts placed in host memory (`Schedule.resident`) (count).
+        head_h2d_bytes: the LM head's bf16 weights copied to the GPU once per step when the head lives in host memory
+            (bytes; loaded with the last layer's weights, before the head).
         host_fixed_bytes: host bytes taken regardless of the plan: weights, gradients, optimizer states, master
             weights (pinned and pageable together).
 
@@ -118,6 +122,8 @@ class CostModel:
     gpu_reserve_bytes: int = 0
     host_fixed_bytes: int = 0
     resident_optim_on_gpu: bool = False
+    resident_cpu_params: int = 0
+    head_h2d_bytes: int = 0
     h2d_gbps: float = 50.8
     d2h_gbps: float = 54.1
     bidir_gbps: float = 33.0
@@ -152,6 +158,7 @@ class CostModel:
                 problems.append(f"{name} must be > 0, but got {v!r}")
         for name in ("resident_bytes", "head_ms", "head_work_bytes", "head_grad_bytes", "embed_grad_bytes",
                      "embed_optim_params", "head_optim_params", "gpu_reserve_bytes", "host_fixed_bytes",
+                     "resident_cpu_params", "head_h2d_bytes",
                      "gpu_bytes", "pinned_host_bytes", "nvme_bytes"):
             if not _finite_nonneg(getattr(self, name)):
                 problems.append(f"{name} must be finite and >= 0, but got {getattr(self, name)!r}")
@@ -192,9 +199,12 @@ class CostModel:
     @property
     def resident_optim_ms(self) -> float:
         """Time of the resident parameters' update (embedding, lm_head, final norm) at `optimizer.step()`, before
-        the next forward and the layers' CPU updates start (ms; on the GPU when `resident_optim_on_gpu`)."""
+        the next forward and the layers' CPU updates start (ms; on the GPU when `resident_optim_on_gpu`, except the
+        `resident_cpu_params` placed in host memory; the two run one after the other in `optimizer.step()`)."""
         rate = self.gpu_optim_params_per_s if self.resident_optim_on_gpu else self.cpu_optim_params_per_s
-        return (self.embed_optim_params + self.head_optim_params) / rate * 1e3
+        cpu = min(self.resident_cpu_params, self.embed_optim_params + self.head_optim_params)
+        main = self.embed_optim_params + self.head_optim_params - cpu
+        return (main / rate + cpu / self.cpu_optim_params_per_s) * 1e3
 
     def retained(self, i: int) -> int:
         """Bytes layer i holds on the GPU when retained (see `retained_bytes`)."""

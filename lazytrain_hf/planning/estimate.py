@@ -139,7 +139,9 @@ def unit_terms(cm: CostModel) -> list[UnitTerms]:
         # F(i): the optional on-GPU optimizer update of layer i, then its no-grad forward; stash boundary i+1.
         names.append((f"F{i}", i))
         compute.append(Lin(cm.fwd_ms[i]).add(cm.gpu_optim_ms(i), ("o", i)))
-        h_bytes.append(Lin(cm.param_bytes[i]).add(cm.gpu_optim_up_bytes(i), ("o", i)))
+        # the last layer's loads also bring the host-placed LM head's updated weights (needed by the head next)
+        head_w = cm.head_h2d_bytes if i == L - 1 else 0
+        h_bytes.append(Lin(cm.param_bytes[i] + head_w).add(cm.gpu_optim_up_bytes(i), ("o", i)))
         db = Lin().add(cm.gpu_optim_d2h_bytes[i], ("o", i))
         write, stash = Lin(), Lin()
         sb = Lin()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .schedule import LayerPlan, Schedule
 
-__all__ = ["fixed_schedule", "checkpoint_interval", "checkpoint_tier"]
+__all__ = ["fixed_schedule", "checkpoint_interval", "checkpoint_tier", "fixed_resident"]
 
 
 def fixed_schedule(num_layers: int, checkpoint_every: int = 4, tier: str = "gpu", prefetch_depth: int = 1,
@@ -34,3 +34,12 @@ def checkpoint_interval(schedule: Schedule) -> int:
 def checkpoint_tier(schedule: Schedule) -> str:
     """The boundary tier of a `fixed_schedule` (every layer carries it; callers may move layer 0's to the GPU)."""
     return schedule.layers[-1].tier
+
+
+def fixed_resident(resident_gpu_bytes: int, gpu_budget_bytes: int, allowed: tuple[str, ...]) -> str:
+    """The fixed policy's embedding / LM head placement (`Schedule.resident`): "gpu" when they take at most half
+    the GPU budget with their gradients and optimizer states (bytes), else the first of "host", "host_embedding"
+    in `allowed` (the placements the model can run); "gpu" when neither is."""
+    if resident_gpu_bytes <= gpu_budget_bytes / 2:
+        return "gpu"
+    return next((p for p in ("host", "host_embedding") if p in allowed), "gpu")

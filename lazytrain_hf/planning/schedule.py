@@ -18,10 +18,14 @@ from typing import Any
 
 from ..config import did_you_mean
 
-__all__ = ["LayerPlan", "Schedule", "TIERS", "fingerprint", "plan_inputs", "plan_fingerprint", "input_hashes",
+__all__ = ["LayerPlan", "Schedule", "TIERS", "RESIDENT_PLACEMENTS", "fingerprint", "plan_inputs", "plan_fingerprint", "input_hashes",
            "differing_inputs"]
 
 TIERS = ("gpu", "cpu", "nvme")
+#: where the embedding and the LM head live (`Schedule.resident`): "gpu" (weights, gradients and optimizer states on
+#: the GPU), "host_embedding" (the embedding's on the host: looked up and updated there), "host" (the LM head's too:
+#: updated on the CPU, its bf16 weights copied to the GPU once per optimizer step for the head)
+RESIDENT_PLACEMENTS = ("gpu", "host_embedding", "host")
 
 
 @dataclass
@@ -52,6 +56,8 @@ class Schedule:
         keep_grads: the GPU-updated layers' gradients stay on the GPU from their backward to the update at the
             next load (no D2H and H2D of them: 2 bytes per parameter each way); the plan counts their memory
             (`CostModel.kept_grad_bytes`). False in files written before this field existed.
+        resident: where the embedding and LM head live (`RESIDENT_PLACEMENTS`); "gpu" in files written before this
+            field existed.
         fingerprint: `plan_fingerprint` of what the plan was made for (model, batch shape, budgets, hardware, the
             plan-shaping options); `solver["fingerprint_inputs"]` holds a hash per input, to name what differs.
         solver: status, mip_gap, solve_ms (MILP only).
@@ -62,6 +68,7 @@ class Schedule:
     layers: list[LayerPlan]
     prefetch_depth: int = 1
     keep_grads: bool = False
+    resident: str = "gpu"
     fingerprint: str = ""
     solver: dict[str, Any] = field(default_factory=dict)
     predicted: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +87,8 @@ class Schedule:
                 problems.append(f"layers[{i}].optimizer_device must be 'cpu' or 'gpu', but got {lp.optimizer_device!r}")
         if not isinstance(self.keep_grads, bool):
             problems.append(f"keep_grads must be true or false, but got {self.keep_grads!r}")
+        if self.resident not in RESIDENT_PLACEMENTS:
+            problems.append(f"resident must be one of {RESIDENT_PLACEMENTS}, but got {self.resident!r}")
         if not 1 <= self.prefetch_depth <= 8:
             problems.append(f"prefetch_depth must be in [1, 8], but got {self.prefetch_depth}")
         if problems:
@@ -171,13 +180,15 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
                 rows_per_pass: int | None = None,
                 gpu_optimizer: bool = True, loss_chunk_tokens: int = 2048, state_dtype: str = "8bit",
                 master_weights: str = "fp32", block_size: int = 256, gpu_memory_margin: float = 0.12,
-                fixed: dict[str, Any] | None = None, kept_grads: bool = True) -> dict[str, Any]:
+                fixed: dict[str, Any] | None = None, kept_grads: bool = True,
+                resident: str = "auto") -> dict[str, Any]:
     """Everything a plan depends on, by name: the one definition of a schedule's fingerprint, shared by the
     `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the user asked for them (before the GPU
     margin), None where the default was taken: the defaults are resolved differently by the CLI (the profile's
     total memory, free disk) and the Trainer (free GPU memory at plan time), so a plan made with `lazytrain-hf plan`
     and defaults matches the Trainer's run with the same defaults. `hardware`: `HardwareProfile.to_dict()`;
-    `fixed`: the fixed policy's knobs (policy "fixed" only)."""
+    `fixed`: the fixed policy's knobs (policy "fixed" only); `resident`: the embedding / LM head placement asked
+    for ("auto": the planner's choice)."""
     def size(b: int | None) -> int | None:
         return None if b is None else int(b)
 
@@ -188,7 +199,7 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
         "policy": policy, "fixed": fixed if policy == "fixed" else None, "rows_per_pass": rows_per_pass,
         "gpu_optimizer": bool(gpu_optimizer), "loss_chunk_tokens": loss_chunk_tokens, "state_dtype": state_dtype,
         "master_weights": master_weights, "block_size": block_size, "gpu_memory_margin": float(gpu_memory_margin),
-        "kept_grads": bool(kept_grads),
+        "kept_grads": bool(kept_grads), "resident": resident,
     }
 
 

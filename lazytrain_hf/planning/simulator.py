@@ -186,7 +186,10 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
             g.buffers[out_buf[i]] = (nbytes, alloc, rel)  # type: ignore[index]
 
     # -- head ---------------------------------------------------------------------------------------------------
-    head = g.task("compute", cm.head_ms, "head", [fwd[-1], d2h_dep()])
+    head_deps = [fwd[-1], d2h_dep()]
+    if cm.head_h2d_bytes:  # a host-placed LM head's weights, after its CPU update
+        head_deps.append(g.task("h2d", cm.head_h2d_bytes, "head weights", [emb_opt]))
+    head = g.task("compute", cm.head_ms, "head", head_deps)
     g.buffer(cm.head_work_bytes, head, [head])
     nbytes, alloc, _ = g.buffers[out_buf[L]]  # type: ignore[index]
     g.buffers[out_buf[L]] = (nbytes, alloc, [head])  # type: ignore[index]

@@ -32,9 +32,10 @@ from typing import Any
 
 from ..optim.functional import CHUNK_ELEMENTS
 from ..planning.cost_model import CostModel
+from ..planning.schedule import RESIDENT_PLACEMENTS
 from .hardware import H200_DEFAULTS, HardwareProfile
 
-__all__ = ["ModelShape", "model_shape", "analytic_cost_model", "layer_flops"]
+__all__ = ["ModelShape", "model_shape", "analytic_cost_model", "layer_flops", "resident_placements"]
 
 BF16 = 2  # bytes per bf16 element
 FP32 = 4
@@ -128,6 +129,11 @@ def model_shape(config: Any, name: str = "") -> ModelShape:
         norm_params=norm_params, name=name or getattr(config, "_name_or_path", "") or mt)
 
 
+def resident_placements(shape: ModelShape) -> tuple[str, ...]:
+    """The embedding / LM head placements the executor can run for this shape (a tied head: "gpu", "host")."""
+    return ("gpu", "host") if shape.lm_head_params == 0 else RESIDENT_PLACEMENTS
+
+
 def layer_flops(shape: ModelShape, i: int, batch_size: int, seq_len: int) -> dict[str, float]:
     """Forward FLOPs of decoder layer i for [B, T] tokens, split by kind of work.
 
@@ -194,7 +200,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         linear_attention_efficiency: float = 0.25, loss_chunk_tokens: int = 2048,
                         state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                         gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
-                        resident_optimizer: str = "gpu", kept_grads: bool = True, name: str = "") -> CostModel:
+                        kept_grads: bool = True, name: str = "",
+                        resident: str = "gpu") -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
 
     Args:
@@ -212,9 +219,12 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         rows_per_pass: the executor runs each layer over the micro-batch in chunks of this many sequences
             (`max_rows_per_pass`): a layer's transient activations (saved, forward and backward workspaces) are
             one chunk's, while boundaries and retained layers keep the whole micro-batch. None: no chunking.
-        resident_optimizer: where the embedding / lm_head / norm update runs: "gpu" (the executor: their states
-            and gradients stay on the GPU; measured there: 4.39 GB of states for Qwen2.5-7B with 8-bit moments and
-            Kahan, i.e. the layers' bytes per parameter) or "cpu" (states on the host, gradients sent back).
+        resident: where the embedding and LM head live (`planning.schedule.RESIDENT_PLACEMENTS`, the executor's
+            `streaming/resident.py`): "gpu" (weights, gradients and optimizer states on the GPU), "host_embedding"
+            (the embedding's in host memory, looked up and updated on the CPU: its output goes up and its gradient
+            [B, T, H] comes back), "host" (the LM head's too: updated on the CPU, its bf16 weights copied up once
+            per step, its gradient sent back after the head). Their optimizer states are fp32 (Hybrid8 keeps the
+            embedding and LM head in fp32 states) plus the master weights; the final norm stays on the GPU.
         kept_grads: GPU-updated layers keep their bf16 gradients on the GPU from backward to the update
             (`CostModel.kept_grad_bytes`, `Schedule.keep_grads`); the executor does so with one micro-batch per
             optimizer step only, so pass False with gradient accumulation.
@@ -229,8 +239,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         problems.append(f"state_dtype must be '8bit' or 'fp32', but got {state_dtype!r}")
     if master_weights not in ("fp32", "kahan", "none"):
         problems.append(f"master_weights must be 'fp32', 'kahan' or 'none', but got {master_weights!r}")
-    if resident_optimizer not in ("gpu", "cpu"):
-        problems.append(f"resident_optimizer must be 'gpu' or 'cpu', but got {resident_optimizer!r}")
+    if resident not in RESIDENT_PLACEMENTS:
+        problems.append(f"resident must be one of {RESIDENT_PLACEMENTS}, but got {resident!r}")
     if rows_per_pass is not None and rows_per_pass < 1:
         problems.append(f"rows_per_pass must be >= 1 or None, but got {rows_per_pass}")
     if problems:
@@ -256,19 +266,26 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         retained.append(int(s * n) + BF16 * n * H)  # whole micro-batch: activations and the output
     params = shape.layer_params
     act = BF16 * n * H
-    resident_params = shape.embed_params + shape.lm_head_params + shape.norm_params
     head_flops = 6.0 * n * H * V  # lm_head forward 2NHV, backward 4NHV
     chunk = min(loss_chunk_tokens, n)
-    on_gpu = resident_optimizer == "gpu"
-    lm_grad = 0 if on_gpu else BF16 * (shape.lm_head_params or shape.embed_params)  # on GPU: in resident_bytes
-    # head workspace: final norm internals (fp32 copy + bf16), logits chunk bf16 + fp32 + fp32 gradient,
-    # lm_head weight gradient, hidden-state gradient
-    head_work = (FP32 + BF16) * n * H + (BF16 + 2 * FP32) * chunk * V + lm_grad + BF16 * n * H
     layer_host_b = BF16 + BF16 + state_b + master_b  # weight, gradient, moments, master
-    opt_b = state_b + master_b  # optimizer bytes per parameter (moments + master)
-    # resident on the GPU: weights, gradients and optimizer states; on the CPU: weights only (states on the host)
-    resident_gpu_b = BF16 + (BF16 + opt_b if on_gpu else 0)
-    resident_host_b = BF16 + (0 if on_gpu else BF16 + opt_b)
+    # resident parts: fp32 moments (8 bytes) + master, whatever the layers' state_dtype (optim/hybrid8.py)
+    resident_b = BF16 + BF16 + 2 * FP32 + master_b
+    embed_p, norm_p = shape.embed_params, shape.norm_params
+    head_p = shape.lm_head_params or shape.embed_params  # the weight the head multiplies by (tied: the embedding)
+    host_embed = resident != "gpu"
+    host_head = resident == "host"
+    tied = shape.lm_head_params == 0
+    # parameters whose weights, gradients and states live on the GPU; the rest live in host memory
+    if tied and resident == "host_embedding":
+        raise ValueError("analytic_cost_model: resident='host_embedding' needs an untied LM head (a tied weight is "
+                         "the embedding and the head at once): use 'gpu' or 'host'")
+    gpu_params = norm_p + (0 if host_embed else embed_p) + (0 if host_head else shape.lm_head_params)
+    host_params = embed_p + shape.lm_head_params + norm_p - gpu_params
+    head_copy = BF16 * head_p if host_head else 0  # the GPU working copy of a host-placed head's weights
+    # head workspace: final norm internals (fp32 copy + bf16), logits chunk bf16 + fp32 + fp32 gradient, the
+    # hidden-state gradient, and a host-placed head's GPU weight gradient (sent back right after the head)
+    head_work = (FP32 + BF16) * n * H + (BF16 + 2 * FP32) * chunk * V + BF16 * n * H + head_copy
     gpu_opt_b = state_b + master_b + BF16  # per param: states + master + gradient (up) / weight (down)
     # the update's fp32 temporaries over one slice of CHUNK_ELEMENTS (optim/functional.py: param + Kahan sum, fp32
     # gradient, bf16 result, its fp32 copy and the residual: 18 bytes per element at the write-back). Missing, the
@@ -276,7 +293,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # memory at B=8 on the H200.
     gpu_opt_tmp = [18 * min(p, CHUNK_ELEMENTS) for p in params]
     meta = {"model": shape.name, "model_type": shape.model_type, "batch_size": batch_size, "seq_len": seq_len,
-            "rows_per_pass": rows_per_pass,
+            "rows_per_pass": rows_per_pass, "resident": resident,
             "num_params": shape.num_params, "hardware": hardware.source, "hardware_measured": hardware.measured,
             "estimate": "analytic"}
     return CostModel(
@@ -287,12 +304,11 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in params],
         gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(params, gpu_opt_tmp)], retained_bytes=retained,
         kept_grad_bytes=[BF16 * p for p in params] if kept_grads else [],
-        resident_bytes=int(resident_gpu_b * resident_params), head_ms=head_flops / matmul_efficiency / peak,
-        head_work_bytes=int(head_work),
-        head_grad_bytes=0 if on_gpu else BF16 * (shape.lm_head_params + shape.norm_params),
-        embed_grad_bytes=0 if on_gpu else BF16 * shape.embed_params, embed_optim_params=shape.embed_params,
-        resident_optim_on_gpu=on_gpu,
+        resident_bytes=int(resident_b * gpu_params + head_copy), head_ms=head_flops / matmul_efficiency / peak,
+        head_work_bytes=int(head_work), head_grad_bytes=head_copy, head_h2d_bytes=head_copy,
+        embed_grad_bytes=act if host_embed else 0, embed_optim_params=shape.embed_params,
+        resident_optim_on_gpu=True, resident_cpu_params=host_params,
         head_optim_params=shape.lm_head_params + shape.norm_params, gpu_reserve_bytes=int(gpu_reserve_bytes),
-        host_fixed_bytes=int(layer_host_b * sum(params) + resident_host_b * resident_params),
+        host_fixed_bytes=int(layer_host_b * sum(params) + resident_b * host_params),
         **hardware.planner_rates(), gpu_bytes=int(gpu_bytes), pinned_host_bytes=int(host_bytes),
         nvme_bytes=int(nvme_bytes), tokens_per_step=n, meta=meta)

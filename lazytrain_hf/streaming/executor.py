@@ -42,6 +42,7 @@ from .comm import DataParallel
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
+from .resident import ResidentParts, initial_placement
 from .shard import ShardedUpdates
 from .tiers import ActivationStash
 from .updates import LayerUpdater
@@ -202,6 +203,8 @@ class StreamingExecutor:
         self.keys = [structure_key(layer, ltypes[i]) for i, layer in enumerate(self.layers)]
         pin = self.config.pin_memory and self.device.type == "cuda"
         self._place_resident()
+        self.resident = ResidentParts(model, self.base, self.device, pin)  # embedding / LM head placement
+        self._optimizer: Any = None  # the optimizer over this model (`reserve_states`): moves with a placement
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self._reserve_hooks: dict[int, Any] = {}  # id(optimizer) -> its load pre-hook (`reserve_states`)
@@ -249,6 +252,8 @@ class StreamingExecutor:
                                                      self.config.activation_tier, self.config.prefetch_depth))
         self.stats = StepStats()
         self._unpack_slot: Slot | None = None
+        if self.schedule.resident == "gpu" and schedule is None:  # the fixed rule until a plan says otherwise
+            self.set_resident(initial_placement(self.config, self.resident, self.device, self.dp is not None))
 
     def instrument(self, on: bool = True) -> None:
         """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
@@ -288,12 +293,31 @@ class StreamingExecutor:
             self.streamer.before_compute = self._before_compute
             self.streamer.skip_h2d = self.shard.receives if self.shard is not None else None
             self.streamer.host_version = self._host_version
+        if schedule.resident != self.resident.placement:
+            self.set_resident(schedule.resident)
         self.schedule = schedule
         self._ops = plan_ops(schedule)
         self._segment_end = dict(schedule.segments())  # segment start -> end
         if self.updater is not None:
             self.updater.set_device_layers(self._device_layers())
         self._set_kept_layers()
+
+    def set_resident(self, placement: str) -> None:
+        """Put the embedding and LM head where `placement` says (streaming/resident.py), their optimizer states
+        too; later schedules (`set_schedule`) carry their own placement.
+
+        Raises:
+            ValueError: the placement cannot run for this model, or a host placement in data parallel.
+        """
+        if placement != "gpu" and self.dp is not None:
+            raise ValueError(f"resident placement {placement!r} is for one process: data-parallel ranks keep the "
+                             "embedding and LM head on the GPU (set lazytrain_config.resident_placement='gpu')")
+        if placement == self.resident.placement:
+            return
+        self._flush_local()
+        self.resident.apply(placement, self._optimizer)
+        if getattr(self, "schedule", None) is not None:
+            self.schedule.resident = placement
 
     def _set_kept_layers(self) -> None:
         """Gradients of GPU-updated layers stay on the device from backward to the update (`Schedule.keep_grads`,
@@ -535,6 +559,7 @@ class StreamingExecutor:
         `optimizer.load_state_dict` re-reserves for the saved layout (a resume may keep other options than this
         run asked for). An optimizer without `state_specs` is left to the arena's ordinary chunks. Returns the bytes
         reserved."""
+        self._optimizer = optimizer
         specs = getattr(optimizer, "state_specs", None)
         if specs is None:
             return 0
@@ -590,6 +615,7 @@ class StreamingExecutor:
         passed (no extra pass); otherwise the fp32 host accumulators are summed.
         """
         self.grads.flush()
+        host = {id(p) for p in self.resident.host_parameters()}
         if self.grads.norm_from_device:
             sq = self.grads.sq.clone()
         else:
@@ -599,7 +625,8 @@ class StreamingExecutor:
             self.dp.all_reduce_([sq])
         for p in self.resident_parameters():
             if p.grad is not None:
-                sq = sq + sq_norm(p.grad)
+                part = self.resident.grad_sq_norm(p) if id(p) in host else sq_norm(p.grad)
+                sq = sq + part.to(sq.device)
         return sq.sqrt().float()
 
     def _reduce_resident(self) -> None:
@@ -615,6 +642,7 @@ class StreamingExecutor:
         self.grads.drop_stale(pending)
         for p in self.resident_parameters():
             p.grad = None
+        self.resident.zero_grad()
 
     # ---- one micro-batch ---------------------------------------------------------------------------------
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -627,8 +655,10 @@ class StreamingExecutor:
             for i, layer in enumerate(self.layers))
         layers = self.base.layers
         self.base.layers = stubs
+        embeds = self.resident.embed_input(input_ids)  # a host embedding's output, looked up on the host
+        ids = dict(input_ids=input_ids) if embeds is None else dict(inputs_embeds=embeds)
         try:
-            self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            self.base(**ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         except _StopCapture:
             pass
         finally:
@@ -721,6 +751,7 @@ class StreamingExecutor:
         self.stash.d2h_bytes = self.stash.h2d_bytes = 0
         self.grads.begin_microbatch()
         d2h0 = self.grads.d2h_bytes
+        self.resident.start_refresh()  # a host head's weights go up while the forward runs
 
         with torch.enable_grad():
             h0, calls = self._capture(input_ids.to(self.device),
@@ -746,8 +777,9 @@ class StreamingExecutor:
                 self.streamer.release(slot)
                 if i == self.num_layers - 1:
                     self._release_staging()  # every GPU-side update ran at its layer's forward load
-                    loss, g = chunked_lm_loss(h, targets, self.base.norm, self.model.get_output_embeddings(),
+                    loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
                                               denominator, self.config.loss_chunk_tokens)
+                    self.resident.head_backward_done()
                     del h
             elif op == "load":
                 inputs = {i: self.stash.get(i)}
@@ -786,6 +818,7 @@ class StreamingExecutor:
                 self.streamer.release(slot)
         if h0.requires_grad:  # embedding gradient (and anything else before layer 0); none if those are frozen
             h0.backward(g)
+        self.resident.finish(g if self.resident.embed_on_host and self.resident.embed.weight.requires_grad else None)
         if self.dp is not None and sync_gradients:
             self._reduce_resident()
         self.grads.flush()
@@ -869,7 +902,7 @@ class StreamingExecutor:
             slot = self.streamer.acquire(i)
             h = self._forward(slot, h, calls[i])
             self.streamer.release(slot)
-        norm, head = self.base.norm, self.model.get_output_embeddings()
+        norm, head = self.base.norm, self.resident.head_module()
         loss = None
         if labels is not None:
             targets = shift_labels(labels.to(self.device))

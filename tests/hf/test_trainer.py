@@ -183,11 +183,11 @@ def test_a_failed_recalibration_keeps_the_plan_and_the_run(tmp_path, monkeypatch
 
     original, calls = plan.plan_buckets_for_trainer, []
 
-    def first_only(trainer, compute_scale=1.0, cpu_optim_params_per_s=None):
+    def first_only(trainer, compute_scale=1.0, cpu_optim_params_per_s=None, **kw):
         calls.append(compute_scale)
         if len(calls) > 1:
             raise plan.InfeasiblePlanError("no schedule fits (test)")
-        return original(trainer, compute_scale, cpu_optim_params_per_s)
+        return original(trainer, compute_scale, cpu_optim_params_per_s, **kw)
 
     monkeypatch.setattr(plan, "plan_buckets_for_trainer", first_only)
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1,

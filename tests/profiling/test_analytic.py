@@ -48,12 +48,13 @@ def test_cost_model_closed_forms(qwen7b):
     assert total == pytest.approx(6 * sum(qwen7b.layer_params) * n)
     assert 20 < cm.saved_bytes[0] / cm.act_bytes[0] < 45  # Korthikanti-style accounting, ~32 A per layer
     assert 0 < cm.bwd_work_bytes[0] < cm.saved_bytes[0]
-    # host: 10 B/param for layers (+fp32 absmax); resident parameters: a bf16 copy (states and grads on the GPU)
+    # host: 10 B/param for layers (+fp32 absmax); resident parameters on the GPU: weight, gradient, fp32 moments
+    # (Hybrid8 keeps the embedding and LM head in fp32 states) and fp32 master weights, nothing on the host
     resident = qwen7b.embed_params + qwen7b.lm_head_params + qwen7b.norm_params
     opt_b = 2 + 8 / 256 + 4
-    expect = (2 + 2 + opt_b) * sum(qwen7b.layer_params) + 2 * resident
+    expect = (2 + 2 + opt_b) * sum(qwen7b.layer_params)
     assert cm.host_fixed_bytes == pytest.approx(expect, rel=1e-9)
-    assert cm.resident_bytes == pytest.approx((2 + 2 + opt_b) * resident, rel=1e-9) and cm.resident_optim_on_gpu
+    assert cm.resident_bytes == pytest.approx((2 + 2 + 8 + 4) * resident, rel=1e-9) and cm.resident_optim_on_gpu
     assert cm.resident_optim_ms == pytest.approx(resident / H200_DEFAULTS.gpu_optim_params_per_s * 1e3)
     assert cm.h2d_gbps == H200_DEFAULTS.h2d_gbps and cm.gpu_bytes == 24 * GIB
     assert cm.meta["model"] == "qwen2.5-7b"
@@ -70,10 +71,42 @@ def test_config_input_and_tiny_models():
     cm = analytic_cost_model(resolve_config("qwen3.5-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB)
     assert cm.num_layers == 4 and cm.layer_kind[:4] == ["linear_attention"] * 3 + ["full_attention"]
     tied = analytic_cost_model(resolve_config("qwen3-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB,
-                               resident_optimizer="cpu")
-    assert tied.head_grad_bytes < tied.embed_grad_bytes  # tied lm_head: its gradient is the embedding's
-    assert not tied.resident_optim_on_gpu and tied.resident_bytes == 2 * (tied.embed_optim_params
-                                                                          + tied.head_optim_params)
+                               resident="host")
+    # a tied weight in host memory: its GPU working copy is what the head multiplies by, its gradient comes back
+    assert tied.head_h2d_bytes == tied.head_grad_bytes == 2 * tied.embed_optim_params
+    assert tied.resident_cpu_params == tied.embed_optim_params
+    with pytest.raises(ValueError, match="untied"):
+        analytic_cost_model(resolve_config("qwen3-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB,
+                            resident="host_embedding")
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.6-27b"])
+def test_resident_placements_trade_gpu_bytes_for_host_bytes_and_cpu_time(name):
+    """Each step of placement moves the embedding / LM head bytes (weights, gradients, fp32 states, master) from
+    the GPU budget to the host's, and their update from the GPU to the CPU; the host head adds its per-step copy."""
+    config = resolve_config(name)
+    cms = {r: analytic_cost_model(config, 8, 1024, gpu_bytes=24 * GIB, host_bytes=400 * GIB, resident=r)
+           for r in ("gpu", "host_embedding", "host")}
+    gpu, emb, host = cms["gpu"], cms["host_embedding"], cms["host"]
+    per_param = 2 + 2 + 8 + 4
+    E, V = gpu.embed_optim_params, gpu.head_optim_params - config.hidden_size  # lm_head (norm: hidden_size)
+    assert gpu.resident_bytes - emb.resident_bytes == per_param * E
+    assert emb.resident_bytes - host.resident_bytes == per_param * V - 2 * V  # the head's bf16 copy stays
+    assert emb.host_fixed_bytes - gpu.host_fixed_bytes == per_param * E
+    assert host.host_fixed_bytes - emb.host_fixed_bytes == per_param * V
+    assert (gpu.resident_cpu_params, emb.resident_cpu_params, host.resident_cpu_params) == (0, E, E + V)
+    assert gpu.resident_optim_ms < emb.resident_optim_ms < host.resident_optim_ms
+    assert host.head_h2d_bytes == host.head_grad_bytes == 2 * V and emb.head_h2d_bytes == 0
+    assert emb.embed_grad_bytes == host.embed_grad_bytes == gpu.act_bytes[0] and gpu.embed_grad_bytes == 0
+
+
+def test_fixed_rule_puts_resident_parts_on_the_host_when_they_take_over_half_the_gpu():
+    from lazytrain_hf.planning.fixed import fixed_resident
+
+    assert fixed_resident(10 * GIB, 24 * GIB, ("gpu", "host_embedding", "host")) == "gpu"
+    assert fixed_resident(13 * GIB, 24 * GIB, ("gpu", "host_embedding", "host")) == "host"
+    assert fixed_resident(13 * GIB, 24 * GIB, ("gpu", "host_embedding")) == "host_embedding"
+    assert fixed_resident(13 * GIB, 24 * GIB, ("gpu",)) == "gpu"
 
 
 def test_row_chunks_shrink_transients_not_boundaries_or_retained_layers(qwen7b):

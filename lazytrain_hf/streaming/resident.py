@@ -1,0 +1,303 @@
+"""Where the embedding and the LM head live (`Schedule.resident`), and how their compute and gradients reach them.
+
+- "gpu": both on the compute device with their gradients and optimizer states (the optimizer updates them there).
+- "host_embedding": the input embedding in host memory. The lookup runs on the host and its [B, T, H] output goes
+  up; the gradient of that output comes back and is index-added into the host gradient (rows of `padding_idx`
+  excluded, as `nn.Embedding`'s backward does). The optimizer sees a host parameter with a host gradient and
+  updates it on the CPU.
+- "host": the LM head too (a tied weight is both at once). The head multiplies by a GPU working copy of the host
+  weights, refreshed once per optimizer step on a side stream while the forward runs; its weight gradient goes back
+  to the host right after the head. The final norm stays on the compute device in every placement.
+
+A host part's gradient buffer is allocated once (pinned under CUDA) and reused: a window starts where the
+parameter's `.grad` is None (whoever cleared it), at which point the embedding rows touched in the last window are
+zeroed, so the buffer is never cleared whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..planning.schedule import RESIDENT_PLACEMENTS
+from .host_store import sq_norm
+
+__all__ = ["ResidentParts", "initial_placement", "resident_gpu_bytes"]
+
+logger = logging.getLogger(__name__)
+
+
+class _HeadCopy(nn.Module):
+    """The LM head as the chunked loss calls it, multiplying by a GPU copy of the host weights."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ResidentParts:
+    """The embedding and LM head of `model` and their placement.
+
+    Args:
+        model: the HF causal LM (its decoder layers are streamed elsewhere).
+        base: its base model (`embed_tokens`, `norm`).
+        device: the compute device.
+        pin: page-lock host copies and buffers (CUDA runs).
+    """
+
+    def __init__(self, model: nn.Module, base: nn.Module, device: torch.device, pin: bool) -> None:
+        self.device, self.pin = device, pin
+        self.embed: nn.Embedding = base.embed_tokens
+        self.head: nn.Module = model.get_output_embeddings()
+        self.tied = self.head.weight is self.embed.weight
+        self.placement = "gpu"
+        self.padding_idx = getattr(self.embed, "padding_idx", None)
+        self._grad_bufs: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient buffer, reused
+        self._touched: torch.Tensor | None = None  # embedding rows with gradient in the buffer (host int64)
+        self._ids: torch.Tensor | None = None  # this micro-batch's input ids on the host (host embedding)
+        self._copy: _HeadCopy | None = None  # the head's GPU working copy (host head)
+        self._stale = True  # the working copy is older than the host weights
+        self._copy_done: torch.cuda.Event | None = None  # the working copy's refresh (side stream)
+        self._grad_done: torch.cuda.Event | None = None  # the head gradient's D2H
+        self._head_stage: torch.Tensor | None = None  # D2H target when the window already has a head gradient
+        self._stage_pending = False  # `_head_stage` holds a gradient still to be added
+        self._head_sq: torch.Tensor | None = None  # the head gradient's squared norm, computed on the device
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # ---- placement -----------------------------------------------------------------------------------------
+    @property
+    def embed_on_host(self) -> bool:
+        return self.placement != "gpu"
+
+    @property
+    def head_on_host(self) -> bool:
+        return self.placement == "host"
+
+    def host_parameters(self) -> list[nn.Parameter]:
+        """The parameters in host memory under the current placement (a tied weight once)."""
+        out = [self.embed.weight] if self.embed_on_host else []
+        if self.head_on_host and not self.tied:
+            out.append(self.head.weight)
+        return out
+
+    def allowed(self) -> tuple[str, ...]:
+        """The placements this model can run (`check`)."""
+        out = []
+        for p in RESIDENT_PLACEMENTS:
+            try:
+                self.check(p)
+            except ValueError:
+                continue
+            out.append(p)
+        return tuple(out)
+
+    def check(self, placement: str) -> None:
+        """Raise one clear error when `placement` cannot run for this model.
+
+        Raises:
+            ValueError: an unknown placement, "host_embedding" with a tied LM head, or an LM head with a bias.
+        """
+        if placement not in RESIDENT_PLACEMENTS:
+            raise ValueError(f"resident placement must be one of {RESIDENT_PLACEMENTS}, but got {placement!r}")
+        if placement == "host_embedding" and self.tied:
+            raise ValueError("resident placement 'host_embedding' needs an untied LM head: this model ties it to the "
+                             "embedding (one weight for both); use 'gpu' or 'host'")
+        if placement == "host" and getattr(self.head, "bias", None) is not None:
+            raise ValueError("resident placement 'host' streams the LM head's weight only, but this model's head has "
+                             "a bias; use 'gpu' or 'host_embedding'")
+
+    def apply(self, placement: str, optimizer: Any = None) -> None:
+        """Move the embedding / LM head weights (and their optimizer states in `optimizer`, if any) to where
+        `placement` keeps them; drops their gradients. A no-op when nothing changes."""
+        self.check(placement)
+        if placement == self.placement:
+            return
+        self.placement = placement
+        host = {id(p) for p in self.host_parameters()}
+        for p in {id(q): q for q in (self.embed.weight, self.head.weight)}.values():
+            target = torch.device("cpu") if id(p) in host else self.device
+            p.grad = None
+            if p.device != target:
+                p.data = self._to(p.data, target)
+            states = getattr(optimizer, "state", {}).get(p) if optimizer is not None else None
+            for k, v in (states or {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.device != target:
+                    states[k] = self._to(v, target)
+        self._grad_bufs = {k: v for k, v in self._grad_bufs.items() if k in host}
+        self._touched = None
+        self._copy = None
+        self._stale = True
+        logger.info("LazyTrain: embedding %s, LM head %s", "in host memory" if self.embed_on_host else "on the GPU",
+                    "in host memory (GPU copy per step)" if self.head_on_host else "on the GPU")
+
+    def _to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+            return out.copy_(t)
+        return t.to(device)
+
+    def mark_stale(self) -> None:
+        """The host weights may have changed (an optimizer step, a load): refresh the head's copy before use."""
+        self._stale = True
+
+    # ---- embedding ---------------------------------------------------------------------------------------------
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The embedding output on the compute device when the embedding lives on the host (else None: the
+        model's own forward looks it up)."""
+        if not self.embed_on_host:
+            return None
+        self._ids = input_ids.detach().cpu()
+        with torch.no_grad():
+            out = F.embedding(self._ids, self.embed.weight, self.padding_idx)
+        return out.to(self.device, non_blocking=self.pin)
+
+    def embed_backward(self, grad: torch.Tensor) -> None:
+        """Add the gradient of the looked-up rows ([B, T, H] on the compute device) into the host gradient."""
+        p = self.embed.weight
+        ids = self._ids.reshape(-1)
+        rows = grad.reshape(-1, grad.shape[-1]).to("cpu", p.dtype)
+        if self.padding_idx is not None:
+            keep = ids.ne(self.padding_idx)
+            ids, rows = ids[keep], rows[keep]
+        buf = self._window_grad(p)
+        buf.index_add_(0, ids, rows)
+        self._touched = ids if self._touched is None else torch.cat([self._touched, ids])
+        self._ids = None
+
+    def _window_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """`p.grad` as the reused host buffer; a new window (`p.grad` None) first zeroes the rows left from the last."""
+        buf = self._grad_bufs.get(id(p))
+        embed = p is self.embed.weight
+        if buf is None:
+            buf = self._grad_bufs[id(p)] = torch.zeros(p.shape, dtype=p.dtype, pin_memory=self.pin)
+            if embed:
+                self._touched = None
+        if p.grad is None:
+            if embed and self._touched is not None:
+                buf.index_fill_(0, torch.unique(self._touched), 0)
+            if embed:
+                self._touched = None
+            p.grad = buf
+        return buf
+
+    # ---- LM head ---------------------------------------------------------------------------------------------
+    def start_refresh(self) -> None:
+        """Begin copying the host head weights to the GPU (before the forward, so the copy overlaps it)."""
+        if not self.head_on_host or not self._stale:
+            return
+        w = self.head.weight
+        if self._copy is None:
+            self._copy = _HeadCopy(torch.empty(w.shape, dtype=w.dtype, device=self.device))
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))  # the last use of the copy is done
+            with torch.cuda.stream(self._side):
+                self._copy.weight.data.copy_(w.data, non_blocking=True)
+                self._copy_done = torch.cuda.Event()
+                self._copy_done.record(self._side)
+        else:
+            self._copy.weight.data.copy_(w.data)
+        self._stale = False
+
+    def head_module(self) -> nn.Module:
+        """The module the head multiplies by: the model's LM head, or the refreshed GPU copy of a host head."""
+        if not self.head_on_host:
+            return self.head
+        self.start_refresh()
+        if self._copy_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copy_done)
+            self._copy_done = None
+        return self._copy
+
+    def head_backward_done(self) -> None:
+        """After the head's backward: send the working copy's weight gradient to the host (D2H on a side stream),
+        keep its squared norm, free it on the device."""
+        if not self.head_on_host:
+            return
+        g = self._copy.weight.grad
+        self._copy.weight.grad = None
+        if g is None:
+            return
+        p = self.head.weight
+        first = p.grad is None
+        self._head_sq = sq_norm(g) if first else None  # more than one micro-batch: the host sums, norm from there
+        if first:
+            dst = self._window_grad(p)
+        else:
+            if self._head_stage is None:
+                self._head_stage = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.pin)
+            dst = self._head_stage
+            self._stage_pending = True
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                dst.copy_(g, non_blocking=True)
+                self._grad_done = torch.cuda.Event()
+                self._grad_done.record(self._side)
+            g.record_stream(self._side)
+        else:
+            dst.copy_(g)
+
+    def finish(self, embed_grad: torch.Tensor | None) -> None:
+        """End of a micro-batch's backward: the head gradient has reached the host (added into the window's), then
+        the embedding gradient `embed_grad` (dL/d embedding output) is added."""
+        if self._grad_done is not None:
+            self._grad_done.synchronize()
+            self._grad_done = None
+        if self._stage_pending:
+            self.head.weight.grad.add_(self._head_stage)
+            self._stage_pending = False
+        if embed_grad is not None and self.embed_on_host:
+            self.embed_backward(embed_grad)
+
+    def grad_sq_norm(self, p: nn.Parameter) -> torch.Tensor | None:
+        """Squared norm of a host part's gradient (fp64 scalar on the host), from what the device or the touched
+        rows already give when possible; None for parameters not in host memory."""
+        if id(p) not in {id(q) for q in self.host_parameters()} or p.grad is None:
+            return None
+        if p is self.head.weight and self._head_sq is not None and not (self.tied and self._touched is not None):
+            return self._head_sq.cpu()
+        if p is self.embed.weight and not self.tied and self._touched is not None:
+            return sq_norm(p.grad.index_select(0, torch.unique(self._touched)))
+        return sq_norm(p.grad)
+
+    def zero_grad(self) -> None:
+        """Drop the window's gradients (the buffers' touched rows are zeroed when the next window starts) and
+        mark the head copy stale (an optimizer step ran, or is about to be skipped: either way cheap to redo)."""
+        for p in self.host_parameters():
+            p.grad = None
+        self._head_sq = None
+        self._stale = True
+
+
+def resident_gpu_bytes(parts: ResidentParts) -> int:
+    """GPU bytes of the embedding and LM head kept on the GPU: weights, gradients, fp32 moments (8 bytes per
+    parameter) and, for 16-bit weights, fp32 master weights (the optimizer's defaults for these parameters)."""
+    total = 0
+    for p in {id(q): q for q in (parts.embed.weight, parts.head.weight)}.values():
+        master = 4 if p.dtype in (torch.bfloat16, torch.float16) else 0
+        total += p.numel() * (2 * p.element_size() + 8 + master)
+    return total
+
+
+def initial_placement(config: Any, parts: ResidentParts, device: torch.device, data_parallel: bool) -> str:
+    """The placement before any plan (and the fixed policy's): `config.resident_placement` when given; else
+    "gpu" in data parallel; else `planning.fixed.fixed_resident` against `gpu_memory_budget` (or the device's
+    memory; 80 GiB on a CPU device, the planner's default there)."""
+    from ..planning.fixed import fixed_resident
+
+    choice = getattr(config, "resident_placement", "auto")
+    if choice != "auto":
+        return choice
+    if data_parallel:
+        return "gpu"
+    budget = config.gpu_memory_budget
+    if not budget:
+        budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * 1024**3
+    return fixed_resident(resident_gpu_bytes(parts), budget, parts.allowed())

@@ -1,0 +1,59 @@
+"""LazyTrainer with the embedding / LM head in host memory equals the stock Trainer; the MILP chooses the
+placement that fits; `lazytrain-hf plan` plans the Qwen3.6-27B shape under 24 GiB with them on the host."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ..conftest import rel_err
+from .test_trainer import EXACT, NOISE_ONLY, _logs, _train_pair
+
+
+def _assert_equal(stock, lazy):
+    for key in ("loss", "grad_norm"):
+        a, b = _logs(lazy, key), _logs(stock, key)
+        assert len(a) == len(b) == 3
+        for x, y in zip(a, b, strict=True):
+            assert math.isclose(x, y, rel_tol=1e-5), (key, x, y)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        if not name.endswith(NOISE_ONLY):
+            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+
+
+@pytest.mark.parametrize("arch,placement", [("qwen3.5-tiny", "host"), ("qwen3.5-tiny", "host_embedding"),
+                                            ("qwen2-tiny-tied", "host")])
+def test_host_placed_resident_parts_train_as_the_stock_trainer(tmp_path, arch, placement):
+    stock, lazy = _train_pair(tmp_path, arch, lazy_cfg={**EXACT, "resident_placement": placement})
+    assert lazy.executor.resident.placement == placement
+    assert lazy.model.model.embed_tokens.weight.device.type == "cpu"
+    _assert_equal(stock, lazy)
+
+
+def test_milp_puts_the_resident_parts_on_the_host_when_the_gpu_budget_cannot_hold_them(tmp_path):
+    """qwen3-tiny-vocab: a 152k-token tied embedding (9.7 M parameters, 0.11 GiB with its gradient and fp32
+    states) under a 0.68 GiB budget (0.60 after the margin): the planner needs 0.63 GiB with it on the GPU and
+    0.56 GiB with it on the host, so only the host placement has a plan; it trains as the stock Trainer."""
+    cfg = {**EXACT, "policy": "milp", "gpu_memory_budget": "0.68GiB", "plan_buckets": 1}
+    stock, lazy = _train_pair(tmp_path, "qwen3-tiny-vocab", lazy_cfg=cfg)
+    assert lazy.executor.schedule.resident == lazy.executor.resident.placement == "host"
+    _assert_equal(stock, lazy)
+
+
+def test_plan_cli_finds_a_24gib_plan_for_the_27b_shape(capsys):
+    """On a CPU-only machine: the fp32-state embedding and LM head of the 248k vocabulary (2.5 B parameters) leave
+    no plan on the GPU under 24 GiB; in host memory they do, and the plan says where they live."""
+    import argparse
+
+    from lazytrain_hf import cli_plan
+
+    p = argparse.ArgumentParser()
+    cli_plan.add_arguments(p)
+    args = p.parse_args(["--model", "qwen3.6-27b", "--gpu-memory", "24GiB", "--host-memory", "320GiB",
+                         "--batch-size", "8", "--seq-len", "1024", "--max-batch", "0", "--hardware", "defaults"])
+    assert cli_plan.run(args) == 0
+    out = capsys.readouterr().out
+    assert "resident parts: embedding and LM head in host memory" in out
+    assert "gpu: no plan" in out and "predicted step" in out
