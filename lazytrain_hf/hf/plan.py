@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -179,30 +180,50 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
 
 def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.device, B: int, T: int,
                          cache: dict | None = None) -> tuple[Any, str]:
-    """`cm` with forward / backward times of one decoder layer per kind measured on the CUDA `device` at one row
-    pass (min(B, cfg.max_rows_per_pass) rows x T), scaled to the micro-batch's passes, and what was used:
-    "measured" or "analytic" (`cfg.profile_layers` off, not CUDA, or the measurement ran out of memory: a
-    warning). `cache`: measurements by (rows, T, device), reused when present and filled when not."""
+    """`cm` with the forward / backward times and the memory (autograd-saved activations, forward and backward
+    workspaces) of one decoder layer per kind measured on the CUDA `device` at one row pass (min(B,
+    cfg.max_rows_per_pass) rows x T), scaled to the micro-batch's passes, and what was used: "measured" or
+    "analytic" (`cfg.profile_layers` off, not CUDA, or even one row ran out of memory: a warning). A pass that
+    does not fit next to what the GPU already holds is measured at half the rows, then a quarter, ..., and scaled
+    up (times and activations are linear in rows). `cache`: measurements by (rows, T, device), reused when present
+    and filled when not."""
     if not cfg.profile_layers or device.type != "cuda":
         return cm, "analytic"
     rows = min(B, cfg.max_rows_per_pass or B)
-    key = (rows, T, str(device))
-    measured = (cache or {}).get(key)  # a re-plan mid-training reuses the first measurement
-    if measured is None:
+    measured, r = None, rows
+    while r >= 1:
+        key = (r, T, str(device))
+        measured = (cache or {}).get(key)  # a re-plan mid-training reuses the first measurement
+        if measured is not None:
+            break
         try:
-            measured = measure_layer_costs(model_config, rows, T, device, memory=False)
+            measured = measure_layer_costs(model_config, r, T, device, memory=True)
         except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()
-            logger.warning("layer profiling ran out of GPU memory (%s); planning with analytic layer costs",
-                           str(e).splitlines()[0][:200])
-            return cm, "analytic"
+            logger.info("layer profiling at %d x %d ran out of GPU memory (%s); measuring at %d rows", r, T,
+                        str(e).splitlines()[0][:120], r // 2)
+            r //= 2
+            continue
         if not measured:
             return cm, "analytic"
         if cache is not None:
             cache[key] = measured
-        logger.info("measured layer costs at %d x %d: %s", rows, T,
-                    {k: (round(m.fwd_ms, 2), round(m.bwd_ms, 2)) for k, m in measured.items()})
-    return apply_layer_measurements(cm, measured, time_scale=B / rows), "measured"
+        logger.info("measured layer costs at %d x %d: %s", r, T,
+                    {k: f"fwd {m.fwd_ms:.1f} ms, bwd {m.bwd_ms:.1f} ms, saved {(m.saved_bytes or 0) / GIB:.2f} GiB"
+                     for k, m in measured.items()})
+        break
+    if measured is None:
+        logger.warning("layer profiling ran out of GPU memory even at 1 row x %d; planning with analytic layer "
+                       "costs", T)
+        return cm, "analytic"
+    out = apply_layer_measurements(cm, measured, time_scale=B / r, memory_scale=rows / r)
+    # memory: the larger of the measured and the analytic figure per layer. The analytic one already held on the
+    # dense shapes measured (Qwen2.5-7B); the measurement catches kernels that keep more (the reference Gated
+    # DeltaNet path saved 2x the analytic activations at Qwen3.6-27B width)
+    worst = {k: [max(a, b) for a, b in zip(getattr(out, k), getattr(cm, k))]
+             for k in ("saved_bytes", "fwd_work_bytes", "bwd_work_bytes")}
+    worst["retained_bytes"] = [max(out.retained(i), cm.retained(i)) for i in range(cm.num_layers)]
+    return dataclasses.replace(out, **worst), "measured"
 
 
 def resident_candidates(trainer: Any) -> list[str]:

@@ -178,24 +178,32 @@ def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H
 
 
 def apply_layer_measurements(cm: CostModel, measured: dict[str, LayerMeasurement], *, time_scale: float = 1.0,
-                             memory: bool = True) -> CostModel:
+                             memory: bool = True, memory_scale: float = 1.0) -> CostModel:
     """A copy of `cm` whose per-layer fwd_ms, bwd_ms (and memory figures, when measured and `memory`) come from
     `measured`, by layer kind. Kinds not measured keep their analytic values.
 
     Args:
-        time_scale: multiplies the measured times: a layer measured over one row pass of r rows and run over a
-            micro-batch of B rows in passes takes B / r times as long (its GEMMs are linear in rows).
-        memory: take the measured memory figures too (one pass's, as the cost model counts them)."""
+        time_scale: multiplies the measured times: a layer measured over r rows and run over a micro-batch of B
+            rows in passes takes B / r times as long (its GEMMs are linear in rows).
+        memory: take the measured memory figures too: saved / forward / backward workspaces per pass (x
+            `memory_scale`, the planned rows per pass over the measured rows: activations are linear in rows), and
+            a retained layer's bytes (`retained_bytes`: the whole micro-batch's saved activations, x `time_scale`,
+            plus its output)."""
     fields: dict[str, list[Any]] = {k: list(getattr(cm, k)) for k in
                                     ("fwd_ms", "bwd_ms", "saved_bytes", "fwd_work_bytes", "bwd_work_bytes")}
+    retained = [cm.retained(i) for i in range(cm.num_layers)]
     for i, kind in enumerate(cm.layer_kind):
         m = measured.get(kind)
         if m is None:
             continue
         fields["fwd_ms"][i] = m.fwd_ms * time_scale
         fields["bwd_ms"][i] = m.bwd_ms * time_scale
+        if not memory:
+            continue
         for name in ("saved_bytes", "fwd_work_bytes", "bwd_work_bytes"):
-            if memory and getattr(m, name) is not None:
-                fields[name][i] = int(getattr(m, name))
+            if getattr(m, name) is not None:
+                fields[name][i] = int(getattr(m, name) * memory_scale)
+        if m.saved_bytes is not None:
+            retained[i] = int(m.saved_bytes * time_scale) + int(cm.act_bytes[i])
     meta = dict(cm.meta, estimate="measured layers" if measured else cm.meta.get("estimate", ""))
-    return dataclasses.replace(cm, **fields, meta=meta)
+    return dataclasses.replace(cm, **fields, retained_bytes=retained if memory else cm.retained_bytes, meta=meta)

@@ -37,6 +37,36 @@ def test_apply_replaces_values_by_kind():
     assert dataclasses.replace(out, meta=cm.meta) != cm
 
 
+def test_a_pass_that_does_not_fit_is_measured_at_fewer_rows_and_scaled(monkeypatch):
+    """The planned pass (8 rows) runs out of memory in the profiler: it is measured at 4, then 2 rows, and the
+    times scale to the micro-batch (B / 2), the per-pass memory to the planned pass (8 / 2), a retained layer's
+    to the micro-batch; memory never drops below the analytic figure."""
+    from types import SimpleNamespace
+
+    from lazytrain_hf.hf import plan
+
+    config = resolve_config("qwen3.5-tiny")
+    cm = analytic_cost_model(config, 16, 32, gpu_bytes=GIB, host_bytes=4 * GIB, rows_per_pass=8)
+    tried = []
+    big = 10 * max(cm.saved_bytes)
+
+    def fake(cfg, rows, T, device, memory=True):
+        tried.append(rows)
+        if rows > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return {"linear_attention": LayerMeasurement("linear_attention", 0, 2.0, 4.0, big, 0, 0, "cuda:0")}
+
+    monkeypatch.setattr(plan, "measure_layer_costs", fake)
+    cfg = SimpleNamespace(profile_layers=True, max_rows_per_pass=8)
+    out, how = plan.measured_layer_costs(cm, config, cfg, torch.device("cuda"), 16, 32, {})
+    assert how == "measured" and tried == [8, 4, 2]
+    assert out.fwd_ms[0] == 2.0 * 8 and out.bwd_ms[0] == 4.0 * 8  # B / r = 16 / 2
+    assert out.saved_bytes[0] == big * 4  # planned rows / measured rows
+    assert out.retained(0) == big * 8 + cm.act_bytes[0]
+    assert out.fwd_work_bytes[0] == cm.fwd_work_bytes[0]  # measured 0: the analytic figure stays
+    assert out.fwd_ms[3] == cm.fwd_ms[3]  # full attention not measured here
+
+
 @pytest.mark.gpu
 def test_cuda_measurement():
     if not torch.cuda.is_available():
