@@ -270,10 +270,13 @@ class LazyTrainerMixin:
         gc.collect()
         if ex.device.type == "cuda":
             torch.cuda.empty_cache()
+            if self.step_peak_reset:  # a checked step: its peak check measures the run again, not the failure
+                torch.cuda.reset_peak_memory_stats(ex.device)
+        self.step_predicted_peak = 0
         try:
             plans = replan_for_memory(self, miss)
         except InfeasiblePlanError as e:
-            raise oom_error(self, miss, f"no plan fits the GPU budget less the measured overshoot ({e})") from None
+            raise oom_error(self, miss, f"no plan fits the GPU budget less the measured overshoot ({e})") from e
         if self.calibration is not None:
             self.calibration.drop_step()
         log_replan(miss, plans, "CUDA out of memory", f"; running the accumulation window again from its first "
