@@ -13,7 +13,7 @@ from ..config import GIB
 from ..planning.buckets import BucketSchedules
 from ..planning.schedule import Schedule
 from .calibrate import SWITCH_GAIN, Calibration
-from .recovery import CHECK_STEPS, MemoryMiss, log_replan, plan_budget, replan_for_memory
+from .recovery import CHECK_STEPS, MemoryMiss, log_replan, plan_budget, replan_for_memory, switch_plans
 
 if TYPE_CHECKING:
     from .trainer import LazyTrainer
@@ -151,6 +151,7 @@ class LazyTrainCallback(TrainerCallback):
                            "re-planning with less failed (%s: %s); keeping the current plan", step, peak / GIB,
                            budget / GIB, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             return
+        switch_plans(tr, plans)  # outside the guard: a failed deferred update raised here must end the run
         log_replan(miss, plans, "the measured peak exceeded the plan's GPU budget")
 
     def _warn_alloc_retries(self, step: int, cal: Calibration | None) -> None:

@@ -31,7 +31,7 @@ import torch
 from ..config import GIB
 
 __all__ = ["MAX_OOM_RECOVERIES", "CHECK_STEPS", "MIN_REDUCTION", "MemoryMiss", "Window", "requested_bytes",
-           "measure_oom", "replan_for_memory", "oom_error"]
+           "measure_oom", "replan_for_memory", "switch_plans", "oom_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,12 +169,12 @@ def unrecoverable(trainer: Any) -> str | None:
 
 
 def replan_for_memory(trainer: Any, miss: MemoryMiss) -> Any:
-    """Solve every bucket plan again with the GPU budget reduced by `miss`'s overshoot (cumulative) and switch the
-    executor to the longest bucket's plan. Keeps the running calibration (compute scale, measured CPU rate).
-    Returns the new bucket plans.
+    """Every bucket plan solved again with the GPU budget reduced by `miss`'s overshoot (cumulative), keeping the
+    running calibration (compute scale, measured CPU rate). Changes no schedule itself (the caller switches: a
+    failed deferred update raised by the switch is no planning failure).
 
     Raises:
-        InfeasiblePlanError: no plan fits the reduced budget (the reduction is undone).
+        InfeasiblePlanError: no plan fits the reduced budget (the reduction is undone), or any planning error.
     """
     from .plan import plan_buckets_for_trainer
 
@@ -185,13 +185,16 @@ def replan_for_memory(trainer: Any, miss: MemoryMiss) -> Any:
     rate = cal.cpu_rate if cal is not None else None
     trainer.plan_gpu_reduction_bytes += miss.overshoot_bytes
     try:
-        plans = plan_buckets_for_trainer(trainer, compute_scale=scale, cpu_optim_params_per_s=rate)
+        return plan_buckets_for_trainer(trainer, compute_scale=scale, cpu_optim_params_per_s=rate)
     except Exception:
         trainer.plan_gpu_reduction_bytes -= miss.overshoot_bytes
         raise
-    ex.set_schedule(plans.schedules[plans.buckets[-1]])
+
+
+def switch_plans(trainer: Any, plans: Any) -> None:
+    """Run `plans` from the next micro-batch on (the longest bucket's now)."""
+    trainer.executor.set_schedule(plans.schedules[plans.buckets[-1]])
     trainer.bucket_plans = plans
-    return plans
 
 
 def _where(miss: MemoryMiss) -> str:

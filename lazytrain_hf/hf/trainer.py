@@ -24,11 +24,12 @@ from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
+from . import recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
 from .metrics import StepMeter
-from .recovery import MAX_OOM_RECOVERIES, Window, log_replan, measure_oom, oom_error, replan_for_memory, unrecoverable
+from .recovery import Window
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
 
@@ -221,11 +222,11 @@ class LazyTrainerMixin:
                 loss = self._microbatch(inputs, denominator, sync)
                 break
             except torch.OutOfMemoryError as e:
-                miss = measure_oom(self, e, pos, self.step_peak_reset)
-                reason = unrecoverable(self)
+                miss = recovery.measure_oom(self, e, pos, self.step_peak_reset)
+                reason = recovery.unrecoverable(self)
                 if reason is not None:
                     self._abort_quietly()
-                    raise oom_error(self, miss, reason) from e
+                    raise recovery.oom_error(self, miss, reason) from e
             self._recover(miss)  # outside the handler: the failed pass's frames (and tensors) are gone
         window.items.append((inputs, denominator, sync))
         self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
@@ -274,13 +275,15 @@ class LazyTrainerMixin:
                 torch.cuda.reset_peak_memory_stats(ex.device)
         self.step_predicted_peak = 0
         try:
-            plans = replan_for_memory(self, miss)
+            plans = recovery.replan_for_memory(self, miss)
         except InfeasiblePlanError as e:
-            raise oom_error(self, miss, f"no plan fits the GPU budget less the measured overshoot ({e})") from e
+            reason = f"no plan fits the GPU budget less the measured overshoot ({e})"
+            raise recovery.oom_error(self, miss, reason) from e
+        recovery.switch_plans(self, plans)
         if self.calibration is not None:
             self.calibration.drop_step()
-        log_replan(miss, plans, "CUDA out of memory", f"; running the accumulation window again from its first "
-                   f"micro-batch (recovery {self.oom_recoveries} of {MAX_OOM_RECOVERIES})")
+        recovery.log_replan(miss, plans, "CUDA out of memory", "; running the accumulation window again from its "
+                            f"first micro-batch (recovery {self.oom_recoveries} of {recovery.MAX_OOM_RECOVERIES})")
         self._window.replay = True
 
     def _abort_quietly(self) -> None:
