@@ -71,6 +71,7 @@ class Calibration:
     _rate: float | None = None
     _bucket: Any = None
     _seen: int = 0
+    _dropped: bool = False
 
     def add_microbatch(self, predicted: dict[str, Any], bucket: Any = None) -> None:
         """Account one micro-batch run under a schedule whose `predicted` dict is given (ms; `bucket`: which plan,
@@ -92,6 +93,13 @@ class Calibration:
         cpu_update_ms / cpu_update_params): the run that overlapped this step's forward."""
         self._rate = params / (ms / 1e3) if ms and params and ms > 0 and params > 0 else None
 
+    def drop_step(self) -> None:
+        """The step in progress is no measurement: its micro-batches run again (an out-of-memory recovery,
+        hf/recovery.py) and its wall time holds the failed attempt and the re-plan. `end_step` does not use it."""
+        self._predicted_ms = self._compute_ms = 0.0
+        self._rate = None
+        self._dropped = True
+
     def end_step(self, measured_s: float) -> bool:
         """Close one optimizer step (its wall time, s). True once, when enough steps were seen: then
         `compute_factors` and `measured_cpu_rate` give the calibration."""
@@ -99,7 +107,8 @@ class Calibration:
         self._predicted_ms = self._compute_ms = 0.0
         self._rate = None
         self._seen += 1
-        if self.done or self.steps <= 0 or self._seen <= self.skip or p <= 0 or c <= 0:
+        dropped, self._dropped = self._dropped, False
+        if dropped or self.done or self.steps <= 0 or self._seen <= self.skip or p <= 0 or c <= 0:
             return False
         self.step_ms.append((measured_s * 1e3, p, c))
         self.step_buckets.append(self._bucket)

@@ -6,11 +6,14 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import TrainerCallback
 
+from ..config import GIB
 from ..planning.buckets import BucketSchedules
 from ..planning.schedule import Schedule
 from .calibrate import SWITCH_GAIN, Calibration
+from .recovery import CHECK_STEPS, MemoryMiss, log_replan, plan_budget, replan_for_memory, switch_plans
 
 if TYPE_CHECKING:
     from .trainer import LazyTrainer
@@ -25,13 +28,16 @@ class LazyTrainCallback(TrainerCallback):
     """Owned by `LazyTrainer` (added automatically): the Trainer-event side of the executor.
 
     - on_train_begin: load `schedule_path`, or plan (policy "milp") for the run's batch shape; log the plan.
-    - on_step_begin / on_step_end: time each optimizer step and collect executor counters for `Trainer.log`.
+    - on_step_begin / on_step_end: time each optimizer step and collect executor counters for `Trainer.log`; on
+      CUDA, check the first `CHECK_STEPS` steps' peak allocated bytes against the plan's budget and re-plan with
+      less GPU memory when a step exceeded it (hf/recovery.py).
     - on_save: write the schedule JSON into the checkpoint directory (atomically).
     """
 
     def __init__(self, trainer: LazyTrainer) -> None:
         self.trainer = trainer
         self._warned_retries = False
+        self._run_peak = 0  # CUDA peak allocated bytes before the last reset of the peak counter
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
         ex = self.trainer.executor
@@ -87,10 +93,23 @@ class LazyTrainCallback(TrainerCallback):
                        "given. Remove lazytrain_config.schedule_path to plan for this run.", path, what)
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
-        self.trainer.meter.start()
+        tr = self.trainer
+        tr.meter.start()
+        tr.step_predicted_peak = 0
+        tr.step_peak_reset = False
+        dev = tr.executor.device
+        if dev.type == "cuda" and state.global_step < CHECK_STEPS:  # the checked steps' own peaks
+            self._run_peak = max(self._run_peak, torch.cuda.max_memory_allocated(dev))
+            torch.cuda.reset_peak_memory_stats(dev)
+            tr.step_peak_reset = True
 
     def on_step_end(self, args, state, control, **kwargs: Any):
-        self.trainer.meter.stop(self.trainer.executor_metrics())
+        tr = self.trainer
+        tr.meter.stop(tr.executor_metrics())
+        if "peak_gpu_memory_gib" in tr.meter.last:  # the run's peak, across the checked steps' resets
+            peak = max(self._run_peak, torch.cuda.max_memory_allocated(tr.executor.device))
+            tr.meter.last["peak_gpu_memory_gib"] = round(peak / GIB, 3)
+        self._check_memory(state.global_step)
         cal = self.trainer.calibration
         self._warn_alloc_retries(state.global_step, cal)
         if cal is not None and "step_time_s" in self.trainer.meter.last:
@@ -107,6 +126,33 @@ class LazyTrainCallback(TrainerCallback):
         if control.should_save or control.should_evaluate or control.should_training_stop or \
                 state.global_step >= state.max_steps:
             self.trainer.executor.flush_updates()  # weights and states are read next: land deferred updates
+
+    def _step_peak_bytes(self) -> int | None:
+        """Peak allocated GPU bytes of the optimizer step just ended, None when not measured (off CUDA, or a step
+        after the checked ones)."""
+        tr = self.trainer
+        return torch.cuda.max_memory_allocated(tr.executor.device) if tr.step_peak_reset else None
+
+    def _check_memory(self, step: int) -> None:
+        """A checked step whose peak exceeded the budget its MILP plan was solved for: solve the plans again with
+        the budget reduced by the overshoot (hf/recovery.py), before the next step."""
+        tr, cfg = self.trainer, self.trainer.lazy_config
+        peak = self._step_peak_bytes()
+        budget = plan_budget(tr)
+        if peak is None or cfg.policy != "milp" or cfg.schedule_path or tr.bucket_plans is None or budget is None \
+                or peak <= budget:
+            return
+        predicted = tr.step_predicted_peak or int(tr.executor.schedule.predicted.get("peak_gpu_bytes") or 0)
+        miss = MemoryMiss(step=step, need_bytes=int(peak), predicted_bytes=predicted, budget_bytes=budget)
+        try:
+            plans = replan_for_memory(tr, miss)
+        except Exception as e:  # the step ran: keep the plan that did
+            logger.warning("LazyTrain: step %d peaked at %.2f GiB, over the plan's GPU budget of %.2f GiB; "
+                           "re-planning with less failed (%s: %s); keeping the current plan", step, peak / GIB,
+                           budget / GIB, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            return
+        switch_plans(tr, plans)  # outside the guard: a failed deferred update raised here must end the run
+        log_replan(miss, plans, "the measured peak exceeded the plan's GPU budget")
 
     def _warn_alloc_retries(self, step: int, cal: Calibration | None) -> None:
         """Once per run: a step after the warm-up (first 2 steps, the calibration) in which the CUDA caching

@@ -36,7 +36,9 @@ def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
 
 
 def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
-    """(hardware profile, GPU bytes less the margin, host bytes, NVMe bytes) for planning this trainer's run."""
+    """(hardware profile, GPU bytes less the margin, host bytes, NVMe bytes) for planning this trainer's run. The GPU
+    bytes are also less `trainer.plan_gpu_reduction_bytes` (what measured steps needed beyond their plans'
+    predictions: hf/recovery.py), so every later re-plan keeps the reduction."""
     cfg = trainer.lazy_config
     ex = trainer.executor
     if ex.device.type == "cuda":
@@ -57,6 +59,7 @@ def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
 
         host = int(0.9 * psutil.virtual_memory().total) // local
     gpu = int(gpu * (1 - cfg.gpu_memory_margin))  # fragmentation and unmodelled workspaces (config docs)
+    gpu = max(0, gpu - int(getattr(trainer, "plan_gpu_reduction_bytes", 0) or 0))
     nvme = (cfg.nvme_budget or 256 * GIB // local) if cfg.nvme_dir else 0
     if local > 1 and not cfg.host_memory_budget:
         logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)", host / GIB, local)
@@ -167,6 +170,7 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
         raise with_margin(e, cfg.gpu_memory_margin) from None
     schedule.resident = resident
     schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
+                           gpu_budget_bytes=int(cm.gpu_bytes),
                            cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
                            fingerprint_inputs=input_hashes(inputs))
     p = schedule.predicted

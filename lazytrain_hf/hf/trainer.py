@@ -24,10 +24,12 @@ from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
+from . import recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
 from .metrics import StepMeter
+from .recovery import Window
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
 
@@ -60,6 +62,13 @@ class LazyTrainerMixin:
         # plan's buffers hold it), and layer timings by (rows, seq, device)
         self.plan_free_gpu_bytes: int | None = None
         self.plan_layer_costs: dict[tuple, Any] = {}
+        # GPU bytes taken off the budget of every plan: what measured steps needed beyond their plans (hf/recovery.py)
+        self.plan_gpu_reduction_bytes: int = 0
+        #: out-of-memory errors recovered from by re-planning (hf/recovery.py); also in the logged metrics
+        self.oom_recoveries: int = 0
+        self._window = Window()  # this accumulation window's micro-batches, to run them again after an abort
+        self.step_peak_reset = False  # the CUDA peak-memory counter started with this optimizer step (callback)
+        self.step_predicted_peak = 0  # the largest predicted peak of the plans this optimizer step ran (bytes)
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -187,11 +196,6 @@ class LazyTrainerMixin:
                              "(-100 = ignored), e.g. from DataCollatorForLanguageModeling(mlm=False)")
         inputs = self._prepare_inputs(inputs)
         labels = inputs["labels"]
-        if self.bucket_plans is not None:  # the plan of the smallest bucket holding this batch's length
-            plans = self.bucket_plans
-            sched = plans.schedule_for(min(labels.shape[1], plans.buckets[-1]))
-            if sched is not self.executor.schedule:
-                self.executor.set_schedule(sched)
         # Ranks' gradients are SUMMED (streaming/comm.py), so the denominator is global: DDP's average of the
         # ranks' losses (each x world when the token count is already global, as Trainer.compute_loss does).
         world = self.executor.dp.world if self.executor.dp is not None else 1
@@ -202,18 +206,93 @@ class LazyTrainerMixin:
         else:  # per-micro-batch mean, scaled for accumulation as the Trainer does
             denominator = shift_labels(labels).ne(-100).sum().clamp(min=1) * self.current_gradient_accumulation_steps
             denominator = denominator * world
+        sync = self.accelerator.sync_gradients
+        window = self._window
+        if self.executor.grads.microbatches == 0:  # nothing accumulated since zero_grad: a new window
+            window.start(self.executor.device)
+        while True:
+            pos = 0
+            try:
+                if window.replay:  # after an abort: the window so far, as it ran (same RNG stream)
+                    window.restore_rng(self.executor.device)
+                    for pos in range(len(window.items)):  # (pos: which one failed)
+                        self._microbatch(*window.items[pos])
+                    window.replay = False
+                pos = len(window.items)
+                loss = self._microbatch(inputs, denominator, sync)
+                break
+            except torch.OutOfMemoryError as e:
+                miss = recovery.measure_oom(self, e, pos, self.step_peak_reset)
+                reason = recovery.unrecoverable(self)
+                if reason is not None:
+                    self._abort_quietly()
+                    raise recovery.oom_error(self, miss, reason) from e
+            self._recover(miss)  # outside the handler: the failed pass's frames (and tensors) are gone
+        window.items.append((inputs, denominator, sync))
+        self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
+        return loss.detach().to(self.args.device) * world  # the logged loss: the mean over ranks, as HF logs it
+
+    def _microbatch(self, inputs: dict[str, Any], denominator: Any, sync: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward under the plan of its sequence-length bucket."""
+        labels = inputs["labels"]
+        if self.bucket_plans is not None:  # the plan of the smallest bucket holding this batch's length
+            plans = self.bucket_plans
+            sched = plans.schedule_for(min(labels.shape[1], plans.buckets[-1]))
+            if sched is not self.executor.schedule:
+                self.executor.set_schedule(sched)
+        sched = self.executor.schedule
+        self.step_predicted_peak = max(self.step_predicted_peak, int(sched.predicted.get("peak_gpu_bytes") or 0))
         if self.calibration is not None:
-            sched = self.executor.schedule
             self.calibration.add_microbatch(sched.predicted, sched.solver.get("seq_len_bucket"))
         loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
                                               inputs.get("position_ids"), denominator=denominator,
-                                              sync_gradients=self.accelerator.sync_gradients)
+                                              sync_gradients=sync)
         if self.calibration is not None:  # a skipped step's updates were no-ops: their time is no rate
             x = self.executor.stats.extra
             skipped = getattr(self._inner_optimizer(self.optimizer), "last_step_skipped", False)
             self.calibration.note_cpu_update(None if skipped else x.get("cpu_update_ms"), x.get("cpu_update_params"))
-        self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
-        return loss.detach().to(self.args.device) * world  # the logged loss: the mean over ranks, as HF logs it
+        return loss
+
+    # ---- out-of-memory recovery (hf/recovery.py) -----------------------------------------------------------
+    def _recover(self, miss: Any) -> None:
+        """Drop the failed micro-batch and the window's gradients, re-plan with less GPU memory, and mark the
+        window to run again from its first micro-batch.
+
+        Raises:
+            RuntimeError: no plan fits the reduced budget (the out-of-memory error's figures and the fix).
+        """
+        import gc
+
+        from ..planning.milp import InfeasiblePlanError
+
+        self.oom_recoveries += 1
+        ex = self.executor
+        ex.abort_microbatch()
+        gc.collect()
+        if ex.device.type == "cuda":
+            torch.cuda.empty_cache()
+            if self.step_peak_reset:  # a checked step: its peak check measures the run again, not the failure
+                torch.cuda.reset_peak_memory_stats(ex.device)
+        self.step_predicted_peak = 0
+        try:
+            plans = recovery.replan_for_memory(self, miss)
+        except InfeasiblePlanError as e:
+            reason = f"no plan fits the GPU budget less the measured overshoot ({e})"
+            raise recovery.oom_error(self, miss, reason) from e
+        recovery.switch_plans(self, plans)
+        if self.calibration is not None:
+            self.calibration.drop_step()
+        recovery.log_replan(miss, plans, "CUDA out of memory", "; running the accumulation window again from its "
+                            f"first micro-batch (recovery {self.oom_recoveries} of {recovery.MAX_OOM_RECOVERIES})")
+        self._window.replay = True
+
+    def _abort_quietly(self) -> None:
+        """Before the out-of-memory error ends the run: the executor left clean (an error of its own is logged, the
+        out-of-memory error raised)."""
+        try:
+            self.executor.abort_microbatch()
+        except Exception as e:
+            logger.warning("LazyTrain: cleaning up after the out-of-memory error failed (%s: %s)", type(e).__name__, e)
 
     # ---- gradient norm and clipping ------------------------------------------------------------------------
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
@@ -235,7 +314,7 @@ class LazyTrainerMixin:
         pinned = ex.pinned_bytes
         m = {"pinned_host_gib": round((pinned["registered"] + pinned["host_allocator"]) / GIB, 3),
              "h2d_weight_gib_per_microbatch": round(st.h2d_weight_bytes / GIB, 4),
-             "recomputed_layers": float(st.recomputed_layers)}
+             "recomputed_layers": float(st.recomputed_layers), "oom_recoveries": float(self.oom_recoveries)}
         opt = self._inner_optimizer(self.optimizer) if self.optimizer is not None else None
         if opt is not None and getattr(opt, "last_step_skipped", False):
             m["optimizer_step_skipped"] = 1.0

@@ -923,3 +923,28 @@ class StreamingExecutor:
         self.stash.release()
         self.store.release()
         self.state_arena.release()
+
+    def abort_microbatch(self) -> None:
+        """Clean up after a `forward_backward` cut short by an exception (e.g. CUDA out of memory) and clear the
+        accumulation window's gradients, so that the window can run again from its first micro-batch (LazyTrainer's
+        out-of-memory recovery, hf/recovery.py).
+
+        The previous optimizer step's deferred updates survive: CPU updates still queued or running keep their host
+        gradients (a layer's host gradient is written only after its load waited for its update); device updates not
+        yet staged stay pending, with their kept GPU gradients; device updates already staged run now, once. The
+        gradients this window pushed (host buffers, this window's kept GPU gradients, the resident `.grad`) are
+        cleared as by `zero_grad`. The stash, the update staging copies and the slots' reuse records are dropped (a
+        load cut short may leave a slot whose recorded weights are not the ones it holds)."""
+        self._unpack_slot = None
+        self._staging_layer = None
+        self._run_pending_launches()
+        self._release_staging()
+        if self.streamer is not None:
+            self.streamer.forget()
+        self.stash.clear()
+        for i in range(self.num_layers):  # kept in this window's backward: its load consumed the previous one
+            if self.grads.has_grad(i):
+                self.grads.drop(i)
+        self.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the dropped work finished: its memory is free for the retry
