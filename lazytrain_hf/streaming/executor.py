@@ -488,13 +488,24 @@ class StreamingExecutor:
             return on_device, g if kept else staged(name, "grad", g), dev_state
 
         self._staging_layer = layer
+        params = self.updater.layer_params[layer]
+        opt_state = self.updater.optimizer.state
+        steps = {id(p): opt_state[p].get("step", 0) for p in params if p in opt_state}
         try:
             with F.deferred_launches() as launches:
-                self.updater.optimizer.step_deferred(self.updater.layer_params[layer], snapshot, stage)
+                self.updater.optimizer.step_deferred(params, snapshot, stage)
+        except BaseException:
+            # nothing ran yet (the launches are only queued): the update stays pending with its gradient, for a
+            # retry (an out-of-memory staging copy, hf/recovery.py); the step counters it advanced go back (states
+            # it created keep their initial values, step 0)
+            for q in params:
+                if "step" in opt_state.get(q, {}):
+                    opt_state[q]["step"] = steps.get(id(q), 0)
+            raise
         finally:
             self._staging_layer = None
-            self.grads.drop(layer)  # the queued launches hold the views they read
-            self.updater.device_done(layer)
+        self.grads.drop(layer)  # the queued launches hold the views they read
+        self.updater.device_done(layer)
         self.device_updates += 1
         if back:  # else: skipped step (non-finite norm) or no gradients
             self._launches[id(slot)] = (slot, layer, launches, back)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lazytrain_hf.hf import recovery
 from lazytrain_hf.hf.calibrate import Calibration
 from lazytrain_hf.hf.callback import LazyTrainCallback
 from lazytrain_hf.models import load_model
+from lazytrain_hf.optim import functional as F
 from lazytrain_hf.streaming.executor import StreamingExecutor
 from lazytrain_hf.streaming.grads import GradSink
 
@@ -74,8 +76,9 @@ def _tight(tmp_path) -> dict:
 
 class _Fault:
     """Raises torch.OutOfMemoryError in micro-batch `at` (1-based count of forward_backward calls; None: every one)
-    at `point`: "capture" (the embedding, before any layer ran), "forward" (layer `layer`'s forward) or "backward"
-    (right after layer `layer`'s gradients were pushed, the later layers' before them). `times`: how many it raises
+    at `point`: "capture" (the embedding, before any layer ran), "forward" (layer `layer`'s forward), "backward"
+    (right after layer `layer`'s gradients were pushed, the later layers' before them) or "staging" (while layer
+    `layer`'s GPU-side update is staged, at its second parameter). `times`: how many it raises
     at most."""
 
     def __init__(self, monkeypatch, point: str, at: int | None, times: int = 1, request: int = 20 * MIB,
@@ -106,6 +109,27 @@ class _Fault:
             if point == "backward" and layer == fault_layer:
                 self._maybe()
 
+        stage, step = StreamingExecutor._device_update, F.adamw_step
+        staging = []  # parameters staged so far in the `_device_update` running now
+
+        def device_update(ex, slot, layer_index):
+            staging.clear()
+            staging.append((layer_index, threading.get_ident()))
+            try:
+                return stage(ex, slot, layer_index)
+            finally:
+                staging.clear()
+
+        def adamw_step(*a, **k):
+            if point == "staging" and staging and staging[0] == (layer, threading.get_ident()):
+                staging.append(None)
+                if len(staging) == 3:  # the second parameter: the first one's step counter already advanced
+                    self._maybe()
+            return step(*a, **k)
+
+        if point == "staging":
+            monkeypatch.setattr(StreamingExecutor, "_device_update", device_update)
+            monkeypatch.setattr(F, "adamw_step", adamw_step)
         monkeypatch.setattr(StreamingExecutor, "forward_backward", counting)
         monkeypatch.setattr(StreamingExecutor, "_forward", forward)
         monkeypatch.setattr(GradSink, "push", pushing)
@@ -170,7 +194,7 @@ def test_dropout_draws_the_same_masks_after_a_recovery(tmp_path, monkeypatch):
     _assert_equal_runs(hit, clean)
 
 
-@pytest.mark.parametrize("ga,point", [(1, "capture"), (1, "forward"), (2, "capture")])
+@pytest.mark.parametrize("ga,point", [(1, "capture"), (1, "forward"), (2, "capture"), (1, "staging")])
 def test_gpu_side_updates_pending_at_the_oom_are_applied_once(tmp_path, monkeypatch, ga, point):
     """Layers the plan updates on the compute device (here 0 and 1; a CPU device runs the same path) keep, with one
     micro-batch per step, their gradient there into the next forward, where the previous step's update runs at
