@@ -7,6 +7,7 @@ path and loaded with `AutoConfig` / `AutoModelForCausalLM`.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "resolve_config", "load_model", "check_supported"]
@@ -16,6 +17,12 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_5_text", "llama")
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048)
+
+#: Qwen3.5 / Qwen3.6 rotary settings shared by the family's published configs: theta 1e7 on a quarter of each head
+#: (partial_rotary_factor 0.25), interleaved multimodal sections, 262,144 positions.
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+_QWEN35 = dict(max_position_embeddings=262144, rope_parameters=_QWEN35_ROPE)
 
 #: name -> (model_type, config kwargs). Real shapes from the public configs on the Hub (random weights here).
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -41,14 +48,23 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
-    # Qwen3.6-27B class: the Qwen3.5 hybrid architecture (3 linear-attention : 1 full-attention layers) at
-    # about 27B parameters. The shape is our approximation, not a published config: use the Hub id when you
-    # have the weights.
-    "qwen3.6-27b": ("qwen3_5_text", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                                         num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                                         linear_num_key_heads=16, linear_num_value_heads=48,
-                                         linear_key_head_dim=128, linear_value_head_dim=128,
-                                         vocab_size=248320, tie_word_embeddings=False)),
+    # The Qwen3.5 / Qwen3.6 hybrid family (Gated DeltaNet linear attention, every 4th layer full attention with
+    # an output gate), text configs as published on the Hub (Qwen/Qwen3.5-0.8B, -4B, -9B, Qwen/Qwen3.6-27B, whose
+    # text shape is Qwen3.5-27B's). Unset fields are transformers' Qwen3_5TextConfig defaults, equal to the
+    # published ones: head_dim 256, rms_norm_eps 1e-6, linear key heads 16 and key / value head dims 128, conv
+    # kernel 4, vocab 248320, full_attention_interval 4.
+    "qwen3.5-0.8b": ("qwen3_5_text", dict(_QWEN35, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                                          num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16,
+                                          tie_word_embeddings=True)),
+    "qwen3.5-4b": ("qwen3_5_text", dict(_QWEN35, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                                        num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32,
+                                        tie_word_embeddings=True)),
+    "qwen3.5-9b": ("qwen3_5_text", dict(_QWEN35, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                                        num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32,
+                                        tie_word_embeddings=False)),
+    "qwen3.6-27b": ("qwen3_5_text", dict(_QWEN35, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                                         num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48,
+                                         tie_word_embeddings=False)),
 }
 
 
@@ -70,7 +86,8 @@ def resolve_config(name_or_path: str, **overrides: Any):
 
     if kind == "registry":
         model_type, kwargs = ARCHITECTURES[name_or_path]
-        config = AutoConfig.for_model(model_type, **{**kwargs, **overrides})
+        # a deep copy: configs may normalize rope_parameters in place, and the registry's dicts are shared
+        config = AutoConfig.for_model(model_type, **copy.deepcopy({**kwargs, **overrides}))
     else:
         try:
             config = AutoConfig.from_pretrained(where, local_files_only=kind == "cache", **overrides)

@@ -14,10 +14,13 @@ Sources of the formulas:
     - gated delta rule (Qwen3.5 linear attention, chunk C = 64): per token and value head about
       2 * (3 * dk * dv + C * (2 * dk + dv)) FLOPs (state read/update and the intra-chunk WY form; Yang et al.
       2024, "Gated Delta Networks"); without flash-linear-attention kernels transformers runs a reference PyTorch
-      loop, far slower than this estimate suggests: measure before trusting Qwen3.5 numbers;
+      path (fp32 elementwise work, batched 64 x 64 triangular solves, a Python loop over chunks) that reaches
+      about 0.6% of the GEMM rate on these FLOPs, with a backward 3.1x its forward (`LINEAR_ATTENTION_EFFICIENCY`,
+      `LINEAR_ATTENTION_BWD_RATIO`);
     - saved activations: per-tensor accounting of what autograd keeps in a Qwen decoder layer in bf16 with
       fp32 RMSNorm internals and SDPA (q, k, v, output and log-sum-exp), in the manner of Korthikanti et al.
       2022, "Reducing Activation Recomputation in Large Transformer Models" §4;
+    - saved activations of Qwen3.5 layers: counted tensor by tensor (`_per_token_bytes`);
     - efficiencies: a dense layer reaches about 0.7 of the 8192^3 GEMM rate (DESIGN §7: the stock Trainer's
       416 TFLOPS (6ND) at batch 8 x 1024 with one recompute executes 8ND, about 555 TFLOPS of 787);
     - host bytes per parameter: bf16 weight 2 + bf16 gradient 2 + 8-bit moments 2 (+ fp32 absmax per block) +
@@ -36,6 +39,16 @@ from ..planning.schedule import RESIDENT_PLACEMENTS
 from .hardware import H200_DEFAULTS, HardwareProfile
 
 __all__ = ["ModelShape", "model_shape", "analytic_cost_model", "layer_flops", "resident_placements"]
+
+#: Achieved fraction of the GPU's bf16 rate on the gated-delta-rule FLOPs (`layer_flops`) by transformers' reference
+#: path, and its backward / forward time ratio. Measured on the H200 for a Qwen3.6-27B linear-attention layer at
+#: 8 x 1024 (bf16, torch 2.11, transformers 5.17): forward 23.2 ms, backward 59.9 ms, of which the projections and
+#: MLP at the dense rate take 11.4 / 22.8 ms. These constants give 23.3 / 59.6 ms (before: 11.7 / 23.4 ms with
+#: 0.25 and 2x); the full-attention layer beside it: 11.3 / 22.8 ms here, 11.7 / 25.5 ms measured. With
+#: flash-linear-attention kernels the rate is far higher: measure (`layer_costs`) or pass
+#: linear_attention_efficiency.
+LINEAR_ATTENTION_EFFICIENCY = 0.0062
+LINEAR_ATTENTION_BWD_RATIO = 3.1
 
 BF16 = 2  # bytes per bf16 element
 FP32 = 4
@@ -57,6 +70,8 @@ class ModelShape:
         layer_params: per decoder layer, trainable parameters (count).
         embed_params: embedding parameters; lm_head_params: untied lm_head parameters (0 when tied);
         norm_params: final norm parameters.
+        zero_centered_norm: RMSNorm scales by (1 + weight) in fp32 (Qwen3.5), so autograd also keeps the fp32
+            normalized input; the Llama form (Qwen2, Qwen3) keeps a bf16 one.
         name: registry name or hub id (for printing).
     """
 
@@ -79,6 +94,7 @@ class ModelShape:
     embed_params: int
     lm_head_params: int
     norm_params: int
+    zero_centered_norm: bool = False
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -126,7 +142,8 @@ def model_shape(config: Any, name: str = "") -> ModelShape:
         linear_v_dim=getattr(config, "linear_value_head_dim", 0) or 0,
         linear_conv_kernel=getattr(config, "linear_conv_kernel_dim", 4) or 4,
         layer_kinds=kinds, layer_params=layer_params, embed_params=embed, lm_head_params=lm_head_params,
-        norm_params=norm_params, name=name or getattr(config, "_name_or_path", "") or mt)
+        norm_params=norm_params, zero_centered_norm=mt.startswith("qwen3_5"),
+        name=name or getattr(config, "_name_or_path", "") or mt)
 
 
 def resident_placements(shape: ModelShape) -> tuple[str, ...]:
@@ -151,45 +168,75 @@ def layer_flops(shape: ModelShape, i: int, batch_size: int, seq_len: int) -> dic
     return out
 
 
+#: chunk length of transformers' torch_chunk_gated_delta_rule (and of flash-linear-attention's kernels)
+GDN_CHUNK = 64
+
+
 def _per_token_bytes(shape: ModelShape, i: int) -> tuple[float, float, float]:
     """(saved, forward workspace, backward workspace) bytes per token of decoder layer i (bf16 activations).
 
-    Saved, full attention: input 2H; two RMSNorms 2 x (fp32 copy 4H + bf16 output 2H); q/k/v outputs (with qk norm
-    also their fp32 copies); SDPA q, k, v, output and fp32 log-sum-exp; the output gate's sigmoid and product;
-    MLP gate, up, silu(gate) and product, 4 x 2I.
-    Saved, linear attention (reference PyTorch path): input, norms and MLP as above; qkv projection, conv output
-    and silu output (3 x 2 conv_dim); fp32 copies of q, k, v, beta, g and the chunk intermediates (about 3 x 4
-    conv_dim + the C x C chunk attention, 2 x 4 C per value head); per-chunk states nv dk dv 4 / C; z and the
-    gated norm (2 vd + 2 x 4 vd); out_proj input 2 vd.
+    Saved: the tensors autograd keeps (unique storages, parameters and the shared rotary table excluded) plus the
+    layer input. Llama-form layers (Qwen2, Qwen3): input 2H; two RMSNorms 2 x (fp32 copy 4H + bf16 output 2H);
+    q/k/v outputs (with qk norm also their fp32 copies); SDPA q, k, v, output and fp32 log-sum-exp; MLP gate, up,
+    silu(gate) and product, 4 x 2I (within 3% of a counted pass for Qwen2.5-7B and Qwen3-8B).
+    Qwen3.5 (`zero_centered_norm`), counted tensor by tensor in transformers' modeling_qwen3_5:
+        both layer kinds: input 2H; each RMSNorm its fp32 input, fp32 normalized input and bf16 output, 2 x 10H;
+        MLP 4 x 2I;
+        full attention: per-head q/k RMSNorms, fp32 input and normalized input, 8 (q + kv); SDPA q, k, v, output
+        and log-sum-exp (the rotary product keeps only cos / sin); the output gate's sigmoid, the attention output
+        and their product, 3 x 2q;
+        linear attention (torch_chunk_gated_delta_rule, every value head nv, chunk C): in_proj_qkv output (the conv
+        input) and conv output, 2 x 2 conv_dim; beta (bf16) and the softplus input / output of g (fp32);
+        fp32 [token, nv, dk] tensors: q and k before l2norm, chunked q and k, k_beta, k_cumdecay, decayed q and
+        k (8 dk); fp32 [token, nv, dv]: v, the solved values and each chunk's v_new (3 dv); five fp32 [token, nv,
+        C] chunk matrices (pairwise decay, k_beta k^T, q k^T, the triangular system, the intra-chunk attention);
+        one fp32 state nv dk dv per chunk; the gated RMSNorm's fp32 input, gate and silu(gate), its bf16
+        normalized and weighted values and output (3 x 4 vd + 3 x 2 vd).
+    Qwen3.6-27B at 8 x 1024 (H 5120): linear attention 786,208 B/token = 6.00 GiB, full attention 375,000 B/token =
+    2.86 GiB; measured on the H200 (bf16, transformers' reference kernels, allocator growth after a forward with
+    grad): 5.999 and 2.861 GiB.
     """
     H, I = shape.hidden_size, shape.intermediate_size  # noqa: E741 - the paper's symbols
-    norms = 2 * (FP32 * H + BF16 * H)
     mlp = 4 * BF16 * I
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    if shape.zero_centered_norm:
+        norms = 2 * (2 * FP32 * H + BF16 * H + FP32)  # + the per-row rsqrt
+    else:
+        norms = 2 * (FP32 * H + BF16 * H)
     if shape.layer_kinds[i] == "full_attention":
-        q = shape.num_heads * shape.head_dim
-        kv = shape.num_kv_heads * shape.head_dim
-        proj = BF16 * (q + 2 * kv) + (FP32 * (q + kv) + BF16 * (q + kv) if shape.qk_norm else 0)
-        sdpa = BF16 * (q + 2 * kv) + BF16 * q + FP32 * shape.num_heads
-        gate = 2 * BF16 * q if shape.attn_output_gate else 0
+        if shape.zero_centered_norm:
+            qk_norm = 2 * FP32 * (q + kv) + FP32 * (shape.num_heads + shape.num_kv_heads)
+            proj = qk_norm + BF16 * (q + 2 * kv)  # SDPA's q (after rotary), k and v
+        else:
+            proj = BF16 * (q + 2 * kv) + (FP32 * (q + kv) + BF16 * (q + kv) if shape.qk_norm else 0)
+            proj += BF16 * (q + 2 * kv)  # SDPA inputs
+        sdpa = BF16 * q + FP32 * shape.num_heads  # output and log-sum-exp
+        gate = (3 if shape.zero_centered_norm else 2) * BF16 * q if shape.attn_output_gate else 0
         saved = BF16 * H + norms + proj + sdpa + gate + mlp
         mix_work = BF16 * 2 * (q + kv) + BF16 * q + (BF16 * q if shape.attn_output_gate else 0)
     else:
-        kd = shape.linear_k_heads * shape.linear_k_dim
-        vd = shape.linear_v_heads * shape.linear_v_dim
+        nv, dk, dv, c = shape.linear_v_heads, shape.linear_k_dim, shape.linear_v_dim, GDN_CHUNK
+        kd, vd = shape.linear_k_heads * dk, nv * dv
         conv = 2 * kd + vd
-        c = 64
-        core = 3 * FP32 * conv + 2 * FP32 * c * shape.linear_v_heads
-        states = FP32 * shape.linear_v_heads * shape.linear_k_dim * shape.linear_v_dim / c
-        gated_norm = BF16 * vd + 2 * FP32 * vd
-        saved = BF16 * H + norms + 3 * BF16 * conv + core + states + gated_norm + BF16 * vd + mlp
-        mix_work = 3 * BF16 * conv + core + states
+        gates = BF16 * nv + 2 * FP32 * nv
+        chunk = (FP32 * nv * (8 * dk + 3 * dv) + 5 * FP32 * nv * c + FP32 * nv * dk * dv / c
+                 + 6 * FP32 * nv)  # + beta, the l2norm rsqrt of q and k, and the cumulative decays
+        gated_norm = 3 * FP32 * vd + 3 * BF16 * vd + FP32 * nv
+        saved = BF16 * H + norms + 2 * BF16 * conv + gates + chunk + gated_norm + mlp
+        # no-grad forward, live at once inside the chunk rule: the normalized layer input, the conv output and z
+        # (bf16), fp32 q, k, v, k_beta, v_beta, decayed k_beta, the two triangular solves, the output and a decayed
+        # q / k (6 dk + 4 dv per value head) and three [token, nv, C] matrices. Qwen3.6-27B at 8 x 1024: 2.64 GiB
+        # with the fp32 norm copy below; measured on the H200: 2.63 GiB.
+        mix_work = BF16 * (H + conv + vd) + FP32 * nv * (6 * dk + 4 * dv) + 3 * FP32 * nv * c
     # no-grad forward: the larger of the token mixer's and the MLP's live intermediates, plus an fp32 norm copy
     fwd_work = max(mix_work, 3 * BF16 * I) + FP32 * H
     # backward (beyond saved activations and weight grads): two MLP-intermediate gradients, the hidden-state
     # gradients in and out, an fp32 norm gradient; saved tensors are freed as backward proceeds. Measured on the
     # H200 for a Qwen2.5-7B layer at 16 x 1024: 1.03 GB; this gives 1.70 GB (forward workspace: 1.98 measured,
     # 2.10 GB here; saved activations 3.81 measured, 3.73 GB here; fwd / bwd time 13.9 / 27.4 ms measured,
-    # 14.1 / 28.3 ms here)
+    # 14.1 / 28.3 ms here). Qwen3.6-27B at 8 x 1024 measured 0.06 (linear) and 0.08 GiB (full attention), this
+    # gives 0.84 GiB: an upper bound kept for both kinds.
     bwd_work = 2 * BF16 * I + 2 * BF16 * H + FP32 * H
     return saved, fwd_work, bwd_work
 
@@ -197,7 +244,7 @@ def _per_token_bytes(shape: ModelShape, i: int) -> tuple[float, float, float]:
 def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         hardware: HardwareProfile = H200_DEFAULTS, *, gpu_bytes: int, host_bytes: int,
                         nvme_bytes: int = 0, matmul_efficiency: float = 0.7, attention_efficiency: float = 0.5,
-                        linear_attention_efficiency: float = 0.25, loss_chunk_tokens: int = 2048,
+                        linear_attention_efficiency: float = LINEAR_ATTENTION_EFFICIENCY, loss_chunk_tokens: int = 2048,
                         state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                         gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
                         kept_grads: bool = True, name: str = "",
@@ -258,7 +305,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         fwd_ms.append((fl["matmul"] / matmul_efficiency + fl["attention"] / attention_efficiency
                        + fl["linear_attention"] / linear_attention_efficiency) / peak)
         bwd_ms.append((2 * fl["matmul"] / matmul_efficiency + 2.5 * fl["attention"] / attention_efficiency
-                       + 2 * fl["linear_attention"] / linear_attention_efficiency) / peak)
+                       + LINEAR_ATTENTION_BWD_RATIO * fl["linear_attention"] / linear_attention_efficiency) / peak)
         s, fw, bw = _per_token_bytes(shape, i)
         saved.append(int(s * n_pass))
         fwd_work.append(int(fw * n_pass))
