@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from .models import check_supported, resolve_config
     from .planning.fixed import fixed_resident
     from .planning.milp import InfeasiblePlanError, with_margin
-    from .planning.planner import largest_feasible_batch, make_schedule
+    from .planning.planner import largest_feasible_batch, make_schedule, rows_options, search_plans
     from .planning.schedule import input_hashes, plan_fingerprint
     from .profiling.analytic import analytic_cost_model, model_shape, resident_placements
 
@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shape = model_shape(config, args.model)
 
-    def build(batch: int, resident: str) -> Any:
+    def build(batch: int, resident: str, rows: int | None = args.rows_per_pass) -> Any:
         return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
-                                   nvme_bytes=nvme_bytes, rows_per_pass=args.rows_per_pass, name=args.model,
+                                   nvme_bytes=nvme_bytes, rows_per_pass=rows, name=args.model,
                                    kept_grads=args.gradient_accumulation_steps == 1, resident=resident,
                                    **_OPTIMIZER_LAYOUT)
 
@@ -160,28 +160,33 @@ def run(args: argparse.Namespace) -> int:
     inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_given, host_given, nvme_asked)
     fp = plan_fingerprint(inputs)
     _print_header(args, shape, cm, hardware)
-    sched, error, tried = None, None, []
+    tried: list[str] = []
+    built: dict[tuple[int, str], Any] = {}
+
+    def solve(rows: int, resident: str) -> Any:
+        c = built[rows, resident] = build(args.batch_size, resident, rows)
+        try:
+            s = make_schedule(c, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
+                              prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
+                              mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer, fingerprint=fp,
+                              strict=True)
+        except InfeasiblePlanError:
+            tried.append(f"{rows} rows, {resident}: no plan")
+            raise
+        tried.append(f"{rows} rows, {resident}: {s.predicted['step_ms']:.0f} ms")
+        return s
+
+    # policy milp: the largest rows per pass with a plan (unless --rows-per-pass), the fastest placement there
+    rows = rows_options(args.batch_size, args.rows_per_pass) if args.policy == "milp" else [
+        args.rows_per_pass or args.batch_size]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for resident in candidates:  # the fastest placement that fits
-            c = build(args.batch_size, resident)
-            try:
-                s = make_schedule(c, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
-                                  prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
-                                  mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer,
-                                  fingerprint=fp, strict=True)
-            except InfeasiblePlanError as e:
-                error = e
-                tried.append(f"{resident}: no plan")
-                continue
-            s.resident = resident
-            tried.append(f"{resident}: {s.predicted['step_ms']:.0f} ms")
-            if sched is None or s.predicted["step_ms"] < sched.predicted["step_ms"]:
-                sched, cm = s, c
-        if sched is None:
-            where = f" (embedding / LM head placements tried: {', '.join(candidates)})" if len(candidates) > 1 else ""
-            print(f"\nNo plan{where}: {with_margin(error, args.gpu_memory_margin)}")
+        try:
+            sched = search_plans(solve, rows, candidates)
+        except InfeasiblePlanError as e:
+            print(f"\nNo plan ({'; '.join(tried)}): {with_margin(e, args.gpu_memory_margin)}")
             return 1
+    cm = built[sched.rows_per_pass, sched.resident]
     sched.solver["fingerprint_inputs"] = input_hashes(inputs)
     for w in caught:
         print(f"warning: {w.message}")
@@ -191,9 +196,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch > 0:
         # feasibility: the placement that needs the least GPU memory among those this run may take
         lean = candidates[-1] if args.policy == "milp" else sched.resident
+        one = 1 if args.policy == "milp" and not args.rows_per_pass else args.rows_per_pass  # the leanest pass
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            best = largest_feasible_batch(lambda b: build(b, lean), args.policy, max_batch=args.max_batch,
+            best = largest_feasible_batch(lambda b: build(b, lean, one), args.policy, max_batch=args.max_batch,
                                           checkpoint_every=args.checkpoint_every, tier=args.tier,
                                           prefetch_depth=args.prefetch_depth)
         cap = " (the search cap)" if best == args.max_batch else ""
@@ -373,8 +379,10 @@ def _print_resident(sched: Any, cm: Any, tried: list[str]) -> None:
              "host_embedding": "embedding in host memory (looked up and updated on the CPU); LM head on the GPU",
              "host": "embedding and LM head in host memory (updated on the CPU; the head's weights copied to the "
                      "GPU once per step)"}[sched.resident]
-    also = f" (placements planned: {'; '.join(tried)})" if len(tried) > 1 else ""
-    print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU{also}")
+    print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU")
+    rows = "all" if sched.rows_per_pass in (None, cm.meta.get("batch_size")) else sched.rows_per_pass
+    also = f" (planned: {'; '.join(tried)})" if len(tried) > 1 else ""
+    print(f"rows per pass: {rows}{also}")
 
 
 def _print_prediction(sched: Any, cm: Any) -> None:

@@ -65,11 +65,18 @@ class LazyTrainCallback(TrainerCallback):
             if len(plans.buckets) > 1:
                 logger.info("LazyTrain: %d sequence-length buckets %s, one plan each", len(plans.buckets),
                             plans.buckets)
+        elif cfg.policy == "fixed":
+            from .plan import fixed_plan_for_trainer
+
+            ex.set_schedule(fixed_plan_for_trainer(self.trainer))
         s = ex.schedule
+        predicted = s.predicted.get("step_ms")
         logger.info("LazyTrain schedule: policy=%s, %d layers, %d checkpoints (tiers %s), %d retained, "
-                    "prefetch_depth=%d", s.policy, s.num_layers, sum(lp.checkpoint for lp in s.layers),
-                    sorted({lp.tier for lp in s.layers if lp.checkpoint}), sum(lp.retain for lp in s.layers),
-                    s.prefetch_depth)
+                    "prefetch_depth=%d, %s rows per pass, embedding / LM head: %s%s", s.policy, s.num_layers,
+                    sum(lp.checkpoint for lp in s.layers), sorted({lp.tier for lp in s.layers if lp.checkpoint}),
+                    sum(lp.retain for lp in s.layers), s.prefetch_depth,
+                    s.rows_per_pass or cfg.max_rows_per_pass or "all", s.resident,
+                    f", predicted step {predicted:.0f} ms" if predicted else "")
 
     def _check_fingerprint(self, schedule: Schedule, path: str) -> None:
         """Warn when a loaded schedule was planned for other inputs than this run's (it is still used: a plan may
@@ -203,7 +210,8 @@ class LazyTrainCallback(TrainerCallback):
                         "keeping it", k, "not used" if rate is None else f"{rate / 1e9:.2f} G params/s")
             return None
         scale = old_scale * k
-        plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate, resident=old.resident)
+        plans = plan_buckets_for_trainer(tr, compute_scale=scale, cpu_optim_params_per_s=rate, resident=old.resident,
+                                         rows=old.rows_per_pass)
         new = plans.schedules[plans.buckets[-1]]
         # the running plan valued with the same calibrated costs: switch only for a clear gain (SWITCH_GAIN)
         cm = cost_model_for_trainer(tr, plans.buckets[-1], scale, rate)[0]

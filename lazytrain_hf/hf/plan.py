@@ -12,12 +12,13 @@ import torch
 from ..config import GIB
 from ..planning.buckets import BucketSchedules, seq_len_buckets
 from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
+from ..planning.planner import make_schedule, rows_options, search_plans
 from ..planning.schedule import Schedule, input_hashes, plan_fingerprint, plan_inputs
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
 
-__all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "run_shape",
+__all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
            "plan_inputs_for_trainer"]
 
 logger = logging.getLogger(__name__)
@@ -67,32 +68,39 @@ def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
 
 
 def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.0,
-                           cpu_optim_params_per_s: float | None = None,
-                           resident: str | None = None) -> tuple[Any, str, str]:
+                           cpu_optim_params_per_s: float | None = None, resident: str | None = None,
+                           rows: int | None = None) -> tuple[Any, str, str]:
     """The cost model `plan_for_trainer` solves on, for `seq_len` tokens per sequence: (cost model, "measured" or
     "analytic" layer costs, fingerprint). `compute_scale` multiplies the GPU compute costs and
     `cpu_optim_params_per_s` replaces the probed CPU optimizer rate (calibration from measured steps,
-    hf/calibrate.py). `resident`: the embedding / LM head placement (default: the executor's current one)."""
+    hf/calibrate.py). `resident`: the embedding / LM head placement, `rows`: rows per pass (defaults: the running
+    plan's, `running_choices`)."""
     cm, layer_costs, inputs = _cost_model_and_inputs(trainer, seq_len, compute_scale, cpu_optim_params_per_s,
-                                                     resident)
+                                                     resident, rows)
     return cm, layer_costs, plan_fingerprint(inputs)
 
 
+def running_choices(trainer: Any) -> tuple[str, int | None]:
+    """(embedding / LM head placement, rows per pass) the executor runs now."""
+    ex = trainer.executor
+    return ex.resident.placement, ex.schedule.rows_per_pass or trainer.lazy_config.max_rows_per_pass
+
+
 def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.0,
-                           cpu_optim_params_per_s: float | None = None,
-                           resident: str | None = None) -> tuple[Any, str, dict[str, Any]]:
+                           cpu_optim_params_per_s: float | None = None, resident: str | None = None,
+                           rows: int | None = None) -> tuple[Any, str, dict[str, Any]]:
     """`cost_model_for_trainer` with the plan inputs instead of their fingerprint (budgets resolved once)."""
     cfg = trainer.lazy_config
-    resident = resident or trainer.executor.resident.placement
+    running = running_choices(trainer)
+    resident, rows = resident or running[0], rows or running[1]
     B = trainer.args.per_device_train_batch_size  # as run_shape
     hardware, gpu, host, nvme = _budgets(trainer)
     cm = analytic_cost_model(trainer.model.config, B, seq_len, hardware, gpu_bytes=gpu, host_bytes=host,
                              nvme_bytes=nvme, loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
                              master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                             rows_per_pass=cfg.max_rows_per_pass, kept_grads=_kept_grads(trainer),
-                             resident=resident)
+                             rows_per_pass=rows, kept_grads=_kept_grads(trainer), resident=resident)
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
-                                           trainer.plan_layer_costs)
+                                           trainer.plan_layer_costs, rows)
     if compute_scale != 1.0:
         cm = cm.scaled_compute(compute_scale)
     if cpu_optim_params_per_s is not None:
@@ -138,7 +146,7 @@ def _gpu_optimizer(trainer: Any) -> bool:
 
 def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: tuple[int, ...] = (1, 2, 3),
                      compute_scale: float = 1.0, cpu_optim_params_per_s: float | None = None,
-                     resident: str | None = None) -> Schedule:
+                     resident: str | None = None, rows: int | None = None) -> Schedule:
     """Solve the MILP (lazytrain_hf.planning.milp) for this trainer's model, batch shape and budgets.
 
     Args:
@@ -149,6 +157,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
             calibration passes the rate the executor measured.
         resident: the embedding / LM head placement to plan for (default: the executor's current one); the plan
             records it (`Schedule.resident`) and the executor moves them when it switches to the plan.
+        rows: rows per pass to plan for (default: the running plan's or `max_rows_per_pass`); recorded as
+            `Schedule.rows_per_pass`, which the executor follows.
 
     Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
     `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM / data-parallel ranks on this host), `nvme_budget`
@@ -160,22 +170,25 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
     """
     cfg = trainer.lazy_config
     T = seq_len or run_shape(trainer)[1]
-    resident = resident or trainer.executor.resident.placement
-    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, T, compute_scale, cpu_optim_params_per_s, resident)
+    running = running_choices(trainer)
+    resident, rows = resident or running[0], rows or running[1]
+    cm, layer_costs, inputs = _cost_model_and_inputs(trainer, T, compute_scale, cpu_optim_params_per_s, resident,
+                                                     rows)
     try:
         schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
                               mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=_gpu_optimizer(trainer),
                               fingerprint=plan_fingerprint(inputs))
     except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
         raise with_margin(e, cfg.gpu_memory_margin) from None
-    schedule.resident = resident
+    schedule.resident, schedule.rows_per_pass = resident, rows
     schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
                            gpu_budget_bytes=int(cm.gpu_bytes),
                            cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
                            fingerprint_inputs=input_hashes(inputs))
     p = schedule.predicted
-    logger.info("MILP plan for batch %d x %d (embedding / LM head: %s): predicted step %.0f ms, peak GPU %.2f GiB, "
-                "solved in %.0f ms (gap %.2f%%)", trainer.args.per_device_train_batch_size, T, resident,
+    logger.info("MILP plan for batch %d x %d (%s rows per pass, embedding / LM head: %s): predicted step %.0f ms, "
+                "peak GPU %.2f GiB, solved in %.0f ms (gap %.2f%%)", trainer.args.per_device_train_batch_size, T,
+                rows or "all", resident,
                 p.get("step_ms", float("nan")), p.get("peak_gpu_bytes", 0) / GIB,
                 schedule.solver.get("solve_ms") or 0.0, 100 * (schedule.solver.get("mip_gap") or 0.0))
     logger.debug("MILP plan details: solver %s, predicted %s", schedule.solver, schedule.predicted)
@@ -183,17 +196,17 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
 
 
 def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.device, B: int, T: int,
-                         cache: dict | None = None) -> tuple[Any, str]:
+                         cache: dict | None = None, rows: int | None = None) -> tuple[Any, str]:
     """`cm` with the forward / backward times and the memory (autograd-saved activations, forward and backward
     workspaces) of one decoder layer per kind measured on the CUDA `device` at one row pass (min(B,
-    cfg.max_rows_per_pass) rows x T), scaled to the micro-batch's passes, and what was used: "measured" or
+    rows or cfg.max_rows_per_pass) rows x T), scaled to the micro-batch's passes, and what was used: "measured" or
     "analytic" (`cfg.profile_layers` off, not CUDA, or even one row ran out of memory: a warning). A pass that
     does not fit next to what the GPU already holds is measured at half the rows, then a quarter, ..., and scaled
     up (times and activations are linear in rows). `cache`: measurements by (rows, T, device), reused when present
     and filled when not."""
     if not cfg.profile_layers or device.type != "cuda":
         return cm, "analytic"
-    rows = min(B, cfg.max_rows_per_pass or B)
+    rows = min(B, rows or cfg.max_rows_per_pass or B)
     measured, r = None, rows
     while r >= 1:
         key = (r, T, str(device))
@@ -241,14 +254,15 @@ def resident_candidates(trainer: Any) -> list[str]:
 
 
 def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
-                             cpu_optim_params_per_s: float | None = None,
-                             resident: str | None = None) -> BucketSchedules:
+                             cpu_optim_params_per_s: float | None = None, resident: str | None = None,
+                             rows: int | None = None) -> BucketSchedules:
     """One MILP plan per sequence-length bucket (`lazytrain_config.plan_buckets` of them, powers of two up to the
     longest sequence; lazytrain_hf/planning/buckets.py). Every bucket uses the prefetch depth of the longest
     bucket's plan, so switching plans between batches never reallocates weight slots. `compute_scale`: as in
-    `plan_for_trainer`, and so is `cpu_optim_params_per_s`. `resident`: the embedding / LM head placement; None:
-    the longest bucket is planned for each of `resident_candidates` and the fastest feasible one is kept (one
-    placement for the whole run: every bucket's plan has it).
+    `plan_for_trainer`, and so is `cpu_optim_params_per_s`. `resident` (the embedding / LM head placement) and
+    `rows` (rows per pass): None chooses them on the longest bucket (`planning.planner.search_plans`: the largest
+    rows per pass that has a plan, `max_rows_per_pass` if set, and the fastest of `resident_candidates` there);
+    every bucket's plan then has the same.
 
     Raises:
         InfeasiblePlanError: the longest bucket has no schedule within the budgets (in any placement tried; the
@@ -257,19 +271,38 @@ def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
     _, T = run_shape(trainer)
     buckets = seq_len_buckets(T, min_seq_len=min(128, max(8, T // 8)), max_buckets=trainer.lazy_config.plan_buckets)
     rates = dict(compute_scale=compute_scale, cpu_optim_params_per_s=cpu_optim_params_per_s)
-    longest, error = None, None
-    for placement in [resident] if resident else resident_candidates(trainer):
-        try:
-            plan = plan_for_trainer(trainer, buckets[-1], resident=placement, **rates)
-        except InfeasiblePlanError as e:
-            error = e
-            continue
-        if longest is None or plan.predicted.get("step_ms", 0.0) < longest.predicted.get("step_ms", 0.0):
-            longest = plan
-    if longest is None:
-        raise error
-    rates["resident"] = longest.resident
+    B = trainer.args.per_device_train_batch_size
+    longest = search_plans(lambda r, p: plan_for_trainer(trainer, buckets[-1], resident=p, rows=r, **rates),
+                           [rows] if rows else rows_options(B, trainer.lazy_config.max_rows_per_pass),
+                           [resident] if resident else resident_candidates(trainer))
+    rates.update(resident=longest.resident, rows=longest.rows_per_pass)
     plans = {buckets[-1]: longest}
     for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is
         plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,), **rates)
     return BucketSchedules(plans)
+
+
+def fixed_plan_for_trainer(trainer: Any) -> Schedule:
+    """The fixed policy's schedule for this run (checkpoint every `checkpoint_every` layers in `activation_tier`,
+    every layer re-forwarded), with its two simple rules: the embedding / LM head where the executor put them
+    (`planning.fixed.fixed_resident`), and the largest rows per pass (`max_rows_per_pass` if set, else the batch,
+    then halves) at which the schedule fits the budgets by the cost model; its prediction in `predicted`. When no
+    row count fits, the whole batch per pass with a warning (a baseline runs as configured)."""
+    cfg = trainer.lazy_config
+    _, T = run_shape(trainer)
+    B = trainer.args.per_device_train_batch_size
+    resident = trainer.executor.resident.placement
+
+    def solve(rows: int, placement: str) -> Schedule:
+        cm, _, inputs = _cost_model_and_inputs(trainer, T, resident=placement, rows=rows)
+        return make_schedule(cm, "fixed", checkpoint_every=cfg.checkpoint_every, tier=cfg.activation_tier,
+                             prefetch_depth=cfg.prefetch_depth, fingerprint=plan_fingerprint(inputs), strict=True,
+                             simulate_check=False)
+
+    try:
+        return search_plans(solve, rows_options(B, cfg.max_rows_per_pass), [resident])
+    except InfeasiblePlanError as e:
+        logger.warning("LazyTrain fixed policy: %s Running it as configured: expect CUDA out of memory", e)
+        sched = trainer.executor.schedule
+        sched.rows_per_pass = cfg.max_rows_per_pass
+        return sched

@@ -28,7 +28,7 @@ from .schedule import fingerprint as _fingerprint
 from .simulator import simulate
 
 __all__ = ["make_schedule", "make_schedule_from_config", "largest_feasible_batch", "POLICIES", "InfeasiblePlanError",
-           "over_budget_error"]
+           "over_budget_error", "search_plans", "rows_options"]
 
 POLICIES = ("milp", "fixed")
 
@@ -195,3 +195,41 @@ def largest_feasible_batch(build: Callable[[int], CostModel], policy: str = "mil
             hi = mid
     return lo
 
+
+
+def rows_options(batch_size: int, rows_per_pass: int | None) -> list[int]:
+    """Rows per pass to plan for: the configured number (at most the batch), else the whole batch, then halves
+    (rounded up) down to one row: a layer's activations scale with its rows per pass, not with the batch."""
+    if rows_per_pass:
+        return [min(rows_per_pass, batch_size)]
+    out = [batch_size]
+    while out[-1] > 1:
+        out.append(-(-out[-1] // 2))
+    return out
+
+
+def search_plans(solve: Callable[[int, str], Schedule], rows: list[int], residents: list[str]) -> Schedule:
+    """The plan to run: for the first of `rows` (rows per pass, largest first) with any feasible plan, the fastest
+    over the `residents` placements of the embedding and LM head (`Schedule.resident`). `solve(rows, resident)`
+    plans one combination or raises InfeasiblePlanError. The schedule records both choices.
+
+    Raises:
+        InfeasiblePlanError: no combination fits; the error of the last one tried (fewest rows, leanest placement:
+            the smallest budgets).
+    """
+    error: InfeasiblePlanError | None = None
+    for r in rows:
+        best = None
+        for resident in residents:
+            try:
+                sched = solve(r, resident)
+            except InfeasiblePlanError as e:
+                error = e
+                continue
+            sched.resident, sched.rows_per_pass = resident, r
+            if best is None or sched.predicted["step_ms"] < best.predicted["step_ms"]:
+                best = sched
+        if best is not None:
+            return best
+    assert error is not None, "search_plans needs at least one row count and one placement"
+    raise error

@@ -58,6 +58,8 @@ class Schedule:
             (`CostModel.kept_grad_bytes`). False in files written before this field existed.
         resident: where the embedding and LM head live (`RESIDENT_PLACEMENTS`); "gpu" in files written before this
             field existed.
+        rows_per_pass: sequences of the micro-batch a decoder layer processes at once (the executor runs it over
+            the micro-batch in row chunks); None: as `lazytrain_config.max_rows_per_pass` says (all rows if unset).
         fingerprint: `plan_fingerprint` of what the plan was made for (model, batch shape, budgets, hardware, the
             plan-shaping options); `solver["fingerprint_inputs"]` holds a hash per input, to name what differs.
         solver: status, mip_gap, solve_ms (MILP only).
@@ -69,6 +71,7 @@ class Schedule:
     prefetch_depth: int = 1
     keep_grads: bool = False
     resident: str = "gpu"
+    rows_per_pass: int | None = None
     fingerprint: str = ""
     solver: dict[str, Any] = field(default_factory=dict)
     predicted: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +92,8 @@ class Schedule:
             problems.append(f"keep_grads must be true or false, but got {self.keep_grads!r}")
         if self.resident not in RESIDENT_PLACEMENTS:
             problems.append(f"resident must be one of {RESIDENT_PLACEMENTS}, but got {self.resident!r}")
+        if self.rows_per_pass is not None and (not isinstance(self.rows_per_pass, int) or self.rows_per_pass < 1):
+            problems.append(f"rows_per_pass must be a whole number >= 1 or null, but got {self.rows_per_pass!r}")
         if not 1 <= self.prefetch_depth <= 8:
             problems.append(f"prefetch_depth must be in [1, 8], but got {self.prefetch_depth}")
         if problems:

@@ -684,7 +684,7 @@ class StreamingExecutor:
         return out[0] if isinstance(out, tuple) else out
 
     def _row_chunks(self, B: int) -> list[tuple[int, int]]:
-        rows = self.config.max_rows_per_pass or B
+        rows = self.schedule.rows_per_pass or self.config.max_rows_per_pass or B
         return [(a, min(a + rows, B)) for a in range(0, B, rows)]
 
     def _forward(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:

@@ -149,7 +149,9 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
                               args=SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1),
                               model=SimpleNamespace(config=resolve_config("qwen3-tiny")),
                               executor=SimpleNamespace(device=torch.device("cpu"),
-                                                       resident=SimpleNamespace(placement="gpu")), plan_layer_costs={},
+                                                       resident=SimpleNamespace(placement="gpu"),
+                                                       schedule=SimpleNamespace(rows_per_pass=None)),
+                              plan_layer_costs={},
                               plan_free_gpu_bytes=None, train_dataset={"input_ids": [[1] * 64]})
     assert cost_model_for_trainer(trainer, 64)[2] == prints["cpu-opt"].fingerprint
     # default budgets: the CLI takes the profile's memory, the Trainer free / total memory; both fingerprint

@@ -128,3 +128,34 @@ def test_cost_model_round_trip_and_validation(cm4):
     assert "fwd_ms" in str(info.value) and "h2d_gbps" in str(info.value)  # all problems at once
     with pytest.raises(ValueError, match="one entry per layer"):
         CostModel(**{**cm4.to_dict(), "bwd_ms": [1.0]})
+
+
+def test_rows_options_halve_down_to_one_row_unless_configured():
+    from lazytrain_hf.planning.planner import rows_options
+
+    assert rows_options(72, None) == [72, 36, 18, 9, 5, 3, 2, 1]
+    assert rows_options(1, None) == [1]
+    assert rows_options(8, 4) == [4] and rows_options(8, 16) == [8]
+
+
+def test_search_plans_takes_the_largest_rows_with_a_plan_and_the_fastest_placement_there():
+    from lazytrain_hf.planning.fixed import fixed_schedule
+    from lazytrain_hf.planning.planner import InfeasiblePlanError, search_plans
+
+    ms = {(4, "host"): 90.0, (4, "gpu"): 80.0, (2, "gpu"): 50.0}  # rows 2 faster, but rows 4 fits first
+    calls = []
+
+    def solve(rows, resident):
+        calls.append((rows, resident))
+        if (rows, resident) not in ms:
+            raise InfeasiblePlanError(f"no plan at {rows} rows, {resident}", min_gpu_bytes=None, min_host_bytes=None,
+                                      min_gpu_bytes_any_host=None)
+        s = fixed_schedule(4)
+        s.predicted = {"step_ms": ms[rows, resident]}
+        return s
+
+    got = search_plans(solve, [8, 4, 2], ["gpu", "host"])
+    assert (got.rows_per_pass, got.resident, got.predicted["step_ms"]) == (4, "gpu", 80.0)
+    assert calls == [(8, "gpu"), (8, "host"), (4, "gpu"), (4, "host")]
+    with pytest.raises(InfeasiblePlanError, match="1 rows, host"):
+        search_plans(solve, [8, 1], ["gpu", "host"])

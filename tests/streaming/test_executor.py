@@ -176,6 +176,25 @@ def test_row_chunked_passes_equal_autograd(arch, sched_name, tmp_path):
         assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-5, name
 
 
+def test_the_schedules_rows_per_pass_is_what_the_executor_runs(monkeypatch):
+    """A plan's `rows_per_pass` (the planner's choice) overrides `max_rows_per_pass`: 3 rows as 1 + 1 + 1."""
+    model = load_model("qwen3.5-tiny", "float32", seed=13)
+    ids, mask, labels = random_batch(model.config.vocab_size, B=3, seed=14)
+    ref_loss, ref_grads = _reference(copy.deepcopy(model), ids, mask, labels)
+    sched = copy.deepcopy(_schedules()["fixed-k2-gpu"])
+    sched.rows_per_pass = 1
+    ex = StreamingExecutor(model, LazyTrainConfig(max_rows_per_pass=2), "cpu", sched)
+    rows = []
+    run = StreamingExecutor._run
+    monkeypatch.setattr(StreamingExecutor, "_run", lambda self, slot, x, call: rows.append(x.shape[0]) or
+                        run(self, slot, x, call))
+    loss = ex.forward_backward(ids, labels, mask)
+    assert set(rows) == {1}
+    assert rel_err(loss, ref_loss) < 1e-6
+    for name, p in model.named_parameters():
+        assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-5, name
+
+
 def test_schedule_recompute_count_matches_executor_ops():
     for sched in _schedules().values():
         assert sched.recomputed_layers() == sum(op == "recompute" for op, _ in plan_ops(sched))
