@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["fla_usable", "select_linear_attention", "linear_attention_kernel", "linear_attention_layers"]
+__all__ = ["fla_usable", "select_linear_attention", "linear_attention_kernel", "linear_attention_layers",
+           "use_reference_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +313,16 @@ def _reference_norm(mod: Any, norm: torch.nn.Module, layer: torch.nn.Module) -> 
     new = cls(norm.weight.shape[0], eps=eps)
     new.weight = norm.weight
     return new
+
+
+def use_reference_kernels(model: torch.nn.Module, conv: bool = False) -> list[str]:
+    """Run the model's linear-attention layers on transformers' reference PyTorch functions whatever is installed
+    (benchmarks, or to rule a kernel out); the causal conv too when `conv`. Idempotent; logs nothing.
+
+    Returns:
+        what was switched ("module.name" or "Layer.attribute"), empty when nothing needed it.
+    """
+    return _use_reference(linear_attention_layers(model), conv=conv)
 
 
 def _say(path: str, reason: str, warn: bool) -> None:

@@ -298,3 +298,40 @@ def test_no_fla_import_at_package_import(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "False" and "fla imported" not in r.stderr
+
+
+def test_use_reference_kernels_forces_the_reference(monkeypatch):
+    _bind_fake_fla(monkeypatch)
+    model = load_model("qwen3.5-tiny", "float32")
+    switched = kernels.use_reference_kernels(model)
+    assert sorted(switched) == sorted(f"{_qwen35_module().__name__}.{n}" for n in kernels._RULE_GLOBALS)
+    assert kernels.linear_attention_kernel(model) == "torch"
+    assert kernels.use_reference_kernels(model) == []
+
+
+@pytest.mark.parametrize("budget_s", [900.0, 0.0])
+def test_bench_linear_attention_cpu_smoke(monkeypatch, tmp_path, budget_s):
+    """The GPU benchmark on a tiny shape on the CPU, fla bound but failing: one row per path, fla's failure as an
+    "error" row with its message, the reference measured; a spent budget leaves "not run" rows. No timing asserted."""
+    import json
+
+    from benchmarks.bench_linear_attention import main
+
+    _bind_fake_fla(monkeypatch)
+    out = tmp_path / "la.json"
+    main(["--model", "qwen3.5-tiny", "--device", "cpu", "--batch-size", "1", "--seq-len", "70", "--iters", "1",
+          "--warmup", "0", "--systems", "fla,torch", "--budget-s", str(budget_s), "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "linear_attention" and doc["command"]
+    rows = {(r["system"], r["extra"]["kind"]): r for r in doc["rows"]}
+    assert set(rows) == {("fla", "linear_attention"), ("torch", "linear_attention"), ("torch", "full_attention")}
+    if budget_s == 0:
+        assert all(r["status"] == "error" and r["reason"].startswith("not run") for r in rows.values())
+        return
+    fla = rows["fla", "linear_attention"]
+    assert fla["status"] == "error" and FLA_ERROR in fla["reason"] and fla["extra"]["kernel"] == "fla"
+    for key in (("torch", "linear_attention"), ("torch", "full_attention")):
+        r = rows[key]
+        assert r["status"] == "ok", r["reason"]
+        assert r["steps_timed"] == 1 and r["extra"]["fwd_ms"] > 0 and r["extra"]["fwd_bwd_ms"] > 0
+    assert rows["torch", "linear_attention"]["extra"]["kernel"] == "torch"
