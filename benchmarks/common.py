@@ -122,14 +122,72 @@ def gsm8k_token_rows(seq_len: int, num_rows: int, data_dir: str | None = None) -
     return torch.tensor(ids[:need]).view(num_rows, seq_len)
 
 
+#: options of a model string "<name>:<option>=<value>[:...]" -> the config field each sets
+MODEL_OPTIONS = {"layers": "num_hidden_layers"}
+
+
+def parse_model(spec: str) -> tuple[str, dict[str, int]]:
+    """A harness model string as (name, options): ``"qwen3.6-27b:layers=16"`` -> ``("qwen3.6-27b",
+    {"num_hidden_layers": 16})``, the registry (or Hub / local) shape with its first 16 decoder layers; a string
+    without ``:`` (or an existing folder) -> ``(spec, {})``.
+
+    Raises:
+        ValueError: an option other than ``layers=N`` (N an integer >= 1), or one given twice.
+    """
+    if ":" not in spec or Path(spec).is_dir():
+        return spec, {}
+    name, *opts = spec.split(":")
+    out: dict[str, int] = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        field = MODEL_OPTIONS.get(key.strip())
+        if not eq or field is None or not value.strip().isdigit() or int(value) < 1 or field in out:
+            raise ValueError(f"model {spec!r}: option {opt!r} is not understood; write <name>:layers=N with N an "
+                             "integer >= 1, e.g. qwen3.6-27b:layers=16")
+        out[field] = int(value)
+    if not name:
+        raise ValueError(f"model {spec!r}: no model name before ':'; e.g. qwen3.6-27b:layers=16")
+    return name, out
+
+
+def depth_overrides(name: str, num_hidden_layers: int) -> dict[str, Any]:
+    """Config overrides that keep the first `num_hidden_layers` decoder layers of `name`'s config: the count and,
+    where the config lists a kind per layer (`layer_types`: Qwen3.5's 3 linear_attention : 1 full_attention, Qwen2's
+    sliding / full), that list cut to the same length, so the kept layers are the deep model's first ones (a loaded
+    config keeps its own list otherwise: a count without the list leaves the two inconsistent). For
+    `lazytrain_hf.models.resolve_config(name, **overrides)` and `load_model(name, dtype, **overrides)`.
+
+    Raises:
+        ValueError: the config lists fewer layer kinds than `num_hidden_layers`.
+    """
+    from lazytrain_hf.models import resolve_config
+
+    types = getattr(resolve_config(name), "layer_types", None)
+    if types is None:
+        return {"num_hidden_layers": num_hidden_layers}
+    if num_hidden_layers > len(types):
+        raise ValueError(f"model {name!r} has {len(types)} layers: layers={num_hidden_layers} cannot be taken from it; "
+                         f"pass layers=N with N <= {len(types)}")
+    return {"num_hidden_layers": num_hidden_layers, "layer_types": list(types[:num_hidden_layers])}
+
+
+def model_overrides(spec: str) -> tuple[str, dict[str, Any]]:
+    """(name, config overrides) of a harness model string (`parse_model`, `depth_overrides`)."""
+    name, opts = parse_model(spec)
+    n = opts.get("num_hidden_layers")
+    return name, ({} if n is None else depth_overrides(name, n))
+
+
 def fast_random_model(name: str, dtype: torch.dtype = torch.bfloat16):
-    """The registry shape `name` on the CPU with N(0, 0.02) weights, unit norms, zero biases; built on the meta
-    device and filled in place (seconds for 7B instead of minutes of per-module init)."""
+    """The registry shape `name` (a harness model string: `parse_model`) on the CPU with N(0, 0.02) weights, unit
+    norms, zero biases; built on the meta device and filled in place (seconds for 7B instead of minutes of
+    per-module init)."""
     from transformers import AutoModelForCausalLM
 
     from lazytrain_hf.models import resolve_config
 
-    config = resolve_config(name)
+    base, overrides = model_overrides(name)
+    config = resolve_config(base, **overrides)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device="cpu")

@@ -60,6 +60,32 @@ def _best(rows: list[dict[str, Any]], system: str) -> dict[str, Any] | None:
 NOTE_CELL = 100
 
 
+def _step(r: dict[str, Any]) -> str:
+    if r["step_s_median"] is None:
+        return "-"
+    if r["step_s_p10"] is None:   # a row recovered from a worker's printed line keeps only the median
+        return f"{r['step_s_median']:.3f} (median only)"
+    return f"{r['step_s_median']:.3f} ({r['step_s_p10']:.3f}-{r['step_s_p90']:.3f}, n={r['steps_timed']})"
+
+
+def _note(r: dict[str, Any], full: dict[str, int]) -> str:
+    """A row's note cell (its source file, its failure reason or how it was recovered, its out-of-memory
+    recoveries); a note longer than NOTE_CELL ends at a word boundary with a reference to its full text, numbered in
+    `full` (long note -> number)."""
+    extra = r.get("extra") or {}
+    recovered = "recovered from the worker's printed line" if extra.get("recovered_from_stdout") else ""
+    oom = f"after {extra['oom_recoveries']} out-of-memory recoveries" if extra.get("oom_recoveries") else ""
+    note = " ".join(((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or recovered or oom)).split())
+    if len(note) > NOTE_CELL:
+        n = full.setdefault(note, len(full) + 1)
+        note = textwrap.shorten(note, NOTE_CELL, placeholder=f" ... (note {n})")
+    return note.replace("|", "/")
+
+
+def _notes_in_full(full: dict[str, int]) -> list[str]:
+    return ["", "Notes in full:", "", *[f"{n}. {text}" for text, n in full.items()]] if full else []
+
+
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """The rows' table; notes longer than NOTE_CELL end at a word boundary with a reference to the full text, listed
     (once per distinct note) right below the table."""
@@ -68,26 +94,39 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
            "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     full: dict[str, int] = {}  # long note -> its number below the table
     for r in rows:
-        if r["step_s_median"] is None:
-            step = "-"
-        elif r["step_s_p10"] is None:   # a row recovered from a worker's printed line keeps only the median
-            step = f"{r['step_s_median']:.3f} (median only)"
-        else:
-            step = f"{r['step_s_median']:.3f} ({r['step_s_p10']:.3f}-{r['step_s_p90']:.3f}, n={r['steps_timed']})"
         xfer = "-" if r["exposed_h2d_ms"] is None else f"{r['exposed_h2d_ms']:.0f} / {r['exposed_d2h_ms'] or 0:.0f}"
-        recovered = "recovered from the worker's printed line" if (r.get("extra") or {}).get("recovered_from_stdout") \
-            else ""
-        note = " ".join(((f"[{r['source']}] " if r.get("source") else "") + (r.get("reason") or recovered)).split())
-        if len(note) > NOTE_CELL:
-            n = full.setdefault(note, len(full) + 1)
-            note = textwrap.shorten(note, NOTE_CELL, placeholder=f" ... (note {n})")
-        out.append(f"| {r['system']} | {r['batch_size']} | {r['status']} | {step} | {_f(r['tokens_per_s'], 0)} | "
+        out.append(f"| {r['system']} | {r['batch_size']} | {r['status']} | {_step(r)} | {_f(r['tokens_per_s'], 0)} | "
                    f"{_f(r['tflops_6nd'])} | {_f(r['tflops_executed'])} | {_f(r['peak_gpu_gib'])} | "
                    f"{_f(r['peak_host_rss_gib'])} | {_f(r['pinned_planned_gib'])} | {xfer} | "
-                   f"{_f(r['optimizer_ms'], 0)} | {note.replace('|', '/')} |")
-    if full:
-        out += ["", "Notes in full:", "", *[f"{n}. {text}" for text, n in full.items()]]
-    return out
+                   f"{_f(r['optimizer_ms'], 0)} | {_note(r, full)} |")
+    return out + _notes_in_full(full)
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f}" if x >= 0.1 else f"{x:.3g}"
+
+
+def hybrid_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The hybrid suite's table of one (model, cap): step time, TFLOPS 6ND, peak GPU memory, the MILP's prediction
+    at train begin (and after calibration) with its error against the measured median, the linear-attention kernel
+    that ran, and LazyTrain-MILP / LazyTrain-fixed TFLOPS at the same batch (on the MILP rows)."""
+    fixed = {r["batch_size"]: r["tflops_6nd"] for r in rows
+             if r["system"] == "lazytrain_fixed" and r["status"] == "ok" and r["tflops_6nd"]}
+    out = ["| system | batch | status | step s (p10-p90) | TFLOPS 6ND | peak GPU GiB | predicted s (calibrated) | "
+           "prediction error % | linear-attention kernel | MILP / fixed | note |",
+           "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | --- | ---: | --- |"]
+    full: dict[str, int] = {}
+    for r in rows:
+        extra = r.get("extra") or {}
+        pred, cal, med = r.get("predicted_step_s"), extra.get("predicted_step_s_calibrated"), r["step_s_median"]
+        shown = "-" if pred is None else _s(pred) + (f" ({_s(cal)})" if cal is not None else "")
+        err = f"{100 * (pred / med - 1):+.1f}" if pred and med else "-"
+        ratio = (f"{r['tflops_6nd'] / fixed[r['batch_size']]:.2f}x" if r["system"] == REF and r["status"] == "ok"
+                 and r["tflops_6nd"] and r["batch_size"] in fixed else "-")
+        out.append(f"| {r['system']} | {r['batch_size']} | {r['status']} | {_step(r)} | {_f(r['tflops_6nd'])} | "
+                   f"{_f(r['peak_gpu_gib'])} | {shown} | {err} | {extra.get('linear_attention_kernel') or '-'} | "
+                   f"{ratio} | {_note(r, full)} |")
+    return out + _notes_in_full(full)
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[str]:
@@ -114,14 +153,23 @@ def ratios(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _probe(p: dict[str, Any]) -> str:
+    ok = p.get("feasible", p["status"] == "ok" if p["status"] in ("ok", "oom", "timeout") else None)
+    what = "feasible" if ok else ("infeasible" if ok is False else p["status"])
+    why = " (out-of-memory recovery)" if p.get("oom_recoveries") else ""
+    return f"{p['batch_size']} {what}{why}"
+
+
 def max_batch_table(entries: list[dict[str, Any]]) -> list[str]:
+    """The largest-batch searches, each with its probes in the order run (batch size and outcome)."""
     if not entries:
         return []
-    out = ["| model | cap | system | largest feasible batch | first infeasible | complete | probes |",
-           "| --- | --- | --- | ---: | ---: | --- | ---: |"]
+    out = ["| model | cap | system | largest feasible batch | first infeasible | complete | probes (in order) |",
+           "| --- | --- | --- | ---: | ---: | --- | --- |"]
     for e in sorted(entries, key=lambda e: (e["model"], str(e["gpu_cap_gib"]), e["system"])):
         out.append(f"| {e['model']} | {_cap(e['gpu_cap_gib'])} | {e['system']} | {e['max_batch'] or 'none'} | "
-                   f"{e['first_infeasible'] or '-'} | {e['complete']} | {len(e['probes'])} |")
+                   f"{e['first_infeasible'] or '-'} | {e['complete']} | "
+                   f"{'; '.join(_probe(p) for p in e['probes']) or '-'} |")
     return out
 
 
@@ -326,8 +374,17 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
         lines += [f"Notes: {doc['notes']}", ""]
     if png:
         lines += [f"![TFLOPS 6ND vs batch]({png})", ""]
+    if doc["suite"] == "hybrid":
+        confs = sorted({str((r.get("extra") or {}).get("configuration")) for r in doc["rows"]
+                        if str(r["system"]).startswith("lazytrain")})
+        lines += [f"LazyTrain configuration: {', '.join(confs)} (extra.lazytrain_config holds each row's). Predicted: "
+                  "the MILP's step at train begin (layers timed on the GPU, before calibration), in parentheses after "
+                  "calibration; prediction error = predicted / measured median - 1.", ""]
     for (model, cap), rows in _groups(doc["rows"]).items():
-        lines += [f"## {model}, GPU cap {_cap(cap)}", "", *table(rows), "", *ratios(rows), ""]
+        if doc["suite"] == "hybrid":
+            lines += [f"## {model}, GPU cap {_cap(cap)}", "", *hybrid_table(rows), ""]
+        else:
+            lines += [f"## {model}, GPU cap {_cap(cap)}", "", *table(rows), "", *ratios(rows), ""]
     if doc.get("max_batch"):
         lines += ["## Largest feasible batch (doubling, then bisection; 1 warm-up + 1 timed step per probe)", "",
                   *max_batch_table(doc["max_batch"]), ""]

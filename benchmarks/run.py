@@ -10,8 +10,18 @@ batch size: an out-of-memory error, a crash or a hang cannot take the harness do
 (shared/RESULTS_FORMAT.md); a rerun skips every (system, model, cap, batch) already there with status ok, oom or
 unsupported, so a suite longer than one 10-minute GPU call is covered in stages (--budget-s stops starting work and
 kills what runs at the deadline without recording it, so the next call redoes it).
---find-max-batch searches each system's largest feasible batch (doubling, then bisection; each probe a short run in
-its own process) and stores the result under "max_batch" in --out.
+--find-max-batch searches each system's largest feasible batch (doubling, then bisection to adjacent batch sizes;
+each probe a short run in its own process; a probe that trained only after a LazyTrain out-of-memory recovery counts
+as infeasible) and stores it, with every probed size and its outcome, under "max_batch" in --out (saved after each
+probe: an unfinished search resumes).
+
+    python -m benchmarks.run --suite hybrid --out benchmarks/results/hybrid-YYYYMMDD.json --budget-s 510
+
+Models: registry names, Hub ids or local folders, each optionally with `:layers=N`: the same config with its first N
+decoder layers (num_hidden_layers and a per-layer `layer_types` list cut alike; e.g. qwen3.6-27b:layers=16). Rows
+keep the string as given in `model` and record extra.num_hidden_layers. The hybrid suite runs LazyTrain with the
+product's defaults (extra.configuration "product defaults": lazytrain_config holds only the policy and the GPU budget,
+the stock LazyTrainer); the 7b and full suites keep the harness's settings (benchmarks/systems.py).
 """
 
 from __future__ import annotations
@@ -33,8 +43,8 @@ from typing import Any
 
 from lazytrain_hf.config import LazyTrainConfig
 
-from .common import git_commit, gsm8k_dir, row
-from .systems import ONE_BATCH_PER_PROCESS, SYSTEMS, unsupported_reason
+from .common import depth_overrides, git_commit, gsm8k_dir, parse_model, row
+from .systems import HARNESS_SETTINGS, ONE_BATCH_PER_PROCESS, PRODUCT_DEFAULTS, SYSTEMS, unsupported_reason
 from .worker import fmt_row
 
 FINAL = ("ok", "oom", "unsupported")
@@ -44,6 +54,10 @@ OFFLOAD = ("fsdp2_cpu_offload", "zero_offload")
 ORDER = (*LT, *STOCK, *OFFLOAD)
 
 #: name -> settings. batch[cap][system]: batch sizes per GPU cap (None = uncapped). timeout[system]: seconds.
+#: Optional: systems (default all), lazytrain (PRODUCT_DEFAULTS: LazyTrain rows as a user runs them; default the
+#: harness's settings), max_batch_caps (caps whose largest batch is searched without --find-max-batch), row_s[cap]
+#: (seconds a row takes: no row starts with less budget left, so a call's last minutes are not spent on a row the
+#: deadline kills).
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                   batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
@@ -57,6 +71,14 @@ SUITES: dict[str, dict[str, Any]] = {
                timeout={**{s: 420 for s in LT}, **{s: 240 for s in STOCK}, "fsdp2_cpu_offload": 360,
                         "zero_offload": 480}),
 }
+# The Qwen3.5 / 3.6 hybrid family (3 linear-attention : 1 full-attention layers) at 16 of qwen3.6-27b's 64 layers
+# (8.6 B parameters, 2.5 B of them embedding + head): LazyTrain with the product's defaults. warmup 6: by default
+# the MILP calibrates after 3 measured steps that follow 2 unused ones (hf/callback.py), so the re-plan lands after
+# step 5 and step 6 (the one after it waits on no update) is not timed either: the 5 timed steps run one plan.
+SUITES["hybrid"] = dict(device="cuda", models=["qwen3.6-27b:layers=16"], caps=[80, 24], seq_len=1024, steps=5,
+                        warmup=6, systems=list(LT), lazytrain=PRODUCT_DEFAULTS, max_batch_caps=[24],
+                        batch={80: {s: [72] for s in LT}, 24: {s: [8] for s in LT}},
+                        timeout={s: 480 for s in LT}, row_s={80: 330, 24: 150})
 SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
                       batch={**SUITES["7b"]["batch"],
                              None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
@@ -124,6 +146,9 @@ class Results:
 
     def put(self, rows: list[dict[str, Any]]) -> None:
         for r in rows:
+            depth = _depth(r["model"])
+            if depth is not None:  # also on rows no worker wrote (timeout, crash)
+                r.setdefault("extra", {}).setdefault("num_hidden_layers", depth)
             self.doc["rows"] = [x for x in self.doc["rows"] if _key(x) != _key(r)] + [r]
         self.save()
 
@@ -138,6 +163,13 @@ class Results:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.doc, indent=1, default=str))
         tmp.replace(self.path)
+
+
+def _depth(model: str) -> int | None:
+    try:
+        return parse_model(model)[1].get("num_hidden_layers")
+    except ValueError:
+        return None
 
 
 def _free_port() -> int:
@@ -234,11 +266,24 @@ def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir
 
 def _spec(args: argparse.Namespace, suite: dict[str, Any], system: str, model: str, cap: float | None,
           batch_sizes: list[int], steps: int | None = None, warmup: int | None = None) -> dict[str, Any]:
-    return dict(system=system, model=model, gpu_cap_gib=cap, batch_sizes=batch_sizes, seq_len=args.seq_len,
+    spec = dict(system=system, model=model, gpu_cap_gib=cap, batch_sizes=batch_sizes, seq_len=args.seq_len,
                 steps=args.steps if steps is None else steps, warmup=args.warmup if warmup is None else warmup,
-                device=args.device, data_dir=args.data_dir, rows_per_pass=args.rows_per_pass, checkpoint_every=4,
-                master_weights="kahan", loss_chunk_tokens=2048, embedding_states=args.embedding_states,
-                zero_stage=args.zero_stage, keep_gpu_grads=not args.no_kept_grads)
+                device=args.device, data_dir=args.data_dir, zero_stage=args.zero_stage,
+                configuration=_configuration(suite))
+    if spec["configuration"] == HARNESS_SETTINGS:  # the LazyTrain knobs of the 7b / full suites
+        spec.update(rows_per_pass=args.rows_per_pass, checkpoint_every=4, master_weights="kahan",
+                    loss_chunk_tokens=2048, embedding_states=args.embedding_states,
+                    keep_gpu_grads=not args.no_kept_grads)
+    return spec
+
+
+def _configuration(suite: dict[str, Any]) -> str:
+    """How a suite's LazyTrain rows are configured: PRODUCT_DEFAULTS or HARNESS_SETTINGS (benchmarks/systems.py)."""
+    return suite.get("lazytrain", HARNESS_SETTINGS)
+
+
+def _min_start(args: argparse.Namespace, suite: dict[str, Any], cap: float | None) -> float:
+    return max(args.min_start_s, suite.get("row_s", {}).get(cap, 0))
 
 
 def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, system: str, model: str,
@@ -254,7 +299,7 @@ def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, syste
         return
     groups = [[B] for B in todo] if system in ONE_BATCH_PER_PROCESS else [todo]
     for group in groups:
-        if time.time() > deadline - args.min_start_s:
+        if time.time() > deadline - _min_start(args, suite, cap):
             print(f"budget: not starting {system} {model} cap={cap} B={group}", flush=True)
             return
         rows = run_process(_spec(args, suite, system, model, cap, group), args.timeout_s or suite["timeout"][system],
@@ -265,48 +310,96 @@ def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, syste
                 print(fmt_row(r), flush=True)
 
 
+#: the reason of a probe that trained only because LazyTrain recovered from running out of GPU memory
+RECOVERED = "ran only after an out-of-memory recovery"
+
+
+def probe_outcome(r: dict[str, Any]) -> tuple[bool | None, str | None]:
+    """(feasible, reason) of a max-batch probe's row: feasible = trained with no out-of-memory recovery in its run
+    (extra.oom_recoveries, warm-up included; LazyTrainer.oom_recoveries); out of memory, a timeout or a recovery:
+    infeasible; anything else (an error, the deadline): None, the search cannot go on."""
+    if ((r.get("extra") or {}).get("oom_recoveries") or 0) > 0:
+        return False, RECOVERED
+    if r["status"] == "ok":
+        return True, None
+    if r["status"] in ("oom", "timeout"):
+        return False, r.get("reason")
+    return None, r.get("reason")
+
+
+def search_max_batch(probe: Callable[[int], bool | None], lo: int = 0, hi: int | None = None, limit: int = 512,
+                     resolution: float = 0.0,
+                     progress: Callable[[int, int | None], None] | None = None) -> tuple[int, int | None, bool]:
+    """The largest batch `probe` finds feasible: doubling from `lo` (the largest known feasible batch, 0: none)
+    up to `limit` until a size is infeasible, then bisection between the largest feasible and the smallest
+    infeasible (`hi`, None: none known) until they are adjacent, or hi - lo <= lo x `resolution`.
+
+    `probe(B)`: True feasible, False infeasible, None stop (an error, the budget); `progress(lo, hi)` is called
+    after each probe that decided. Returns (largest feasible, 0 if none; smallest infeasible or None; complete:
+    False when a probe stopped the search)."""
+    while True:
+        if hi is None:
+            if lo >= limit:
+                return lo, hi, True
+            B = min(limit, max(1, lo * 2))
+        elif hi - lo <= max(1, int(lo * resolution)):
+            return lo, hi, True
+        else:
+            B = (lo + hi) // 2
+        ok = probe(B)
+        if ok is None:
+            return lo, hi, False
+        if ok:
+            lo = B
+        else:
+            hi = B
+        if progress is not None:
+            progress(lo, hi)
+
+
 def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results, system: str, model: str,
                    cap: float | None, deadline: float, workdir: Path) -> None:
-    """Largest batch that trains (1 warm-up + 1 timed step): double from the largest known feasible batch until
-    out of memory, then bisect to --max-batch-resolution (relative). Known rows seed the bounds."""
-    if any((x["system"], x["model"], x["gpu_cap_gib"]) == (system, model, cap) and x.get("complete")
-           for x in res.doc["max_batch"]):
+    """Largest batch that trains (1 warm-up + 1 timed step per probe, each its own process; `search_max_batch`,
+    `probe_outcome`). Known rows and the probes of an unfinished search in --out seed the bounds; the entry is saved
+    after every probe, so a search longer than one call resumes where it stopped."""
+    key = (system, model, cap)
+    entry = next((x for x in res.doc["max_batch"] if (x["system"], x["model"], x["gpu_cap_gib"]) == key), None)
+    if entry is not None and entry.get("complete"):
         return
     if unsupported_reason(system, args.device, check_imports=False):
         return
-    known = [r for r in res.doc["rows"] if (r["system"], r["model"], r["gpu_cap_gib"]) == (system, model, cap)]
-    ok = [r["batch_size"] for r in known if r["status"] == "ok"]
-    bad = [r["batch_size"] for r in known if r["status"] == "oom" and not str(r["reason"]).startswith("not run")]
-    lo, hi = max(ok, default=0), min((b for b in bad if b > max(ok, default=0)), default=None)
-    probes: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = list(entry["probes"]) if entry else []
+    known = [r for r in res.doc["rows"] if (r["system"], r["model"], r["gpu_cap_gib"]) == key
+             and not str(r["reason"]).startswith("not run")]
+    judged = [(r["batch_size"], probe_outcome(r)[0]) for r in known if r["status"] in ("ok", "oom")] + \
+        [(p["batch_size"], p["feasible"]) for p in probes if p.get("feasible") is not None]
+    lo = max((B for B, ok in judged if ok), default=0)
+    hi = min((B for B, ok in judged if ok is False and B > lo), default=None)
     timeout = args.timeout_s or suite["timeout"][system]
-    while True:
-        if hi is None:
-            B = max(1, lo * 2)
-            if B > args.max_batch_limit:
-                break
-        elif hi - lo <= max(1, int(lo * args.max_batch_resolution)):
-            break
-        else:
-            B = (lo + hi) // 2
-        if time.time() > deadline - args.min_start_s:
-            print(f"budget: max-batch search of {system} cap={cap} stopped at lo={lo} hi={hi}", flush=True)
-            return
+
+    def save(lo: int, hi: int | None, complete: bool) -> None:
+        res.put_max_batch({"system": system, "model": model, "gpu_cap_gib": cap, "max_batch": lo or None,
+                           "first_infeasible": hi, "limit": args.max_batch_limit, "complete": complete,
+                           "probes": probes})
+
+    def probe(B: int) -> bool | None:
+        if time.time() > deadline - _min_start(args, suite, cap):
+            print(f"budget: max-batch search of {system} cap={cap} stopped before B={B}", flush=True)
+            return None
         rows = run_process(_spec(args, suite, system, model, cap, [B], steps=1, warmup=1), timeout, deadline,
                            workdir)
-        r = rows[0] if rows else row(system=system, batch_size=B, status="deadline")
-        probes.append({"batch_size": B, "status": r["status"], "step_s": r["step_s_median"],
-                       "tflops_6nd": r["tflops_6nd"], "peak_gpu_gib": r["peak_gpu_gib"], "reason": r["reason"]})
-        print(f"max-batch probe {system} cap={cap} B={B}: {r['status']}", flush=True)
-        if r["status"] == "ok":
-            lo = B
-        elif r["status"] in ("oom", "timeout"):
-            hi = B
-        else:
-            break
-    done = not probes or probes[-1]["status"] in ("ok", "oom", "timeout")
-    res.put_max_batch({"system": system, "model": model, "gpu_cap_gib": cap, "max_batch": lo or None,
-                       "first_infeasible": hi, "limit": args.max_batch_limit, "complete": done, "probes": probes})
+        r = rows[0] if rows else row(system=system, batch_size=B, status="deadline", reason="killed at the deadline")
+        ok, reason = probe_outcome(r)
+        probes.append({"batch_size": B, "status": r["status"], "feasible": ok, "reason": reason,
+                       "oom_recoveries": (r.get("extra") or {}).get("oom_recoveries"), "step_s": r["step_s_median"],
+                       "tflops_6nd": r["tflops_6nd"], "peak_gpu_gib": r["peak_gpu_gib"]})
+        print(f"max-batch probe {system} cap={cap} B={B}: {r['status']}"
+              + ("" if ok is None else " (feasible)" if ok else f" (infeasible: {str(reason)[:120]})"), flush=True)
+        return ok
+
+    lo, hi, complete = search_max_batch(probe, lo, hi, args.max_batch_limit, args.max_batch_resolution,
+                                        progress=lambda lo, hi: save(lo, hi, False))
+    save(lo, hi, complete)
 
 
 def _parse_caps(s: str) -> list[float | None]:
@@ -333,7 +426,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="override the suite's per-system batch sizes")
     p.add_argument("--find-max-batch", action="store_true")
     p.add_argument("--max-batch-limit", type=int, default=512)
-    p.add_argument("--max-batch-resolution", type=float, default=0.125, help="bisection stops at hi-lo <= lo x this")
+    p.add_argument("--max-batch-resolution", type=float, default=0.0,
+                   help="bisection stops at hi-lo <= max(1, lo x this); default 0: adjacent batch sizes")
     p.add_argument("--steps", type=int, default=None, help="timed steps (suite default)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps, not timed (suite default)")
     p.add_argument("--seq-len", type=int, default=None)
@@ -341,9 +435,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=None, help="per-process limit (suite default per system)")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting work, and kill at, this many seconds")
     p.add_argument("--min-start-s", type=float, default=45.0, help="do not start a process with less time left")
-    p.add_argument("--embedding-states", choices=["8bit", "fp32"], default="8bit")
-    p.add_argument("--rows-per-pass", type=int, default=8,
-                   help="LazyTrain rows: lazytrain_config.max_rows_per_pass (sequences per layer pass; default 8)")
+    p.add_argument("--embedding-states", choices=["8bit", "fp32"], default=None,
+                   help="LazyTrain rows of the harness's settings: embedding / lm_head optimizer states (default 8bit)")
+    p.add_argument("--rows-per-pass", type=int, default=None,
+                   help="LazyTrain rows of the harness's settings: lazytrain_config.max_rows_per_pass (sequences per "
+                        "layer pass; default 8)")
     p.add_argument("--zero-stage", type=int, choices=[2, 3], default=3)
     p.add_argument("--no-kept-grads", action="store_true",
                    help="LazyTrain rows: lazytrain_config.keep_gpu_grads=False (every gradient goes to the host)")
@@ -352,6 +448,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
+    if _configuration(suite) == PRODUCT_DEFAULTS:
+        # a setting the product's defaults do not have would make these rows something a user does not run
+        given = [flag for flag, v in (("--rows-per-pass", args.rows_per_pass), ("--embedding-states",
+                                      args.embedding_states), ("--no-kept-grads", args.no_kept_grads or None))
+                 if v is not None]
+        given += [f"environment {k}" for k in ("HARNESS_CALIBRATE_STEPS", "HARNESS_GPU_MEMORY_MARGIN",
+                                                "HARNESS_SLOT_REUSE") if k in os.environ]
+        if given:
+            p.error(f"suite {args.suite} runs LazyTrain with the product's defaults; {', '.join(given)} would change "
+                    "them: leave it out (the 7b and full suites take it)")
+    args.rows_per_pass = 8 if args.rows_per_pass is None else args.rows_per_pass
+    args.embedding_states = args.embedding_states or "8bit"
     for k in ("steps", "warmup", "seq_len", "device"):
         if getattr(args, k) is None:
             setattr(args, k, suite[k])
@@ -378,13 +486,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown systems {sorted(bad)}; known: {', '.join(SYSTEMS)}")
     from lazytrain_hf.models import ARCHITECTURES
 
-    # registry names, local model folders and Hub ids (owner/name) are what a worker can build; anything else would
-    # only fail inside the worker after its imports, as an error row
-    unknown = [m for m in args.models or [] if not m or (m not in ARCHITECTURES and not Path(m).is_dir()
-                                                         and "/" not in m)]
+    # registry names, local model folders and Hub ids (owner/name), each optionally :layers=N, are what a worker can
+    # build; anything else would only fail inside the worker after its imports, as an error row
+    unknown = []
+    for m in args.models or []:
+        try:
+            name, opts = parse_model(m)
+        except ValueError as e:
+            p.error(str(e))
+        if not name or (name not in ARCHITECTURES and not Path(name).is_dir() and "/" not in name):
+            unknown.append(m)
+        elif opts and name in ARCHITECTURES:
+            try:
+                depth_overrides(name, opts["num_hidden_layers"])
+            except ValueError as e:
+                p.error(str(e))
     if unknown:
         p.error(f"unknown models {unknown}: use registry names ({', '.join(sorted(ARCHITECTURES))}), a local model "
-                "folder or a Hub id")
+                "folder or a Hub id, optionally with :layers=N (its first N decoder layers, e.g. qwen3.6-27b:layers=16)")
     # the harness's A/B and profiling switches are read in the workers: refuse bad values here, before any row runs
     for name, (kind, lo, hi, what) in SWITCHES.items():
         raw = os.environ.get(name)
@@ -430,10 +549,17 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
     if other_seq:   # rows are keyed by system, model, cap and batch: a resume would keep them as if measured now
         raise SystemExit(f"benchmarks.run: {args.out} holds rows at seq_len {other_seq}, not {args.seq_len}: pass "
                          "another --out, or the same --seq-len to resume it")
+    configuration = _configuration(suite)
+    lt_rows = [r for r in res.doc["rows"] if str(r["system"]).startswith("lazytrain") and r["status"] != "unsupported"]
+    other_conf = sorted({(r.get("extra") or {}).get("configuration") or HARNESS_SETTINGS for r in lt_rows
+                         if (r.get("extra") or {}).get("lazytrain_config")} - {configuration})
+    if other_conf:  # rows written before `configuration` was recorded ran the harness's settings
+        raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows run with {other_conf}, not "
+                         f"{configuration!r}: pass another --out")
     # (lazytrain_config key, this run's value, its flag, the value of a LazyTrain row that lacks the key: rows
     # written before keep_gpu_grads existed kept no gradients on the GPU; the margin is recorded only when set)
     margin = os.environ.get("HARNESS_GPU_MEMORY_MARGIN")
-    for key, value, flag, missing in (
+    for key, value, flag, missing in () if configuration == PRODUCT_DEFAULTS else (
             ("max_rows_per_pass", args.rows_per_pass, f"--rows-per-pass {args.rows_per_pass}", None),
             ("keep_gpu_grads", not args.no_kept_grads,
              "--no-kept-grads" if args.no_kept_grads else "kept gradients (no --no-kept-grads)", False),
@@ -445,23 +571,27 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
         if other:  # the same reason, for LazyTrain rows
             raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows with {key}={other}, not {flag}: "
                              "pass another --out, or the same setting to resume it")
-    systems = [s for s in ORDER if s in (args.systems or ORDER)]
+    systems = [s for s in ORDER if s in (args.systems or suite.get("systems") or ORDER)]
+    searched = []
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         for model in args.models or suite["models"]:
             for cap in suite["caps"] if args.caps is None else args.caps:
                 for system in systems:
                     measure(args, suite, res, system, model, cap, deadline, Path(tmp))
-                    if args.find_max_batch:
+                    if args.find_max_batch or cap in suite.get("max_batch_caps", ()):
                         find_max_batch(args, suite, res, system, model, cap, deadline, Path(tmp))
+                        searched.append((system, model, cap))
     planned = [(s, m, c, B) for m in args.models or suite["models"]
                for c in (suite["caps"] if args.caps is None else args.caps) for s in systems
                for B in args.batch_sizes or suite["batch"].get(c, {}).get(s) or [8]]
     left = [k for k in planned if not res.done(k)]
+    left += [k for k in searched if not any((x["system"], x["model"], x["gpu_cap_gib"]) == k and x.get("complete")
+                                            for x in res.doc["max_batch"])]
     subset = any(x is not None for x in (args.systems, args.caps, args.models, args.batch_sizes))
     print(f"{len(res.doc['rows'])} rows in {args.out}; " +
           (("all requested rows done (a subset of the suite)" if subset else "suite complete") if not left
-           else f"REMAINING {len(left)} (error/timeout/not run): run the same command "
-           "again with the same --out to resume"), flush=True)
+           else f"REMAINING {len(left)} (rows error/timeout/not run, or unfinished max-batch searches): run the same "
+           "command again with the same --out to resume"), flush=True)
     return res
 
 

@@ -35,6 +35,12 @@ ONE_BATCH_PER_PROCESS = ("fsdp2_cpu_offload", "zero_offload")
 HPARAMS: dict[str, Any] = dict(learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                                weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0)
 GIB = 1024**3
+#: spec["configuration"] of LazyTrain rows run as a user would: LazyTrainingArguments + a lazytrain_config of only
+#: the policy and the GPU budget, the stock LazyTrainer (its optimizer, calibration and row passes as shipped)
+PRODUCT_DEFAULTS = "product defaults"
+#: the harness's own LazyTrain settings (8-bit embedding / head states, Kahan masters, 8 rows per pass, calibration
+#: on the warm-up steps): the 7b and full suites
+HARNESS_SETTINGS = "harness settings"
 
 
 def unsupported_reason(system: str, device: str, check_imports: bool = True) -> str | None:
@@ -93,6 +99,12 @@ class StepTimer(TrainerCallback):
         self.rows: list[int] = []  # batch rows embedded per optimizer step (needs watch())
         self._rows = 0
         self._t0 = self._o0 = 0.0
+        # LazyTrainer.oom_recoveries (0 where the trainer has none): at the first step's begin, then at each step end
+        self.recoveries_at_start = 0
+        self.recoveries: list[int] = []
+        # the MILP plan the first step ran (planned at train begin, before any calibration re-plan): step_ms,
+        # solve_ms, mip_gap
+        self.plan_at_start: dict[str, Any] | None = None
 
     def watch(self, model: Any) -> None:
         """Count the rows of every batch entering `model`'s input embedding (a forward pre-hook; the embedding runs
@@ -116,6 +128,12 @@ class StepTimer(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._rows = 0
         ex = getattr(self.trainer, "executor", None)
+        if not self.step_s:  # after every on_train_begin (LazyTrain plans there, after this callback's)
+            self.recoveries_at_start = int(getattr(self.trainer, "oom_recoveries", 0) or 0)
+            sched = getattr(ex, "schedule", None)
+            if sched is not None and sched.policy == "milp":
+                self.plan_at_start = {"step_ms": sched.predicted.get("step_ms"),
+                                      "solve_ms": sched.solver.get("solve_ms"), "mip_gap": sched.solver.get("mip_gap")}
         self._h2d0 = ex.streamer.h2d_bytes if ex is not None and ex.streamer is not None else 0
         if self.profile_step is not None and len(self.step_s) == self.profile_step:
             from torch.profiler import ProfilerActivity, profile
@@ -139,6 +157,7 @@ class StepTimer(TrainerCallback):
         if self._prof is not None:
             self._write_profile()
         self.rows.append(self._rows)
+        self.recoveries.append(int(getattr(self.trainer, "oom_recoveries", 0) or 0))
         self.rss_peak = max(self.rss_peak, _rss_bytes())
         if self.cuda:
             m = torch.cuda.memory_stats()
@@ -244,6 +263,14 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
         extra.update(optimizer="DeepSpeedCPUAdam (AdamW mode, bf16 states)", zero_stage=stage,
                      placement="ZeRO-3 params + optimizer on the CPU" if stage == 3 else "ZeRO-2 optimizer on the CPU",
                      activation_checkpointing="every layer")
+    elif spec.get("configuration") == PRODUCT_DEFAULTS:
+        # the GPU budget is what a user of a GPU of that size would give; the worker caps the process for every
+        # system alike (cap_gpu_memory would do the same)
+        cap = spec.get("gpu_cap_gib")
+        cfg = {"policy": system.split("_", 1)[1], **({"gpu_memory_budget": f"{cap}GiB"} if cap else {})}
+        kw.update(lazytrain_config=cfg, bf16=True)
+        extra.update(configuration=PRODUCT_DEFAULTS, lazytrain_config=cfg, optimizer="lazytrain_hybrid8 (defaults)",
+                     gpu_update_kernel=_gpu_update_kernel())
     else:
         policy = system.split("_", 1)[1]
         cap = spec.get("gpu_cap_gib")
@@ -262,13 +289,18 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
         if os.environ.get("HARNESS_GPU_MEMORY_MARGIN"):  # the MILP's allocator margin (default 0.12)
             cfg["gpu_memory_margin"] = float(os.environ["HARNESS_GPU_MEMORY_MARGIN"])
         kw.update(lazytrain_config=cfg, bf16=True)
-        from lazytrain_hf.optim.functional import gpu_kernel_choice, triton_status
-
-        forced = gpu_kernel_choice()  # the GPU-side updates' kernel: "triton" unless forced or triton is missing
-        extra.update(optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)", lazytrain_config=cfg,
-                     embedding_states=spec.get("embedding_states", "8bit"),
-                     gpu_update_kernel=forced if forced != "auto" else "triton" if triton_status()[0] else "bnb")
+        extra.update(configuration=HARNESS_SETTINGS, optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)",
+                     lazytrain_config=cfg, embedding_states=spec.get("embedding_states", "8bit"),
+                     gpu_update_kernel=_gpu_update_kernel())
     return cls(**kw), extra
+
+
+def _gpu_update_kernel() -> str:
+    """The GPU-side layer updates' kernel: "triton" unless forced otherwise or triton is missing."""
+    from lazytrain_hf.optim.functional import gpu_kernel_choice, triton_status
+
+    forced = gpu_kernel_choice()
+    return forced if forced != "auto" else "triton" if triton_status()[0] else "bnb"
 
 
 def build_trainer(system: str, spec: dict[str, Any], model: Any, args: Any, dataset: Any, timer: StepTimer):
@@ -278,7 +310,8 @@ def build_trainer(system: str, spec: dict[str, Any], model: Any, args: Any, data
     common = dict(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
                   callbacks=[timer])
     if system.startswith("lazytrain"):
-        trainer = _lazy_trainer_cls(spec.get("embedding_states", "8bit"))(**common)
+        product = spec.get("configuration") == PRODUCT_DEFAULTS
+        trainer = _lazy_trainer_cls("fp32" if product else spec.get("embedding_states", "8bit"))(**common)
     else:
         trainer = Trainer(**common)
     timer.trainer = trainer
@@ -310,8 +343,14 @@ def distributed_env(port: int) -> dict[str, str]:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Row fields and `extra` facts read from a LazyTrainer's executor after training (empty for other trainers)."""
+def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None) -> tuple[dict[str, Any],
+                                                                                      dict[str, Any]]:
+    """Row fields and `extra` facts read from a LazyTrainer's executor after training (empty for other trainers).
+
+    predicted_step_s / solve_ms / mip_gap are those of the MILP plan made at train begin (after the profiler timed
+    the layers, before any calibration re-plan): `plan_at_start` (StepTimer.plan_at_start), else the running plan.
+    extra.predicted_step_s_calibrated: after calibration, the re-planned step, or the running plan valued at the
+    measured costs when it was kept for want of a clear gain; None when no calibration changed the prediction."""
     ex = getattr(trainer, "executor", None)
     if ex is None:
         return {}, {}
@@ -319,14 +358,21 @@ def lazytrain_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     pinned = ex.pinned_bytes
     row: dict[str, Any] = {"pinned_planned_gib": pinned["planned"] / GIB,
                            "pinned_locked_gib": (pinned["registered"] + pinned["host_allocator"]) / GIB}
+    cal = getattr(trainer, "calibration", None)
+    calibrated = None
     if sched.policy == "milp":
-        row.update(predicted_step_s=(sched.predicted.get("step_ms") or 0) / 1e3 or None,
-                   solve_ms=sched.solver.get("solve_ms"), mip_gap=sched.solver.get("mip_gap"))
-    extra = {"schedule_policy": sched.policy, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
+        start = plan_at_start or {"step_ms": sched.predicted.get("step_ms"), "solve_ms": sched.solver.get("solve_ms"),
+                                  "mip_gap": sched.solver.get("mip_gap")}
+        row.update(predicted_step_s=(start["step_ms"] or 0) / 1e3 or None, solve_ms=start["solve_ms"],
+                   mip_gap=start["mip_gap"])
+        if cal is not None and cal.done and cal.predicted_before_ms is not None:  # re-planned: the running plan's
+            calibrated = (sched.predicted.get("step_ms") or 0) / 1e3 or None
+        elif cal is not None and cal.done and cal.kept_running_ms is not None:
+            calibrated = cal.kept_running_ms / 1e3
+    extra = {"predicted_step_s_calibrated": calibrated, "schedule_policy": sched.policy, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
              "retained": sum(lp.retain for lp in sched.layers), "prefetch_depth": sched.prefetch_depth,
              "recomputed_layers": ex.stats.recomputed_layers, "weight_loads": ex.stats.weight_loads,
              "slot_reuse": ex.reuse_slots}
-    cal = getattr(trainer, "calibration", None)
     if cal is not None and cal.done:  # measured warm-up steps vs the plan (hf/calibrate.py)
         extra["calibration"] = {"k": cal.k, "compute_scale": cal.scale, "cpu_optim_params_per_s": cal.cpu_rate,
                                 "measured_cpu_rates": cal.cpu_rates, "step_ms": cal.step_ms,

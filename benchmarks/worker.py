@@ -4,8 +4,10 @@
 
 SPEC (written by benchmarks.run): system, model, gpu_cap_gib (GiB or null), batch_sizes, seq_len, steps (timed),
 warmup, device, rows_out (JSON-lines file, one results row per batch size, appended as each finishes so a killed
-process keeps what it measured) and the LazyTrain knobs (rows_per_pass, checkpoint_every, master_weights,
-loss_chunk_tokens, embedding_states) and zero_stage. Rows follow shared/RESULTS_FORMAT.md.
+process keeps what it measured), configuration (LazyTrain: "product defaults" or "harness settings", then the knobs
+rows_per_pass, checkpoint_every, master_weights, loss_chunk_tokens, embedding_states, keep_gpu_grads) and zero_stage.
+Rows follow shared/RESULTS_FORMAT.md; every row records extra.num_hidden_layers, every trained row
+extra.oom_recoveries (all / timed steps) and extra.linear_attention_kernel.
 Out of memory (GPU) is caught and reported as status "oom"; batch sizes above one that ran out of memory are
 reported "oom" without being run.
 """
@@ -75,6 +77,26 @@ def fmt_row(r: dict[str, Any]) -> str:
                if "cpu_update_ms" in r.get("extra", {}) else ""))
 
 
+def recoveries(timer: StepTimer, warm: int) -> dict[str, int]:
+    """Out-of-memory recoveries (LazyTrainer.oom_recoveries) in this train() call: all, and in its timed steps."""
+    r = timer.recoveries
+    if not r:
+        return {"oom_recoveries": 0, "oom_recoveries_timed": 0}
+    before_timed = r[warm - 1] if 0 < warm <= len(r) else timer.recoveries_at_start
+    return {"oom_recoveries": r[-1] - timer.recoveries_at_start,
+            "oom_recoveries_timed": r[-1] - before_timed if warm < len(r) else 0}
+
+
+def linear_attention_kernel(model: Any) -> str | None:
+    """Which linear-attention kernel the model's linear-attention layers ran (lazytrain_hf.kernels); None where that
+    module is absent."""
+    try:
+        from lazytrain_hf.kernels import linear_attention_kernel as which
+    except ImportError:
+        return None
+    return which(model)
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -95,7 +117,7 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
     if spec["device"] == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
     extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm,
-                             "rows_per_step": timer.rows}
+                             "rows_per_step": timer.rows, **recoveries(timer, warm)}
     if spec["device"] == "cuda":
         extra["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         c = timer.alloc_counts
@@ -109,7 +131,7 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         fields["optimizer_ms"] = statistics.median(timer.optim_s[warm:]) * 1e3
     elif system == "zero_offload":
         extra["optimizer_note"] = "DeepSpeed steps inside backward (engine.step); not separable from the Trainer"
-    lt_fields, lt_extra = lazytrain_metrics(trainer)
+    lt_fields, lt_extra = lazytrain_metrics(trainer, timer.plan_at_start)
     fields.update(lt_fields)
     extra.update(lt_extra)
     L = model_config.num_hidden_layers
@@ -164,7 +186,8 @@ def run(spec: dict[str, Any]) -> None:
     timer.watch(model)
     trainer, build_extra, oom_at = None, {}, None
     for B in spec["batch_sizes"]:
-        r = row(**base, params=facts["params"], batch_size=B, status="ok")
+        r = row(**base, params=facts["params"], batch_size=B, status="ok",
+                extra={"num_hidden_layers": model.config.num_hidden_layers})
         if os.environ.get("HARNESS_PROFILE_STEP"):  # one profiled step per row (it counts among the timed ones)
             timer.profile_step = int(os.environ["HARNESS_PROFILE_STEP"])
             timer.profile_path = (Path(os.environ.get("HARNESS_PROFILE_DIR", ".")) /
@@ -188,11 +211,16 @@ def run(spec: dict[str, Any]) -> None:
                 trainer._train_batch_size = B
                 trainer.args.max_steps = steps
             trainer.train()
-            r.update(_measure(spec, system, B, trainer, timer, facts, model.config))
+            fields = _measure(spec, system, B, trainer, timer, facts, model.config)
+            r["extra"].update(fields.pop("extra"))
+            r.update(fields)
+            r["extra"]["linear_attention_kernel"] = linear_attention_kernel(model)
             wrong = sorted({n for n in timer.rows if n != B * trainer.args.gradient_accumulation_steps})
+            rec = r["extra"]["oom_recoveries"]
             if wrong:  # the timings would be of another batch size
                 r.update(status="error", reason=f"steps trained on {wrong} rows, not batch {B}: the batch size did "
-                         "not take effect; timings not comparable")
+                         "not take effect; timings not comparable" +
+                         (f" ({rec} out-of-memory recoveries ran steps again)" if rec else ""))
             elif timer.skipped:  # a skipped update costs nothing: its timings would flatter a broken run
                 r.update(status="error", reason=f"non-finite gradient norm: {timer.skipped} optimizer steps "
                          "skipped; timings not comparable")
@@ -211,6 +239,8 @@ def run(spec: dict[str, Any]) -> None:
             else:
                 r.update(status="error", reason=f"{kind}: {str(e)[:300]}")
             r["extra"].update(build_extra)
+            if trainer is not None and getattr(trainer, "oom_recoveries", 0):
+                r["extra"]["oom_recoveries"] = int(trainer.oom_recoveries) - timer.recoveries_at_start
             trainer = None  # a failed train() can leave the Trainer half-stepped: rebuild for the next size
             if device == "cuda":
                 torch.cuda.empty_cache()
