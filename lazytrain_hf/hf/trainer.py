@@ -18,6 +18,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..config import GIB, LazyTrainConfig
+from ..kernels import select_linear_attention
 from ..models import check_supported
 from ..planning.buckets import BucketSchedules
 from ..planning.schedule import Schedule
@@ -83,6 +84,8 @@ class LazyTrainerMixin:
                                  "model.gradient_checkpointing_disable() (the executor owns recomputation)")
         super().__init__(model, args, *pos, **kwargs)
         if cfg.policy == "none":
+            #: the Gated DeltaNet kernels the model runs ("fla", "torch"; None: no linear-attention layers)
+            self.linear_attention_kernel = select_linear_attention(self.model, self.args.device)
             return
         if (self.args.bf16 or self.args.fp16) and any(p.dtype == torch.float32 for p in self.model.parameters()):
             logger.warning("bf16/fp16=True does not autocast inside the LazyTrain executor: it computes in the "
@@ -97,6 +100,7 @@ class LazyTrainerMixin:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_budget / total), device)
         # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
+        self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         dp = self.executor.dp
         mode = "sharded" if self.executor.shard is not None else "replicated"

@@ -94,8 +94,8 @@ def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup:
             for name, p in layer.named_parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.02)
-                elif "norm" in name and "qwen3_5" in config.model_type:
-                    p.zero_()  # Qwen3.5 norms scale by (1 + weight)
+                elif "norm" in name and "qwen3_5" in config.model_type and "linear_attn.norm" not in name:
+                    p.zero_()  # Qwen3.5's RMSNorms scale by (1 + weight); the gated norm inside linear_attn by weight
                 elif "norm" in name:
                     p.fill_(1.0)
                 else:
