@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..config import LazyTrainConfig, cpu_threads
+from ..kernels import select_linear_attention
 from ..models import check_supported
 from ..optim import functional as F
 from ..planning.fixed import fixed_schedule
@@ -197,6 +198,7 @@ class StreamingExecutor:
         self.base, self.layer_prefix = _trainable_decoder(model)
         self.model = model
         self.device = torch.device(device or self.config.resolved_device())
+        self.linear_attention_kernel = select_linear_attention(model, self.device)  # before layers are copied
         self.layers: nn.ModuleList = self.base.layers
         self.num_layers = len(self.layers)
         ltypes = getattr(model.config, "layer_types", None) or [None] * self.num_layers

@@ -62,8 +62,6 @@ class ResidentParts:
         self._grad_bufs: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient buffer, reused
         self._touched: torch.Tensor | None = None  # embedding rows with gradient in the buffer (host int64)
         self._ids: torch.Tensor | None = None  # this micro-batch's input ids on the host (host embedding)
-        self._rows: torch.Tensor | None = None  # the looked-up rows, page-locked under CUDA, reused
-        self._rows_done: torch.cuda.Event | None = None  # their copy to the device
         self._copy: _HeadCopy | None = None  # the head's GPU working copy (host head)
         self._stale = True  # the working copy is older than the host weights
         self._copy_done: torch.cuda.Event | None = None  # the working copy's refresh (side stream)
@@ -156,19 +154,9 @@ class ResidentParts:
         if not self.embed_on_host:
             return None
         self._ids = input_ids.detach().cpu()
-        w = self.embed.weight
-        n = self._ids.numel() * w.shape[1]
-        if self._rows is None or self._rows.numel() < n:  # pinned: the copy up runs asynchronously
-            self._rows = torch.empty(n, dtype=w.dtype, pin_memory=self.pin)
-        if self._rows_done is not None:  # the last copy out of this buffer has finished
-            self._rows_done.synchronize()
-        out = self._rows[:n].view(self._ids.numel(), w.shape[1])
-        torch.index_select(w.detach(), 0, self._ids.reshape(-1), out=out)
-        up = out.view(*self._ids.shape, w.shape[1]).to(self.device, non_blocking=self.pin)
-        if self.device.type == "cuda":
-            self._rows_done = torch.cuda.Event()
-            self._rows_done.record()
-        return up
+        with torch.no_grad():  # the module itself: its hooks run as in the model's own forward
+            out = self.embed(self._ids)
+        return out.to(self.device)
 
     def embed_backward(self, grad: torch.Tensor) -> None:
         """Add the gradient of the looked-up rows ([B, T, H] on the compute device) into the host gradient."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lazytrain_hf.config import LazyTrainConfig
+from lazytrain_hf.kernels import select_linear_attention
 from lazytrain_hf.models import load_model
 from lazytrain_hf.streaming.executor import StreamingExecutor
 
@@ -26,6 +27,7 @@ def _no_tf32():
 
 
 def _reference_cuda(model, ids, mask, labels):
+    select_linear_attention(model, "cuda")  # as the executor does: fla's backward refuses Hopper with Triton < 3.7.1
     m = copy.deepcopy(model).cuda()
     out = m(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
     out.loss.backward()
