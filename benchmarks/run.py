@@ -425,6 +425,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="override the suite's per-system batch sizes")
     p.add_argument("--find-max-batch", action="store_true")
+    p.add_argument("--skip-max-batch", action="store_true",
+                   help="measure the suite's batch sizes only, not its largest-batch searches (max_batch_caps)")
     p.add_argument("--max-batch-limit", type=int, default=512)
     p.add_argument("--max-batch-resolution", type=float, default=0.0,
                    help="bisection stops at hi-lo <= max(1, lo x this); default 0: adjacent batch sizes")
@@ -578,7 +580,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
             for cap in suite["caps"] if args.caps is None else args.caps:
                 for system in systems:
                     measure(args, suite, res, system, model, cap, deadline, Path(tmp))
-                    if args.find_max_batch or cap in suite.get("max_batch_caps", ()):
+                    if args.find_max_batch or (cap in suite.get("max_batch_caps", ()) and not args.skip_max_batch):
                         find_max_batch(args, suite, res, system, model, cap, deadline, Path(tmp))
                         searched.append((system, model, cap))
     planned = [(s, m, c, B) for m in args.models or suite["models"]

@@ -372,7 +372,8 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
     extra = {"predicted_step_s_calibrated": calibrated, "schedule_policy": sched.policy, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
              "retained": sum(lp.retain for lp in sched.layers), "prefetch_depth": sched.prefetch_depth,
              "recomputed_layers": ex.stats.recomputed_layers, "weight_loads": ex.stats.weight_loads,
-             "slot_reuse": ex.reuse_slots}
+             "slot_reuse": ex.reuse_slots, "rows_per_pass": sched.rows_per_pass or ex.config.max_rows_per_pass,
+             "resident": ex.resident.placement}
     if cal is not None and cal.done:  # measured warm-up steps vs the plan (hf/calibrate.py)
         extra["calibration"] = {"k": cal.k, "compute_scale": cal.scale, "cpu_optim_params_per_s": cal.cpu_rate,
                                 "measured_cpu_rates": cal.cpu_rates, "step_ms": cal.step_ms,
