@@ -78,7 +78,7 @@ SUITES: dict[str, dict[str, Any]] = {
 SUITES["hybrid"] = dict(device="cuda", models=["qwen3.6-27b:layers=16"], caps=[80, 24], seq_len=1024, steps=5,
                         warmup=6, systems=list(LT), lazytrain=PRODUCT_DEFAULTS, max_batch_caps=[24],
                         batch={80: {s: [72] for s in LT}, 24: {s: [8] for s in LT}},
-                        timeout={s: 480 for s in LT}, row_s={80: 270, 24: 150})
+                        timeout={s: 480 for s in LT}, row_s={80: 270, 24: 110})
 SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
                       batch={**SUITES["7b"]["batch"],
                              None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
