@@ -330,9 +330,13 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     gpu_params = norm_p + (0 if host_embed else embed_p) + (0 if host_head else shape.lm_head_params)
     host_params = embed_p + shape.lm_head_params + norm_p - gpu_params
     head_copy = BF16 * head_p if host_head else 0  # the GPU working copy of a host-placed head's weights
-    # head workspace: final norm internals (fp32 copy + bf16), logits chunk bf16 + fp32 + fp32 gradient, the
-    # hidden-state gradient, and a host-placed head's GPU weight gradient (sent back right after the head)
-    head_work = (FP32 + BF16) * n * H + (BF16 + 2 * FP32) * chunk * V + BF16 * n * H + head_copy
+    # head workspace (streaming/head.py): final norm internals (fp32 copy + bf16); per logit of a chunk the bf16
+    # logits and, in its backward, three fp32 [chunk, V] tensors at once (log-softmax output, the loss gradient,
+    # the logits' gradient); the hidden-state gradient; and a host-placed head's GPU weight gradient (sent back
+    # right after the head). A GPU-placed head's gradient is in the resident bytes; it grows in place per chunk.
+    # With 2 fp32 tensors per logit and a [V, H] product per chunk (autograd's accumulation) the Qwen3.6-27B-width
+    # head planned 16.9 GiB at 24 GiB, batch 8, and needed 22.4 GiB on an H200 (benchmarks/results/hybrid-20261201.json)
+    head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + BF16 * n * H + head_copy
     gpu_opt_b = state_b + master_b + BF16  # per param: states + master + gradient (up) / weight (down)
     # the update's fp32 temporaries over one slice of CHUNK_ELEMENTS (optim/functional.py: param + Kahan sum, fp32
     # gradient, bf16 result, its fp32 copy and the residual: 18 bytes per element at the write-back). Missing, the

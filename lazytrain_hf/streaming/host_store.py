@@ -24,10 +24,20 @@ __all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "HostBufferPool", "Pin
 logger = logging.getLogger(__name__)
 
 
+#: elements per slice of `sq_norm`: a reduction that upcasts its input holds at most this many fp32 elements
+SQ_NORM_SLICE = 1 << 24
+
+
 def sq_norm(t: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm as an fp64 scalar on t's device, reduced in at least fp32 (bf16 input is not upcast
-    into a temporary: the reduction casts on the fly)."""
-    return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).double().square()
+    """Squared L2 norm as an fp64 scalar on t's device, reduced in at least fp32, over slices of `SQ_NORM_SLICE`
+    elements: whether the reduction casts a bf16 input on the fly or into a temporary, no more than one slice is
+    ever upcast (a whole 248k x 5120 LM-head gradient would be a 5 GB fp32 temporary)."""
+    dtype = torch.promote_types(t.dtype, torch.float32)
+    flat = t.reshape(-1)
+    if flat.numel() <= SQ_NORM_SLICE:
+        return torch.linalg.vector_norm(flat, dtype=dtype).double().square()
+    parts = [torch.linalg.vector_norm(s, dtype=dtype).double().square() for s in flat.split(SQ_NORM_SLICE)]
+    return torch.stack(parts).sum()
 
 
 @dataclass(frozen=True)
