@@ -103,19 +103,9 @@ def _build_layers(config: Any, dev: torch.device, dtype: torch.dtype) -> tuple[d
 
 
 def _timer(cuda: bool):
-    def timed(fn: Any) -> float:
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+    from lazytrain_hf.profiling.layer_costs import time_ms
 
-    return timed
+    return lambda fn: time_ms(fn, cuda)
 
 
 def _measure(layer: Any, inputs: dict[str, Any], args: argparse.Namespace, cuda: bool) -> dict[str, Any]:

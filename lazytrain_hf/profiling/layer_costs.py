@@ -22,7 +22,7 @@ from typing import Any
 
 from ..planning.cost_model import CostModel
 
-__all__ = ["LayerMeasurement", "measure_layer_costs", "apply_layer_measurements"]
+__all__ = ["LayerMeasurement", "measure_layer_costs", "apply_layer_measurements", "time_ms"]
 
 
 @dataclass
@@ -125,16 +125,7 @@ def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H
         return out[0] if isinstance(out, tuple) else out
 
     def timed(fn: Any) -> float:
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+        return time_ms(fn, cuda)
 
     def no_grad_fwd() -> None:
         with torch.no_grad():
@@ -175,6 +166,22 @@ def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H
         del y, xi
         layer.zero_grad(set_to_none=True)
     return LayerMeasurement(kind, idx, f, max(0.0, fb - f), saved, fwd_work, bwd_work, str(dev))
+
+
+def time_ms(fn: Any, cuda: bool) -> float:
+    """Milliseconds `fn()` takes: CUDA events on the current stream when `cuda`, else the wall clock."""
+    import torch
+
+    if cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def apply_layer_measurements(cm: CostModel, measured: dict[str, LayerMeasurement], *, time_scale: float = 1.0,
