@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for threads in args.threads or [None]:
             if threads:
                 # the C++ kernel takes lazytrain_hf.config.cpu_threads(), which LAZYTRAIN_CPU_THREADS overrides
-                # (gpu_session.sh exports it): set both, or every row would run on the exported count
+                # (gpu_session.sh exports it with CPUSET): set both, or every row would run on the exported count
                 torch.set_num_threads(threads)
                 os.environ["LAZYTRAIN_CPU_THREADS"] = str(threads)
             for system in systems:

@@ -76,7 +76,7 @@ def test_bench_optim_staggered_buffers(tmp_path):
 
 def test_bench_optim_thread_sweep_gpu_rows_and_state_bytes(tmp_path, monkeypatch):
     """--threads 1,2 repeats the CPU rows per thread count, the C++ kernel's count included even when
-    LAZYTRAIN_CPU_THREADS is exported (gpu_session.sh does: session 7's sweep ran every row on 16); GPU rows run once
+    LAZYTRAIN_CPU_THREADS is exported (gpu_session.sh does with CPUSET: a sweep would run every row on it); GPU rows run once
     (unsupported without CUDA); the 8-bit rows hold 2 bytes of moments per parameter plus one fp32 absmax per
     256-element block per moment."""
     import torch
