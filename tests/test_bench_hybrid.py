@@ -157,10 +157,11 @@ def test_an_unfinished_search_resumes_from_its_saved_probes(tmp_path, monkeypatc
 def _fake_lazytrainer(step_ms: float, cal: object) -> SimpleNamespace:
     layer = SimpleNamespace(checkpoint=True, retain=False, optimizer_device="cpu")
     sched = SimpleNamespace(policy="milp", predicted={"step_ms": step_ms}, solver={"solve_ms": 9.0, "mip_gap": 0.01},
-                            layers=[layer], prefetch_depth=1, keep_grads=False)
+                            layers=[layer], prefetch_depth=1, keep_grads=False, rows_per_pass=4)
     stats = SimpleNamespace(recomputed_layers=0, weight_loads=1, extra={})
     ex = SimpleNamespace(schedule=sched, pinned_bytes={"planned": 0, "registered": 0, "host_allocator": 0},
-                         stats=stats, reuse_slots=True, updater=None, streamer=None)
+                         stats=stats, reuse_slots=True, updater=None, streamer=None,
+                         config=SimpleNamespace(max_rows_per_pass=None), resident=SimpleNamespace(placement="host"))
     return SimpleNamespace(executor=ex, calibration=cal, oom_recoveries=0)
 
 

@@ -16,7 +16,7 @@ Size: about 26 columns (8 binary) and 50 rows per layer (64 layers: ~1,700 x ~3,
 takes 8-14 s on 2 CPU cores for 64 layers with optimizer placement open: the LP relaxation is weakest on the
 optimizer placement (fractional o_i split a layer's update between CPU and GPU) and the global flags. The default
 path (`_PlanMilp.solve_search`) branches on those itself (per-class counts of on-GPU updates, flags) with LP bounds
-and leaves the rest to HiGHS (benchmarks/results/planner-20261129-v3.json, benchmarks/NOTES.md); its leaves are
+and leaves the rest to HiGHS (benchmarks/results/planner-20261129.json, benchmarks/NOTES.md); its leaves are
 settled by an LP rounding improved by local search under the linear model (`fast_eval.improve_plan`), HiGHS only
 where that plan is not within the gap (planner-20261129-v5.json: every bench case under 1 s at 64 layers).
 """
