@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from lazytrain_hf import envvars
+
 GIB = 1024**3
 ROW_KEYS = ("system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len", "status", "reason",
             "step_s_median", "step_s_p10", "step_s_p90", "steps_timed", "tokens_per_s", "tflops_6nd",
@@ -47,8 +49,8 @@ def machine() -> dict[str, Any]:
 def git_commit() -> str | None:
     """LAZYTRAIN_GIT_COMMIT when set (the GPU machine's copy of the tree carries a stale .git: pass the local
     `git rev-parse HEAD` in the command), else this checkout's HEAD."""
-    if os.environ.get("LAZYTRAIN_GIT_COMMIT"):
-        return os.environ["LAZYTRAIN_GIT_COMMIT"]
+    if envvars.read("LAZYTRAIN_GIT_COMMIT"):
+        return envvars.read("LAZYTRAIN_GIT_COMMIT")
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parents[1]).stdout.strip()
@@ -94,7 +96,7 @@ def gsm8k_dir(data_dir: str | None = None) -> Path:
     Raises:
         FileNotFoundError: it has no train.jsonl (names the two ways to point at it).
     """
-    d = Path(data_dir or os.environ.get("LAZYTRAIN_GSM8K_DIR") or
+    d = Path(data_dir or envvars.read("LAZYTRAIN_GSM8K_DIR") or
              Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
     if not (d / "train.jsonl").is_file():
         raise FileNotFoundError(f"no GSM8K train.jsonl in {d}: pass --data-dir /path/to/gsm8k or set "

@@ -1,18 +1,21 @@
 """`LazyTrainConfig`: every knob of the executor, planner and optimizer in one validated dataclass.
 
-Resolution order for each field (as accelerate does): the value given by the user, then the environment
-variable `LAZYTRAIN_<FIELD>` (upper case), then the default. All problems are collected and raised at once in
+Resolution order for each field: the value given by the user, then the environment variable `LAZYTRAIN_<FIELD>`
+(upper case; parsed by lazytrain_hf.envvars, docs/environment.md), then the default. All problems are collected and raised at once in
 one `ValueError`, each message naming the key as the user wrote it, the rule, the value received and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import envvars
 
 __all__ = ["LazyTrainConfig", "parse_bytes", "format_bytes", "GIB"]
 
@@ -64,15 +67,8 @@ def cpu_threads() -> int:
     """
     import torch
 
-    raw = os.environ.get("LAZYTRAIN_CPU_THREADS", "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"environment LAZYTRAIN_CPU_THREADS must be an integer >= 1 (the CPU optimizer's "
-                             f"threads), but got {os.environ['LAZYTRAIN_CPU_THREADS']!r}; unset it for the default")
+    n = envvars.read("LAZYTRAIN_CPU_THREADS")
+    if n is not None:
         return n
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     if local <= 1:
@@ -100,6 +96,13 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 @dataclass
 class LazyTrainConfig:
     """Configuration of the LazyTrain executor, planner and Hybrid 8-bit optimizer.
+
+    A field the caller gives (a constructor argument, positional or by name, or a key of the dict / YAML / JSON
+    config passed to `from_any`) is used as given, even when it equals the default. A field not given is filled
+    from the environment variable `LAZYTRAIN_<FIELD>` when it is set (lazytrain_hf.envvars parses it; a bad value
+    is one of the problems raised), else takes its default. `__init__` records the given names for
+    `__post_init__`, which drops them: instances hold only their fields (`==`, `asdict`, pickling as a plain
+    dataclass). `dataclasses.replace` passes every field, so a copy keeps its values.
 
     Args:
         policy (str, defaults to "fixed"): how the schedule is made. "fixed": the MegaTrain-equivalent baseline
@@ -224,15 +227,17 @@ class LazyTrainConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
-        # 1. resolve: argument (if changed from default) > environment > default
+        given = self.__dict__.pop("_given", frozenset())
+        # 1. resolve: a given value > environment > default
         for f in dataclasses.fields(self):
-            env = os.environ.get(f"LAZYTRAIN_{f.name.upper()}")
-            if env is not None and getattr(self, f.name) == defaults.get(f.name, object()):
+            if f.init and f.name not in given:
                 try:
-                    setattr(self, f.name, _coerce_env(env, f.type))
+                    env = envvars.read(envvars.field_env_name(f.name), default=_UNSET)
                 except ValueError as e:
-                    problems.append(f"environment LAZYTRAIN_{f.name.upper()}={env!r}: {e}")
+                    problems.append(str(e))
+                    continue
+                if env is not _UNSET:
+                    setattr(self, f.name, env)
         # 2. normalize
         for key in _CHOICES:
             if isinstance(getattr(self, key), str):
@@ -355,23 +360,16 @@ def _check_int(problems: list[str], key: str, value: Any, lo: int, hi: int) -> N
         problems.append(f"lazytrain_config.{key} must be an integer in [{lo}, {hi}], but got {value!r}")
 
 
-def _coerce_env(text: str, type_hint: Any) -> Any:
-    hint = str(type_hint)
-    if hint.startswith("bool"):
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError("expected true/false")
-    if hint.startswith("int"):
-        try:
-            return int(text)
-        except ValueError:
-            if "str" in hint:  # a size such as 24GiB (an error here names the variable)
-                return parse_bytes(text)
-            raise
-    if hint == "float":
-        return float(text)
-    if hint.startswith("list"):
-        return [s for s in text.split(",") if s]
-    return text
+_UNSET = object()
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(LazyTrainConfig) if f.init)
+_dataclass_init = LazyTrainConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_recording_given(self: LazyTrainConfig, *args: Any, **kwargs: Any) -> None:
+    # the fields passed (positionally or by name); __post_init__ pops it, so it is not kept, pickled or compared
+    self.__dict__["_given"] = frozenset(_FIELD_NAMES[:len(args)]) | kwargs.keys()
+    _dataclass_init(self, *args, **kwargs)
+
+
+LazyTrainConfig.__init__ = _init_recording_given  # type: ignore[method-assign]

@@ -144,7 +144,7 @@ def test_memory_sizes_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="prepared_states_budget needs overlap_optimizer=True"):
         LazyTrainConfig(prepared_states_budget="1GiB", overlap_optimizer=False)
     monkeypatch.setenv("LAZYTRAIN_PREPARED_STATES_BUDGET", "20 gigs")  # the error names the variable set
-    with pytest.raises(ValueError, match="environment LAZYTRAIN_PREPARED_STATES_BUDGET='20 gigs': expected a size"):
+    with pytest.raises(ValueError, match="environment LAZYTRAIN_PREPARED_STATES_BUDGET must be a size .*'20 gigs'"):
         LazyTrainConfig()
 
 

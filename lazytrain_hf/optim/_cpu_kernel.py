@@ -45,7 +45,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 import platform
 import threading
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import envvars
 from .quant import LUT_EXP_RANGE, LUT_MANT_BITS
 
 __all__ = ["load_cpu_kernel", "cpu_kernel_status", "CpuTables", "kernel_lookup_table", "cpu_adamw_step",
@@ -1282,11 +1282,7 @@ def cpu_isa_choice() -> str:
     Raises:
         ValueError: any other value.
     """
-    raw = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
-    if raw != "auto" and raw not in ISA_CODES:
-        raise ValueError(f"environment {ISA_ENV} must be one of {['auto', *ISA_CODES]} (or unset), "
-                         f"but got {os.environ.get(ISA_ENV)!r}")
-    return raw
+    return envvars.read(ISA_ENV)
 
 
 def isa_paths(lib: ctypes.CDLL) -> list[str]:
@@ -1443,13 +1439,14 @@ def _configure_lookup(lib: ctypes.CDLL) -> str:
     """
     if lib.lt_get_lookup() < 0:
         return "generic path only"
-    choice = os.environ.get(LOOKUP_ENV, "auto").strip().lower() or "auto"
+    try:
+        choice = envvars.read(LOOKUP_ENV)
+    except ValueError as e:  # loading never raises; Hybrid8bitOptimizer refuses the value when built
+        logger.warning("%s; measuring both", e)
+        choice = "auto"
     if choice in LOOKUP_MODES:
         lib.lt_set_lookup(LOOKUP_MODES[choice])
         return f"table reads: {choice} ({LOOKUP_ENV})"
-    if choice != "auto":
-        logger.warning("environment %s must be one of %s (or unset), but got %r; measuring both", LOOKUP_ENV,
-                       list(LOOKUP_MODES), os.environ.get(LOOKUP_ENV))
     from .quant import dynamic_map
 
     tables = CpuTables.build(dynamic_map(True), dynamic_map(False))

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import envvars
 from ..config import cpu_threads
 from ._cpu_kernel import (
     DTYPE_CODES,
@@ -88,9 +88,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("torch", "cpp", "bnb", "triton")
 CPU_KERNEL_ENV = "LAZYTRAIN_CPU_KERNEL"
-_CPU_CHOICES = ("auto", "torch", "cpp")
 GPU_KERNEL_ENV = "LAZYTRAIN_GPU_KERNEL"
-_GPU_CHOICES = ("auto", "triton", "bnb", "torch")
 BNB_BLOCK_SIZE = 256  # bitsandbytes' 2-state blockwise CUDA kernel is compiled for 256-element blocks
 # "torch" / "bnb" kernels update large tensors in slices of this many elements (a multiple of every block size):
 # their fp32 temporaries (param + Kahan sum, fp32 gradient, write-back residual) then stay ~0.1 GiB each instead of
@@ -171,21 +169,13 @@ def _cpu_codebooks() -> Codebooks:
     return Codebooks(q1, q2, code_midpoints(q1), code_midpoints(q2), CpuTables.build(q1, q2))
 
 
-def _kernel_choice(env: str, choices: tuple[str, ...]) -> str:
-    raw = os.environ.get(env, "auto").strip().lower() or "auto"
-    if raw not in choices:
-        raise ValueError(f"environment {env} must be one of {list(choices[1:])} (or unset), "
-                         f"but got {os.environ.get(env)!r}")
-    return raw
-
-
 def cpu_kernel_choice() -> str:
     """``LAZYTRAIN_CPU_KERNEL`` normalized: ``"auto"`` (unset), ``"torch"`` or ``"cpp"``.
 
     Raises:
         ValueError: any other value.
     """
-    return _kernel_choice(CPU_KERNEL_ENV, _CPU_CHOICES)
+    return envvars.read(CPU_KERNEL_ENV)
 
 
 def forced_isa_problem() -> str | None:
@@ -215,7 +205,7 @@ def gpu_kernel_choice() -> str:
     Raises:
         ValueError: any other value.
     """
-    return _kernel_choice(GPU_KERNEL_ENV, _GPU_CHOICES)
+    return envvars.read(GPU_KERNEL_ENV)
 
 
 @functools.cache

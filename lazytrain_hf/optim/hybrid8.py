@@ -6,6 +6,7 @@ in `lazytrain_hf.optim.functional` (one kernel per device plus a pure-torch refe
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import envvars
 from ..config import cpu_threads
 from . import functional as F
 from .quant import num_blocks, zero_code
@@ -127,7 +129,8 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         )
         problems = _validate_group(defaults)
         # the environment overrides, read at each update: a typo fails here, not after a first step
-        for choice in (F.cpu_kernel_choice, F.cpu_isa_choice, F.gpu_kernel_choice, cpu_threads):
+        for choice in (F.cpu_kernel_choice, F.cpu_isa_choice, F.gpu_kernel_choice, cpu_threads,
+                       functools.partial(envvars.read, "LAZYTRAIN_CPU_LOOKUP")):
             try:
                 choice()
             except ValueError as e:

@@ -125,7 +125,9 @@ H200_DEFAULTS = HardwareProfile(
 
 def cache_dir() -> Path:
     """Directory of cached probes: ``$LAZYTRAIN_CACHE_DIR`` or ``~/.cache/lazytrain_hf``."""
-    return Path(os.environ.get("LAZYTRAIN_CACHE_DIR") or Path.home() / ".cache" / "lazytrain_hf")
+    from .. import envvars
+
+    return envvars.read("LAZYTRAIN_CACHE_DIR") or Path.home() / ".cache" / "lazytrain_hf"
 
 
 def machine_fingerprint(device: Any = "cuda", nvme_dir: str | os.PathLike | None = None) -> str:

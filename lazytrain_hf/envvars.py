@@ -1,0 +1,206 @@
+"""Every ``LAZYTRAIN_*`` environment variable: one table, one parser.
+
+`read(name)` is the only way the package reads one: an unset or empty variable gives the row's default; a value
+its parser refuses raises one ``ValueError`` naming the variable, the value and what is accepted. Besides the
+variables of `VARIABLES`, each `LazyTrainConfig` field ``<field>`` has a row ``LAZYTRAIN_<FIELD>`` (generated from
+the dataclass fields), which fills that field when the user did not give it. `render_markdown` writes the table;
+docs/environment.md is its output (``python -m lazytrain_hf.envvars > docs/environment.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EnvVar", "VARIABLES", "table", "read", "field_env_name", "render_markdown"]
+
+PREFIX = "LAZYTRAIN_"
+_NO_DEFAULT = object()
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable.
+
+    Attributes:
+        name: the variable, e.g. ``LAZYTRAIN_CPU_ISA``.
+        parse: the stripped text -> value; raises ValueError when the text is not one of `accepted`.
+        default: the value when the variable is unset or empty.
+        accepted: what the parser takes, as the error and the docs say it ("one of ['auto', 'torch', 'cpp']").
+        applies: where it is read (module / function, and when).
+        help: what it does.
+    """
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    accepted: str
+    applies: str
+    help: str
+
+
+def _choice(*values: str) -> tuple[Callable[[str], str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in values:
+            raise ValueError(text)
+        return text.lower()
+
+    return parse, f"one of {list(values)}"
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise ValueError(text)
+    return n
+
+
+def _text(text: str) -> str:
+    return text
+
+
+_CPU_KERNEL, _CPU_KERNEL_OK = _choice("auto", "torch", "cpp")
+_GPU_KERNEL, _GPU_KERNEL_OK = _choice("auto", "triton", "bnb", "torch")
+_CPU_ISA, _CPU_ISA_OK = _choice("auto", "avx512", "avx2", "generic")
+_CPU_LOOKUP, _CPU_LOOKUP_OK = _choice("auto", "gather", "scalar")
+
+#: the variables that are not LazyTrainConfig fields
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("LAZYTRAIN_CPU_KERNEL", _CPU_KERNEL, "auto", _CPU_KERNEL_OK,
+           "optim.functional.select_kernel, at each CPU update (checked when Hybrid8bitOptimizer is built)",
+           "Forces the CPU update kernel: 'cpp' (the fused C++ kernel; raises if it cannot be built) or 'torch'. "
+           "'auto': the C++ kernel where it builds and passes its self-check."),
+    EnvVar("LAZYTRAIN_CPU_ISA", _CPU_ISA, "auto", _CPU_ISA_OK,
+           "optim._cpu_kernel.resolve_isa, at each CPU update (checked when Hybrid8bitOptimizer is built)",
+           "Forces the fused C++ kernel's vectorized path (the same bits on each); a path this CPU's build lacks "
+           "is refused when the optimizer is built. 'auto': AVX2 where built, else generic."),
+    EnvVar("LAZYTRAIN_CPU_LOOKUP", _CPU_LOOKUP, "auto", _CPU_LOOKUP_OK,
+           "optim._cpu_kernel, when the fused C++ kernel is loaded (checked when Hybrid8bitOptimizer is built)",
+           "Table reads of the AVX2 / AVX-512 paths (bit-identical). 'auto': measures both at load and takes the "
+           "faster. A bad value met while loading the kernel is logged and measured as 'auto'."),
+    EnvVar("LAZYTRAIN_GPU_KERNEL", _GPU_KERNEL, "auto", _GPU_KERNEL_OK,
+           "optim.functional.select_kernel, at each CUDA update (checked when Hybrid8bitOptimizer is built)",
+           "Forces the CUDA update kernel: 'triton' (raises where it cannot run), 'bnb' (bitsandbytes) or "
+           "'torch'. 'auto': Triton for 8-bit states where it passes its self-check, else bitsandbytes."),
+    EnvVar("LAZYTRAIN_CPU_THREADS", _positive_int, None, "an integer >= 1",
+           "config.cpu_threads (the CPU optimizer kernel's threads; checked when Hybrid8bitOptimizer is built)",
+           "Threads of the CPU optimizer kernel. Unset: the cores this process may use divided among the ranks "
+           "on this host (LOCAL_WORLD_SIZE), or torch.get_num_threads() in one process."),
+    EnvVar("LAZYTRAIN_CACHE_DIR", Path, None, "a directory path",
+           "profiling.hardware.cache_dir",
+           "Directory of cached hardware probes. Unset: ~/.cache/lazytrain_hf."),
+    EnvVar("LAZYTRAIN_GSM8K_DIR", Path, None, "a directory path",
+           "benchmarks.common.gsm8k_dir (benchmarks, GSM8K tests)",
+           "The GSM8K folder (train.jsonl). Unset: <repo>/../shared/data/gsm8k."),
+    EnvVar("LAZYTRAIN_GIT_COMMIT", _text, None, "any text (a commit hash)",
+           "benchmarks.common.git_commit (result rows)",
+           "The commit recorded in benchmark rows. Unset: this checkout's git HEAD."),
+)}
+
+
+def field_env_name(field_name: str) -> str:
+    """``LAZYTRAIN_<FIELD>``: the variable that fills `LazyTrainConfig.<field_name>` when the user did not give it."""
+    return PREFIX + field_name.upper()
+
+
+def _field_var(f: dataclasses.Field) -> EnvVar:
+    from .config import _CHOICES, SIZE_FIELDS, parse_bytes
+
+    hint = str(f.type)
+    if f.name in _CHOICES:
+        parse, accepted = _choice(*_CHOICES[f.name])
+    elif hint == "bool":
+        def parse(text: str) -> bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+
+        accepted = "true or false (also 1 / 0, yes / no, on / off)"
+    elif f.name in SIZE_FIELDS:
+        parse, accepted = parse_bytes, "a size such as '24GiB', '80GB' or a byte count"
+    elif hint.startswith("int"):
+        parse, accepted = int, "an integer"
+    elif hint == "float":
+        parse, accepted = float, "a number"
+    elif hint.startswith("list"):
+        def parse(text: str) -> list[str]:
+            return [s for s in text.split(",") if s]
+
+        accepted = "a comma-separated list"
+    else:
+        parse, accepted = _text, "any text"
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return EnvVar(field_env_name(f.name), parse, default, accepted, f"LazyTrainConfig.{f.name}, when it is built",
+                  f"Fills LazyTrainConfig.{f.name} when it is not given (an explicit value, a key of a dict / YAML "
+                  "/ JSON config, always wins).")
+
+
+@functools.cache
+def _table() -> dict[str, EnvVar]:
+    from .config import LazyTrainConfig
+
+    fields = {field_env_name(f.name): _field_var(f) for f in dataclasses.fields(LazyTrainConfig) if f.init}
+    clash = sorted(set(fields) & set(VARIABLES))
+    if clash:
+        raise RuntimeError(f"environment variables {clash} are both LazyTrainConfig fields and other settings")
+    return {**VARIABLES, **fields}
+
+
+def table() -> dict[str, EnvVar]:
+    """Every variable: `VARIABLES`, then one ``LAZYTRAIN_<FIELD>`` per LazyTrainConfig field."""
+    return dict(_table())
+
+
+def read(name: str, default: Any = _NO_DEFAULT) -> Any:
+    """The parsed value of environment variable `name` (a row of `table`), read now.
+
+    Args:
+        name: e.g. ``"LAZYTRAIN_CPU_ISA"``.
+        default: returned when the variable is unset or empty (only whitespace); the row's default if omitted.
+
+    Raises:
+        KeyError: `name` is not in the table.
+        ValueError: the value is not what the row accepts (names the variable, the value and the accepted values).
+    """
+    var = _table()[name]
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return var.default if default is _NO_DEFAULT else default
+    try:
+        return var.parse(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment {name} must be {var.accepted}, but got {raw!r}; unset it for the default "
+                         f"({_show(var.default)})") from None
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else repr(value)
+
+
+def render_markdown() -> str:
+    """The table as Markdown (docs/environment.md)."""
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["# Environment variables", "",
+             "Generated from `lazytrain_hf/envvars.py` (`python -m lazytrain_hf.envvars > docs/environment.md`).",
+             "Each is read by `lazytrain_hf.envvars.read`: unset or empty gives the default; a value outside",
+             "'Accepted' raises one `ValueError` naming the variable, the value and the accepted values.",
+             "A `LAZYTRAIN_<FIELD>` variable fills `LazyTrainConfig.<field>` only when the user did not give",
+             "that field (as an argument, or as a key of a dict / YAML / JSON config).", "",
+             "| Variable | Accepted | Default | Read by | Meaning |", "| --- | --- | --- | --- | --- |"]
+    for var in _table().values():
+        lines.append(f"| `{var.name}` | {cell(var.accepted)} | {cell(_show(var.default))} | {cell(var.applies)} "
+                     f"| {cell(var.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
