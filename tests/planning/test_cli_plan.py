@@ -166,7 +166,8 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
     callback = LazyTrainCallback(trainer)
     with caplog.at_level("WARNING", logger="lazytrain_hf.hf.callback"):
         callback._check_fingerprint(prints["cpu-opt"], "same.json")
-        assert not caplog.records
+        # (other libraries may log on first import, e.g. bitsandbytes' CPU backend)
+        assert not [r for r in caplog.records if r.name == "lazytrain_hf.hf.callback"]
         callback._check_fingerprint(prints["rows"], "rows.json")
     assert "rows.json" in caplog.text and "gpu_optimizer, rows_per_pass" in caplog.text
 
