@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_given, host_given, nvme_asked)
     fp = plan_fingerprint(inputs)
     _print_header(args, shape, cm, hardware)
-    tried: list[str] = []
+    tried: list[tuple[int, str, float | None]] = []  # (rows per pass, placement, predicted ms or None: no plan)
     built: dict[tuple[int, str], Any] = {}
 
     def solve(rows: int, resident: str) -> Any:
@@ -171,9 +171,9 @@ def run(args: argparse.Namespace) -> int:
                               mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer, fingerprint=fp,
                               strict=True)
         except InfeasiblePlanError:
-            tried.append(f"{rows} rows, {resident}: no plan")
+            tried.append((rows, resident, None))
             raise
-        tried.append(f"{rows} rows, {resident}: {s.predicted['step_ms']:.0f} ms")
+        tried.append((rows, resident, s.predicted["step_ms"]))
         return s
 
     # policy milp: the largest rows per pass with a plan (unless --rows-per-pass), the fastest placement there
@@ -184,7 +184,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             sched = search_plans(solve, rows, candidates)
         except InfeasiblePlanError as e:
-            print(f"\nNo plan ({'; '.join(tried)}): {with_margin(e, args.gpu_memory_margin)}")
+            hint = ""
+            others = [p for p in allowed if p not in candidates and p != "gpu"]
+            if others:  # an explicit placement: the leaner ones may fit
+                hint = (f" The embedding and LM head in host memory need less GPU memory: try --resident "
+                        f"{others[-1]} (or auto).")
+            print(f"\nNo plan ({_tried_summary(tried)}): {with_margin(e, args.gpu_memory_margin)}{hint}")
             return 1
     cm = built[sched.rows_per_pass, sched.resident]
     sched.solver["fingerprint_inputs"] = input_hashes(inputs)
@@ -374,6 +379,18 @@ def _print_table(sched: Any, cm: Any) -> None:
           "where the layer's update runs, gpu = at its next load in the forward, cpu = host worker threads)")
 
 
+def _tried_summary(tried: list[tuple[int, str, float | None]]) -> str:
+    """The combinations planned, one entry per placement: "gpu: 8, 4 rows per pass no plan; host: 8 rows 123.4 ms"."""
+    out = []
+    for placement in dict.fromkeys(p for _, p, _ in tried):
+        mine = [(r, ms) for r, p, ms in tried if p == placement]
+        failed = [str(r) for r, ms in mine if ms is None]
+        parts = [f"{', '.join(failed)} rows per pass: no plan"] if failed else []
+        parts += [f"{r} rows per pass: {ms:.1f} ms" for r, ms in mine if ms is not None]
+        out.append(f"{placement}: {'; '.join(parts)}")
+    return "; ".join(out)
+
+
 def _print_resident(sched: Any, cm: Any, tried: list[str]) -> None:
     where = {"gpu": "embedding and LM head on the GPU (weights, gradients, optimizer states)",
              "host_embedding": "embedding in host memory (looked up and updated on the CPU); LM head on the GPU",
@@ -381,7 +398,7 @@ def _print_resident(sched: Any, cm: Any, tried: list[str]) -> None:
                      "GPU once per step)"}[sched.resident]
     print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU")
     rows = "all" if sched.rows_per_pass in (None, cm.meta.get("batch_size")) else sched.rows_per_pass
-    also = f" (planned: {'; '.join(tried)})" if len(tried) > 1 else ""
+    also = f" (planned: {_tried_summary(tried)})" if len(tried) > 1 else ""
     print(f"rows per pass: {rows}{also}")
 
 
@@ -407,7 +424,8 @@ def _print_prediction(sched: Any, cm: Any) -> None:
     print(f"  compute {p['compute_ms']:.1f} ms + re-forward / rebuild {p['recompute_ms']:.1f} ms + GPU optimizer "
           f"{p['gpu_optim_ms']:.1f} ms + exposed transfer {p['exposed_transfer_ms']:.1f} ms + exposed CPU optimizer "
           f"{p['exposed_optimizer_ms']:.1f} ms")
-    print(f"peak GPU {_gib(p['peak_gpu_bytes'])} (simulated {_gib(p.get('simulated_peak_gpu_bytes'))}) of "
+    print(f"peak GPU {_gib(p['peak_gpu_bytes'])} (the planner's bound, checked against the budget; the timeline "
+          f"simulation's {_gib(p.get('simulated_peak_gpu_bytes'))}) of "
           f"{_gib(cm.gpu_bytes)}; host {_gib(p['pinned_host_bytes'])} of {_gib(cm.pinned_host_bytes)}; NVMe "
           f"{_gib(p['nvme_bytes'])}")
     if "status" in s:  # the MILP's (a fixed plan's solver holds only its fingerprint inputs)

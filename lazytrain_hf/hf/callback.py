@@ -76,7 +76,7 @@ class LazyTrainCallback(TrainerCallback):
                     sum(lp.checkpoint for lp in s.layers), sorted({lp.tier for lp in s.layers if lp.checkpoint}),
                     sum(lp.retain for lp in s.layers), s.prefetch_depth,
                     s.rows_per_pass or cfg.max_rows_per_pass or "all", s.resident,
-                    f", predicted step {predicted:.0f} ms" if predicted else "")
+                    f", predicted step {predicted:.1f} ms" if predicted else "")
 
     def _check_fingerprint(self, schedule: Schedule, path: str) -> None:
         """Warn when a loaded schedule was planned for other inputs than this run's (it is still used: a plan may

@@ -186,7 +186,7 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
                            cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
                            fingerprint_inputs=input_hashes(inputs))
     p = schedule.predicted
-    logger.info("MILP plan for batch %d x %d (%s rows per pass, embedding / LM head: %s): predicted step %.0f ms, "
+    logger.info("MILP plan for batch %d x %d (%s rows per pass, embedding / LM head: %s): predicted step %.1f ms, "
                 "peak GPU %.2f GiB, solved in %.0f ms (gap %.2f%%)", trainer.args.per_device_train_batch_size, T,
                 rows or "all", resident,
                 p.get("step_ms", float("nan")), p.get("peak_gpu_bytes", 0) / GIB,
@@ -272,9 +272,22 @@ def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
     buckets = seq_len_buckets(T, min_seq_len=min(128, max(8, T // 8)), max_buckets=trainer.lazy_config.plan_buckets)
     rates = dict(compute_scale=compute_scale, cpu_optim_params_per_s=cpu_optim_params_per_s)
     B = trainer.args.per_device_train_batch_size
-    longest = search_plans(lambda r, p: plan_for_trainer(trainer, buckets[-1], resident=p, rows=r, **rates),
-                           [rows] if rows else rows_options(B, trainer.lazy_config.max_rows_per_pass),
+    tried: list[str] = []
+
+    def solve(r: int, placement: str) -> Schedule:
+        try:
+            plan = plan_for_trainer(trainer, buckets[-1], resident=placement, rows=r, **rates)
+        except InfeasiblePlanError:
+            tried.append(f"{r} rows per pass with the embedding / LM head {placement}: no plan")
+            raise
+        tried.append(f"{r} rows per pass, {placement}: {plan.predicted.get('step_ms', float('nan')):.1f} ms")
+        return plan
+
+    longest = search_plans(solve, [rows] if rows else rows_options(B, trainer.lazy_config.max_rows_per_pass),
                            [resident] if resident else resident_candidates(trainer))
+    if len(tried) > 1:
+        logger.info("LazyTrain: planned %s; running %d rows per pass, embedding / LM head %s, for every "
+                    "sequence-length bucket", "; ".join(tried), longest.rows_per_pass, longest.resident)
     rates.update(resident=longest.resident, rows=longest.rows_per_pass)
     plans = {buckets[-1]: longest}
     for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is

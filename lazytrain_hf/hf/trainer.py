@@ -84,6 +84,9 @@ class LazyTrainerMixin:
                                  "model.gradient_checkpointing_disable() (the executor owns recomputation)")
         super().__init__(model, args, *pos, **kwargs)
         if cfg.policy == "none":
+            if cfg.resident_placement != "auto":
+                logger.warning("lazytrain_config.resident_placement=%r has no effect with policy 'none' (the stock "
+                               "Trainer path keeps the whole model where the Trainer puts it)", cfg.resident_placement)
             #: the Gated DeltaNet kernels the model runs ("fla", "torch"; None: no linear-attention layers)
             self.linear_attention_kernel = select_linear_attention(self.model, self.args.device)
             return
