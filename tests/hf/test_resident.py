@@ -56,4 +56,4 @@ def test_plan_cli_finds_a_24gib_plan_for_the_27b_shape(capsys):
     assert cli_plan.run(args) == 0
     out = capsys.readouterr().out
     assert "resident parts: embedding and LM head in host memory" in out
-    assert "gpu: 8, 4, 2, 1 rows per pass: no plan" in out and "predicted step" in out
+    assert "gpu: 8 rows per pass: no plan" in out and "predicted step" in out
