@@ -9,8 +9,8 @@ prints the per-layer plan (boundary tier, backward: kept / re-forward / rebuilt,
 tokens/s, peak GPU and host memory, exposed transfer time, the solver's status / gap / time and the largest
 feasible batch, and writes the schedule JSON, the cost model JSON and a timeline PNG to --out-dir.
 
-Hardware rates: the H200 figures of DESIGN §7, or this machine's cached probe (`lazytrain_hf.profiling.probe`)
-when one exists, or a probe JSON given with --hardware.
+Hardware rates: the H200 figures (`profiling.H200_DEFAULTS`), or this machine's cached probe
+(`lazytrain_hf.profiling.probe`) when one exists, or a probe JSON given with --hardware.
 """
 
 from __future__ import annotations

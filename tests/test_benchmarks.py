@@ -92,7 +92,7 @@ def test_bench_optim_thread_sweep_gpu_rows_and_state_bytes(tmp_path, monkeypatch
     assert set(rows) == {("hybrid8_torch", 1), ("torch_adamw_fused_fp32", 1), ("hybrid8_torch", 2),
                          ("torch_adamw_fused_fp32", 2), ("hybrid8_gpu", None)}
     h8 = rows[("hybrid8_torch", 1)]["extra"]
-    assert h8["moment_bytes_per_param"] == 2 + 2 * 4 / 256  # issue 4's 2.03 (<= 2.04)
+    assert h8["moment_bytes_per_param"] == 2 + 2 * 4 / 256  # 2.03 bytes (target <= 2.04)
     assert h8["state_bytes_per_param"] == 2 + 2 * 4 / 256 + 4  # + fp32 master for bf16 parameters
     assert rows[("torch_adamw_fused_fp32", 2)]["extra"]["moment_bytes_per_param"] == 8
     assert [rows[("hybrid8_torch", t)]["extra"]["kernel_threads"] for t in (1, 2)] == [1, 2]

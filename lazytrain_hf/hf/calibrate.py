@@ -3,11 +3,11 @@
 The planner predicts a step from per-layer costs (analytic, or one layer timed in isolation: profiling/
 layer_costs.py) and the probed CPU optimizer rate. The executor runs those layers with its own overheads (row passes,
 stream waits, kernel launches competing with the CPU optimizer threads), and its update worker shares the host's
-memory with 50 GB/s of H2D copies: on an H200 the 7B step ran 7-17% over the prediction (benchmarks/NOTES.md,
-session 5), and at 80 GiB, batch 64 the training thread waited 0.9 s per step for CPU updates the plan counted as
-hidden (session 6). After `calibrate_steps` measured steps (the first `skip` are not used: they allocate and touch
-the optimizer states, during step 2's forward when the updates overlap it) two costs are replaced by measured ones
-and the plan is solved again with them (issue 5):
+memory with 50 GB/s of H2D copies: on an H200 the 7B step ran 7-17% over the prediction (2026-11-29:
+benchmarks/results/7b-milp24-20261129.json), and at 80 GiB, batch 64 the training thread waited 0.9 s per step for
+CPU updates the plan counted as hidden (7b-b64-20261130.json). After `calibrate_steps` measured steps (the first
+`skip` are not used: they allocate and touch the optimizer states, during step 2's forward when the updates overlap
+it) two costs are replaced by measured ones and the plan is solved again with them:
 
     rate  = median over the steps of (parameters the update worker updated / its wall time)      (CostModel
                                                                                                    .with_cpu_optim_rate)
@@ -34,7 +34,7 @@ RATE_THRESHOLD = 0.10
 #: ... and switch to the new plan only when it is predicted faster than the running plan, both valued at the measured
 #: figures, by more than this (relative): twice the planner's default MIP gap (1%), inside which two plans are not
 #: told apart. Without it a noisy measured CPU rate flipped a batch-16 plan between keeping gradients on the GPU and
-#: not (2.274 vs 2.431 s measured, benchmarks/NOTES.md session 10)
+#: not (2.274 vs 2.431 s on an H200, 2026-11-30: 7b-b16-b32-pairs-20261130.json, 7b-prepared-off-20261130.json)
 SWITCH_GAIN = 0.02
 
 

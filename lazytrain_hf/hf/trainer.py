@@ -1,6 +1,6 @@
 """`LazyTrainer`: the HF Trainer with the layer-streaming executor behind a few overridden hooks.
 
-Overridden (DESIGN.md §5): `_wrap_model` (returns the StreamingModel, so accelerate neither wraps nor moves the
+Overridden: `_wrap_model` (returns the StreamingModel, so accelerate neither wraps nor moves the
 model), `get_optimizer_cls_and_kwargs` / `create_optimizer` (Hybrid8bitOptimizer reading the executor's fp32 host
 gradients), `training_step` (the executor's forward + backward), `_clip_grad_norm` / `_get_grad_norm` (the global
 norm from the executor's gradient buffers; the clip coefficient is folded into the optimizer update), `log`

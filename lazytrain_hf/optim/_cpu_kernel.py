@@ -879,7 +879,8 @@ void adamw_q8(const Args& a, const Hyper& h) {
     float* vbuf = static_cast<float*>(std::aligned_alloc(64, bytes));
     // Dynamic chunks of ~16K elements, not one static range per thread: inside a training step a core is shared
     // with the launching thread and the copy engines' traffic, and a static split waits for its slowest thread
-    // (the worker measured 2.25-2.5 G params/s in steps against 3.0-3.75 alone, benchmarks/NOTES.md session 8).
+    // (H200 host, 2026-11-30: static, the worker ran 2.25-2.5 G params/s in steps against 3.0-3.75 alone; dynamic,
+    // 3.56-3.80 in steps: benchmarks/results/7b-cpu-dynamic-chunks-20261130.json).
     // Blocks are independent: the same bits whichever thread runs a block.
 #pragma omp for schedule(dynamic, kDynamicChunk)
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -1408,8 +1409,8 @@ def isa_bit_check(lib: ctypes.CDLL, isa: str, ref: str, *, n: int = 3 * 256 + 77
 def _configure_isa(lib: ctypes.CDLL) -> str:
     """Sets the path "auto" runs and says which paths the build has. "auto" runs AVX2 where AVX-512 exists too:
     on the one AVX-512 host measured (the H200 machine's Xeon, 16 threads, Kahan, bf16 gradients) the AVX-512 path
-    ran 4.19 G params/s against AVX2's 4.58 (in training steps the two were within the ~4% run-to-run spread;
-    benchmarks/NOTES.md, session 9): the two code-search gathers stay and 512-bit work lowers the clock.
+    ran 4.19 G params/s against AVX2's 4.58 (benchmarks/results/hybrid8-cpu-isa-20261130.json; in training steps
+    the two were within the ~4% run-to-run spread): the two code-search gathers stay and 512-bit work lowers the clock.
     LAZYTRAIN_CPU_ISA=avx512 runs it; it must give the AVX2 path's bits on this CPU (`isa_bit_check`, ~10 ms at load), or it is refused."""
     best = lib.lt_isa_best()
     lib._lt_auto_isa = min(best, ISA_CODES["avx2"])

@@ -1,11 +1,11 @@
 """Fused GPU AdamW kernel for 8-bit states (Triton): the CPU kernel's arithmetic, one pass, no temporaries.
 
 The bitsandbytes route (`functional.adamw_step_bnb_cuda`) needs fp32 copies around bitsandbytes' own kernel for the
-Kahan compensation (param + kahan, the fp32 gradient, the write-back residual): about 97 bytes of traffic per
-parameter over ten launches, measured at 18 G params/s on the H200 (benchmarks/NOTES.md, session 7) against
+Kahan compensation (param + kahan, the fp32 gradient, the write-back residual): about 97 bytes of traffic per parameter
+over ten launches, measured at 17.7 G params/s on an H200 (benchmarks/results/hybrid8-gpu-triton-20261130.json) against
 ~14 bytes per parameter for the update itself. This kernel does it all in one pass: per quantization block it
-dequantizes m and v through the 256-entry maps, applies AdamW (clip coefficient folded into the gradient), writes
-the parameter (fp32 master, Kahan-compensated bf16, or plain), takes the new per-block absmax and requantizes.
+dequantizes m and v through the 256-entry maps, applies AdamW (clip coefficient folded into the gradient), writes the
+parameter (fp32 master, Kahan-compensated bf16, or plain), takes the new per-block absmax and requantizes.
 
 Every fp32 operation mirrors `_cpu_kernel`'s ``update_one`` / ``nearest_code`` in the same order: the m update
 is one fused multiply-add (`tl.fma`, as the C++ ``fmadd``), nothing else is contracted (``enable_fp_fusion=False``,

@@ -252,9 +252,7 @@ def cpp_kernel_self_check(threads: int) -> tuple[bool, str]:
     8-bit states, bf16 gradients) and with fp32 master weights: finite results, parameters within one bf16 ulp,
     masters within fp32 rounding (the tolerances of tests/optim/test_functional.py). ~50 ms.
 
-    Why: the native build runs on CPUs CI never sees; a wrong update there would poison training silently (added
-    while non-finite norms on one GPU host were unexplained; their likely cause was the GPU update's stream
-    ordering, `_on_default_stream`: benchmarks/NOTES.md, session 4).
+    Why: the native build runs on CPUs CI never sees; a wrong update there would poison training silently.
     """
     if load_cpu_kernel() is None:
         return False, cpu_kernel_status()[1]
@@ -673,8 +671,8 @@ def _on_default_stream(device: torch.device, temporaries: tuple[Tensor, ...]):
     """Order a bitsandbytes optimizer kernel with the current stream. bitsandbytes launches its optimizer kernels
     without a stream argument, i.e. on the legacy default stream (bitsandbytes/backends/cuda/ops.py,
     `_optimizer_update_8bit_blockwise_impl`), which does not synchronize with PyTorch's non-blocking side streams:
-    under a side stream the kernel read half-copied inputs and raced its own write-back (non-finite norms on the
-    H200, benchmarks/NOTES.md session 4). Under a side stream: the default stream waits for the current one, and
+    under a side stream the kernel read half-copied inputs and raced its own write-back (non-finite norms on an
+    H200, 2026-11-29). Under a side stream: the default stream waits for the current one, and
     the current one for the kernel; the temporaries are marked in use by the default stream."""
     cur, s0 = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
     if cur == s0:

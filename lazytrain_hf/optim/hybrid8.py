@@ -1,6 +1,6 @@
 """`Hybrid8bitOptimizer`: AdamW with blockwise 8-bit states, master weights and fused gradient clipping.
 
-See DESIGN.md §4. The optimizer owns the loop (lazy state setup, clip bookkeeping, kernel choice); the math lives
+The optimizer owns the loop (lazy state setup, clip bookkeeping, kernel choice); the math lives
 in `lazytrain_hf.optim.functional` (one kernel per device plus a pure-torch reference).
 """
 

@@ -1,11 +1,10 @@
 """Re-planning per sequence-length bucket: one schedule per bucket, looked up by a batch's sequence length.
 
-Variable-length batches (DESIGN §3, issue 5: "re-planning per sequence-length bucket, bounded number of solves")
-change every activation size, so the best plan for 256 tokens is not the best for 4096. `plan_buckets` solves
-once per bucket (a bounded list, by default powers of two up to the longest sequence) with a cost model built
-for that bucket's length; `BucketSchedules.schedule_for(seq_len)` returns the plan of the smallest bucket
->= seq_len. A bucket's plan fits any shorter sequence: every memory term of the cost model grows with T (the
-batch is padded to at most the bucket length, so the plan for the bucket is a safe upper bound).
+Variable-length batches change every activation size, so the best plan for 256 tokens is not the best for 4096.
+`plan_buckets` solves once per bucket (a bounded list, by default powers of two up to the longest sequence) with a cost
+model built for that bucket's length; `BucketSchedules.schedule_for(seq_len)` returns the plan of the smallest bucket >=
+seq_len. A bucket's plan fits any shorter sequence: every memory term of the cost model grows with T (the batch is
+padded to at most the bucket length, so the plan for the bucket is a safe upper bound).
 
 Pure like the rest of `planning`: the caller supplies `build(seq_len) -> CostModel` (analytic or measured costs).
 """

@@ -1,7 +1,7 @@
 """`CostModel`: everything the planner knows about one (model, batch shape, machine), as plain numbers.
 
 The planner is pure: a `CostModel` goes in, a `Schedule` comes out. Profiling (`lazytrain_hf.profiling`) turns a
-transformers config plus a hardware profile (measured or the H200 defaults of DESIGN §7) into a `CostModel`;
+transformers config plus a hardware profile (measured or `profiling.H200_DEFAULTS`) into a `CostModel`;
 tests build small ones by hand (`CostModel.uniform`). Units are in the field names: `_ms` milliseconds, `_bytes`
 bytes, `_gbps` GB/s (1 GB = 1e9 bytes), `_params_per_s` parameters per second.
 

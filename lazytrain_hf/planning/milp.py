@@ -16,9 +16,9 @@ Size: about 26 columns (8 binary) and 50 rows per layer (64 layers: ~1,700 x ~3,
 takes 8-14 s on 2 CPU cores for 64 layers with optimizer placement open: the LP relaxation is weakest on the
 optimizer placement (fractional o_i split a layer's update between CPU and GPU) and the global flags. The default
 path (`_PlanMilp.solve_search`) branches on those itself (per-class counts of on-GPU updates, flags) with LP bounds
-and leaves the rest to HiGHS (benchmarks/results/planner-20261129.json, benchmarks/NOTES.md); its leaves are
+and leaves the rest to HiGHS (benchmarks/results/planner-20261129.json); its leaves are
 settled by an LP rounding improved by local search under the linear model (`fast_eval.improve_plan`), HiGHS only
-where that plan is not within the gap (planner-20261129-v5.json: every bench case under 1 s at 64 layers).
+where that plan is not within the gap (planner-20261129.json: every bench case under 1 s at 64 layers).
 """
 
 from __future__ import annotations
@@ -651,7 +651,7 @@ class _PlanMilp:
         so they are points of this MILP), with a few random kicks (`fast_eval.perturb_plan`, at most `kick_s`) when
         it ends less than `kick_margin` above the objective that would settle the leaf; a plan within the gap of the
         leaf's LP bound settles it. Otherwise HiGHS solves the leaf MILP, started from the incumbent when it lies in
-        the leaf's box (else with the incumbent as cutoff). The diving start (`_dive`, `dive`) of v4 runs only
+        the leaf's box (else with the incumbent as cutoff). The diving start (`_dive`, `dive`) runs only
         without the local search or without an incumbent. Boxes whose bound is within `mip_rel_gap` of the incumbent
         are pruned, so the returned gap is proven over the whole MILP (with its orderings), as for `solve` (up to
         HiGHS's own leaf bounds). `evaluator`: a `StepEvaluator` of this cost model and depth (built when None).
@@ -825,7 +825,7 @@ class _PlanMilp:
                     settled = min(settled, bound)
                     continue
             cutoff = inc_obj
-            # a diving start without the local search (v4) or without an incumbent (with one, HiGHS gets it as its
+            # a diving start without the local search or without an incumbent (with one, HiGHS gets it as its
             # start or cutoff: on random 64-layer instances the dives were all worse than the local search's plans)
             xd = (self._dive(lp, dive_cols, x, col_lo, col_hi, deadline, stats)
                   if x is not None and dive and (not local_search or not math.isfinite(inc_obj)) else None)
@@ -992,7 +992,7 @@ def fixed_candidates(cm: CostModel, prefetch_depth: int = 1, *, evaluator: StepE
     for every in (1, 2, 4, 8):
         for tier in tiers:
             s = fixed_schedule(cm.num_layers, checkpoint_every=every, tier=tier, prefetch_depth=prefetch_depth)
-            s.layers[0].tier = "gpu"  # boundary 0 stays on the GPU (DESIGN §3)
+            s.layers[0].tier = "gpu"  # boundary 0 stays on the GPU, as the MILP's g_0 = 1
             scheds.append(s)
     plans = [PlanArrays.of(s) for s in scheds]
     vals = ev.evaluate_many(*(np.stack([getattr(p, f) for p in plans], axis=1) for f in ("c", "tier", "r", "o")))

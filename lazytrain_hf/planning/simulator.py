@@ -1,7 +1,7 @@
 """Discrete-event replay of one steady-state step of a `Schedule` on a `CostModel`.
 
-Unlike the MILP's linear model (`estimate.py`), the simulator issues tasks in the executor's real order (DESIGN
-§2): per lane a static queue, a task starts when it heads its lane's queue and its dependencies are done.
+Unlike the MILP's linear model (`estimate.py`), the simulator issues tasks in the executor's real order: per lane a
+static queue, a task starts when it heads its lane's queue and its dependencies are done.
 
 Lanes and what they run:
     compute: on-GPU optimizer updates, forwards, the head, segment recomputes (at segment start), forward-with-

@@ -21,8 +21,8 @@ Sources of the formulas:
       fp32 RMSNorm internals and SDPA (q, k, v, output and log-sum-exp), in the manner of Korthikanti et al.
       2022, "Reducing Activation Recomputation in Large Transformer Models" §4;
     - saved activations of Qwen3.5 layers: counted tensor by tensor (`_per_token_bytes`);
-    - efficiencies: a dense layer reaches about 0.7 of the 8192^3 GEMM rate (DESIGN §7: the stock Trainer's
-      416 TFLOPS (6ND) at batch 8 x 1024 with one recompute executes 8ND, about 555 TFLOPS of 787);
+    - efficiencies: a dense layer reaches about 0.7 of the 8192^3 GEMM rate (on an H200, 2026-11-29, the stock
+      Trainer's 416 TFLOPS (6ND) at batch 8 x 1024 with one recompute executes 8ND, about 555 TFLOPS of 787);
     - host bytes per parameter: bf16 weight 2 + bf16 gradient 2 + 8-bit moments 2 (+ fp32 absmax per block) +
       fp32 master 4 (Kahan: 2); resident parameters (embedding, lm_head, norm) keep gradients and optimizer
       states on the GPU by default, as the executor does (measured: 4.39 GB of states for Qwen2.5-7B).

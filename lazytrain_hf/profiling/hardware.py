@@ -111,11 +111,11 @@ def _positive(x: Any, allow_zero: bool = False) -> bool:
 
 #: One H200 and its host, measured 2026-11-29 (benchmarks/NOTES.md): pinned H2D 50.8 GB/s, D2H 54.1 GB/s, about 33 GB/s
 #: each way when both run; bf16 GEMM 8192^3 787 TFLOPS; virtual disk with O_DIRECT write 1.0 GB/s, read 1.5 GB/s.
-#: Optimizer rates as of session 8 (2026-11-30): Hybrid8 with Kahan master weights on the GPU through the fused Triton
+#: Optimizer rates measured 2026-11-30: Hybrid8 with Kahan master weights on the GPU through the fused Triton
 #: kernel 70 G params/s (64 Mi params); on the 16 cores through the C++ kernel 3.6 G params/s inside training steps
 #: (its dynamic chunks; 3.7-3.9 alone). Memory: 143,771 MiB GPU, 128 GiB host. A probe there (2026-11-29) read
 #: H2D 55.0, D2H 54.8 GB/s, 49.5 GB/s each way when both ran (256 MiB copies on two streams), 791 TFLOPS; these
-#: defaults keep DESIGN's more conservative 33 GB/s.
+#: defaults keep the more conservative 33 GB/s.
 H200_DEFAULTS = HardwareProfile(
     h2d_gbps=50.8, d2h_gbps=54.1, bidir_gbps=33.0, nvme_read_gbps=1.5, nvme_write_gbps=1.0, gpu_tflops=787.0,
     cpu_optim_params_per_s=3.6e9, gpu_optim_params_per_s=70.0e9, gpu_memory_bytes=143_771 * MIB,
@@ -231,7 +231,7 @@ def optimizer_rate(device: Any = "cpu", numel: int = 2**26, steps: int = 3, mast
     and master buffers) with 8-bit blockwise states and Kahan-compensated bf16 master weights, as a streamed
     decoder layer is updated (CPU: the C++ kernel on `lazytrain_hf.config.cpu_threads()` threads, else the torch
     fallback; CUDA: the fused Triton kernel where triton imports, else bitsandbytes'). The planner's cost model divides a layer's parameter
-    count by this rate (DESIGN.md §3)."""
+    count by this rate."""
     import torch
 
     from ..optim import Hybrid8bitOptimizer

@@ -1,4 +1,4 @@
-"""Data parallelism for the streaming executor over torch.distributed (one process per GPU, DESIGN.md §2).
+"""Data parallelism for the streaming executor over torch.distributed (one process per GPU).
 
 Each rank runs its own executor on its share of the global batch and keeps a full replica of the host store and
 optimizer state; gradients are summed over ranks with all-reduce (NCCL on GPUs, gloo on CPUs):

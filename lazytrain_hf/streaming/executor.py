@@ -1,6 +1,6 @@
 """The layer-streaming executor: runs one micro-batch's forward and backward under a Schedule.
 
-Data flow (DESIGN.md §2): the resident parts (embedding, rotary, final norm, lm_head) live on the compute device;
+Data flow: the resident parts (embedding, rotary, final norm, lm_head) live on the compute device;
 decoder layers live in the HostParamStore and are streamed into device slots. Forward runs each layer without
 grad and stashes the boundaries the schedule materializes; the head computes the chunked loss and dL/dh_L;
 backward walks the segments in reverse, recomputes the inputs inside each segment, runs each layer forward with
@@ -452,14 +452,14 @@ class StreamingExecutor:
 
     def _device_update(self, slot: Slot, layer: int) -> None:
         """Stage `layer`'s deferred optimizer update for the compute device, next to the weights just streamed in
-        (schedule: optimizer_device "gpu"; DESIGN.md §3 optimizer placement): its host gradient and optimizer
+        (schedule: optimizer_device "gpu"): its host gradient and optimizer
         states go H2D into the slot's staging copies on the H2D stream; the update itself is queued
         (`functional.deferred_launches`) and runs in `_before_compute`.
 
         Note [GPU-side update ordering]: the update runs on the compute stream right before the layer's forward,
         not on the H2D stream. bitsandbytes launches its optimizer kernel on the legacy default stream whatever the
         current stream is; launched from the H2D stream it ran unordered with the staging copies and with its own
-        write-back (non-finite gradient norms on the H200, benchmarks/NOTES.md session 4). On the compute stream,
+        write-back (non-finite gradient norms on an H200, 2026-11-29). On the compute stream,
         which is the default stream, it runs in order: after `slot.ready` (staged inputs arrived), before the
         forward that reads the updated weights. The staging set belongs to the slot: the next load into the slot
         waits for the copy-back (`WeightStreamer.slot_read`), so a set is never overwritten while in use."""
@@ -567,8 +567,8 @@ class StreamingExecutor:
     def reserve_states(self, optimizer: Any) -> int:
         """Size the state arena to the optimizer's states of the streamed layers this process updates (a sharded
         rank: its own layers), from `optimizer.state_specs()` (Hybrid8bitOptimizer), one exact chunk per dtype:
-        locked bytes then equal the planned ones (issue 3: <= 1.05x; 512 MiB chunks alone locked 2.5 GiB more at
-        Qwen2.5-7B). Call after `set_state_allocator(self.state_alloc)`, before the first step or a resume; a later
+        locked bytes then equal the planned ones (512 MiB chunks alone locked 2.5 GiB more at Qwen2.5-7B, about
+        1.05x). Call after `set_state_allocator(self.state_alloc)`, before the first step or a resume; a later
         `optimizer.load_state_dict` re-reserves for the saved layout (a resume may keep other options than this
         run asked for). An optimizer without `state_specs` is left to the arena's ordinary chunks. Returns the bytes
         reserved."""

@@ -2,7 +2,7 @@
 
 The module's parameters are re-pointed as views into the buffers, so host RAM holds one copy of the weights, not
 two, and `save_pretrained` / the optimizer see the same bytes the executor streams. Gradients live beside the
-weights in fp32 host buffers (accumulated across gradient-accumulation micro-batches in fp32, DESIGN.md §4).
+weights in fp32 host buffers (accumulated across gradient-accumulation micro-batches in fp32).
 """
 
 from __future__ import annotations

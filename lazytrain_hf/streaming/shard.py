@@ -1,4 +1,4 @@
-"""Sharded optimizer updates for data parallelism (`LazyTrainConfig.dp_updates="sharded"`, issue 7).
+"""Sharded optimizer updates for data parallelism (`LazyTrainConfig.dp_updates="sharded"`).
 
 Streamed layer i is owned by rank `i % world` (round-robin: every rank's first owned layer comes early, so the
 updates that the next forward waits for finish about `world` times sooner than in the replicated mode, and the

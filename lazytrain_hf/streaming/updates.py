@@ -1,4 +1,4 @@
-"""Deferred per-layer optimizer updates, overlapped with the next forward (DESIGN.md §2, "optimizer").
+"""Deferred per-layer optimizer updates, overlapped with the next forward.
 
 At `optimizer.step()` the resident parameters are updated at once; the streamed layers' updates are handed to a
 CPU worker thread that runs them layer 0 first. The weight streamer waits for layer i's update before it streams

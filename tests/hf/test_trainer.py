@@ -98,7 +98,7 @@ def test_a_frozen_embedding_trains_as_with_the_stock_trainer(tmp_path):
 
 
 def test_a_fresh_run_reserves_the_optimizer_states_at_their_exact_size(tmp_path):
-    """Pinned locked == planned (issue 3) through the Trainer: the reservation made when the optimizer is created
+    """Pinned locked == planned through the Trainer: the reservation made when the optimizer is created
     survives accelerate's wrapping (which reloads the optimizer's own, empty, state: that reload once cleared it)."""
     model = load_model("qwen3-tiny", "float32", seed=3)
     lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy", max_steps=1)),

@@ -96,7 +96,8 @@ def test_forced_isa_is_used_or_refused(monkeypatch):
 
 def test_native_build_has_avx512_where_the_cpu_has_it_and_runs_avx2_by_default():
     """AVX-512 is built and passes the load-time bit check where the CPU has it, but "auto" runs AVX2 (measured
-    faster at 16 threads on the H200 host, session 9); LAZYTRAIN_CPU_ISA=avx512 runs it."""
+    faster at 16 threads on the H200 host: benchmarks/results/hybrid8-cpu-isa-20261130.json);
+    LAZYTRAIN_CPU_ISA=avx512 runs it."""
     lib = requires_cpu_kernel()
     requires_isa(lib, "avx512")
     status = K.cpu_kernel_status()[1]

@@ -1,6 +1,6 @@
 """Gradient accumulation 1 vs 4 at equal effective batch (4 rows) with optim="lazytrain_hybrid8" (8-bit states):
 the logged pre-clip grad_norm and the trained weights agree, under the stock Trainer and under LazyTrainer
-(DESIGN.md §4: the global norm is that of the summed gradient, never composed from per-micro-batch norms)."""
+(the global norm is that of the summed gradient, never composed from per-micro-batch norms)."""
 
 from __future__ import annotations
 

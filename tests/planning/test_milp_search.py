@@ -105,7 +105,7 @@ def test_diving_start_fits_the_budgets_under_the_memory_terms(gpu_optimizer):
 def test_every_box_below_the_reported_bound_was_branched_or_solved(two_kinds):
     """The search's dual bound is the smallest bound of the boxes it pruned or settled: every box it created with a
     smaller LP bound must have been split or settled as a leaf. (A box popped while diving is not the smallest one
-    left: pruning it must not end the search; v4 did, and reported 0.92% on qwen3.6-27b where 1.9% was proven.)"""
+    left: pruning it must not end the search: ending there reported 0.92% on qwen3.6-27b where 1.9% was proven.)"""
     cm = small_cm(64, gpu_bytes=16 * GIB, cpu_optim_params_per_s=4e9, nvme_bytes=100 * GIB,
                   pinned_host_bytes=HOST_FIXED + 4 * GIB)
     cm = _two_kinds(cm, every=4) if two_kinds else cm

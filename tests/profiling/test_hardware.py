@@ -1,4 +1,4 @@
-"""Hardware profile (lazytrain_hf/profiling/hardware.py): the DESIGN §7 defaults, the CPU no-op, the cache key and
+"""Hardware profile (lazytrain_hf/profiling/hardware.py): the H200 defaults, the CPU no-op, the cache key and
 the disk probe (which runs anywhere)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from lazytrain_hf.profiling.hardware import _disk_gbps, optimizer_rate
 
 
 def test_defaults_are_the_design_figures():
-    """DESIGN §7's PCIe, disk and GEMM figures; the optimizer rates are the project's own kernels as measured on the
-    H200 machine in session 8 (Triton GPU update, C++ CPU update inside steps: benchmarks/NOTES.md)."""
+    """The H200 machine's PCIe, disk and GEMM figures (2026-11-29); the optimizer rates are the project's own kernels
+    as measured there on 2026-11-30 (Triton GPU update, C++ CPU update inside steps)."""
     d = H200_DEFAULTS
     assert (d.h2d_gbps, d.d2h_gbps, d.bidir_gbps) == (50.8, 54.1, 33.0)
     assert (d.nvme_read_gbps, d.nvme_write_gbps, d.gpu_tflops) == (1.5, 1.0, 787.0)

@@ -168,7 +168,7 @@ def test_cuda_gpu_idle_while_waiting_for_cpu_updates_is_measured(monkeypatch):
 
 
 def test_cuda_locked_host_bytes_match_the_accounting():
-    """Issue 3: what the process page-locks (cudaHostRegister'd bytes + what PyTorch's caching host allocator
+    """What the process page-locks (cudaHostRegister'd bytes + what PyTorch's caching host allocator
     gained) is at most 1.05x `pinned_bytes["planned"]`, for a CPU-tier schedule (every boundary offloaded) whose
     gradients take the staging path (bf16 model, fp32 host gradients), with the optimizer's states in the executor's
     arena sized by `reserve_states` (its 512 MiB chunks alone locked far more than a tiny model's states); the

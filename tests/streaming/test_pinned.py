@@ -296,7 +296,7 @@ def test_state_specs_are_what_the_first_step_allocates(master):
 
 
 def test_reserved_states_lock_exactly_what_they_use():
-    """Issue 3: locked <= 1.05x planned. The arena's 512 MiB chunks locked 2.5 GiB beyond the states at Qwen2.5-7B
+    """Locked <= 1.05x planned. The arena's 512 MiB chunks locked 2.5 GiB beyond the states at Qwen2.5-7B
     (tails the large tensors do not fit, and each dtype's last chunk); `reserve_states` sizes one chunk per dtype to
     the optimizer's states of the streamed layers, so the arena reserves what it hands out (plus 64-byte rounding)."""
     _, (ids, labels, mask), ex, opt = _arena_run(fixed_schedule(4, 1, "gpu", 1))
