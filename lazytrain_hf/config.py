@@ -150,7 +150,7 @@ class LazyTrainConfig:
             next update then skips half its table reads (bit-identical). Layers are taken in update order (layer 0
             first) while they fit. 0: off, the default: on the H200 host (16 cores) the prepared update ran only
             1.09x the full one alone (it reads 8 bytes per parameter instead of 2) and no faster inside training
-            steps (benchmarks/NOTES.md, session 10); it may pay on CPUs with slow gathers (1.16x on 2 Zen 3
+            steps (2026-11-30, benchmarks/NOTES.md); it may pay on CPUs with slow gathers (1.16x on 2 Zen 3
             cores). Needs overlap_optimizer. The planner's host
             memory accounting does not count these buffers: leave room for them in host_memory_budget.
         dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
@@ -160,11 +160,12 @@ class LazyTrainConfig:
             of the states' host memory and of the gradient D2H bytes per rank); the updated weights are broadcast
             from the owner at the layer's next load. Needs overlap_optimizer. "auto": sharded when overlap_optimizer
             is on, else replicated. Measured on 2 H200s (Qwen2.5-7B shape, 24 GiB cap, batch 32 per GPU): sharded
-            4.17 s per step, replicated 4.63 s, 1 GPU 4.41 s (benchmarks/NOTES.md, session 5).
+            4.17 s per step, replicated 4.63 s, 1 GPU 4.41 s (benchmarks/results/executor-ddp-sharded-20261129.json).
         profile_layers (bool, defaults to True): policy "milp" on CUDA: before each solve, time one decoder layer
             of each kind at the planned (rows per pass, seq) on the GPU (profiling/layer_costs.py, ~1-2 s) and plan
-            with those forward / backward times instead of the analytic ones (which under-predicted the measured
-            7B step by 7-17% on an H200, benchmarks/NOTES.md session 5). Memory figures stay analytic.
+            with those forward / backward times and memory figures (the larger of measured and analytic) instead
+            of the analytic ones alone (which under-predicted the measured 7B step by 7-17% on an H200 in
+            2026-11-29's runs); a pass that does not fit is measured at fewer rows and scaled.
         calibrate_steps (int, defaults to None): policy "milp": after this many measured optimizer steps (the
             first one or two are not counted) compare the measured step time with the plan's prediction and the
             CPU update worker's measured rate (parameters/s) with the planned one; when the GPU compute is off by
