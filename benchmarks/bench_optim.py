@@ -1,4 +1,4 @@
-"""Micro-benchmark of the optimizer update: params/s of each kernel, side by side (issue 4).
+"""Micro-benchmark of the optimizer update: params/s of each kernel, side by side.
 
 Rows (``system`` in the JSON):
   hybrid8_torch             Hybrid8bitOptimizer, 8-bit states, pure-torch kernel (the fallback)
@@ -19,7 +19,7 @@ Rows (``system`` in the JSON):
 ``--threads 1,8,16`` repeats the CPU rows at each thread count (GPU rows run once); ``--cpu-isa avx512,avx2``
 repeats the C++ kernel's rows on each ISA path (``LAZYTRAIN_CPU_ISA`` set around the row, ``extra.cpu_isa``; a
 path the build lacks gives an "unsupported" row). ``extra.moment_bytes_per_param``
-counts the moments and their absmax only (issue 4's <= 2.04 for 8-bit tensors); ``state_bytes_per_param`` adds
+counts the moments and their absmax only (the goal: <= 2.04 for 8-bit tensors); ``state_bytes_per_param`` adds
 master weights / Kahan buffers.
 
 Hybrid8 rows use ``--param-dtype`` params (bf16 by default) with ``--master-weights`` (fp32 master by default for

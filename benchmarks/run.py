@@ -1,4 +1,4 @@
-"""Side-by-side harness (issue 6): LazyTrain vs the systems users would pick instead, through the HF Trainer.
+"""Side-by-side harness: LazyTrain vs the systems users would pick instead, through the HF Trainer.
 
     python -m benchmarks.run --suite 7b --out benchmarks/results/7b-YYYYMMDD.json [--budget-s 540]
     python -m benchmarks.run --suite smoke --out /tmp/smoke.json                 # CPU, tiny shape (CI)
@@ -62,7 +62,7 @@ SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                   batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
     # warmup 6: LazyTrain rows calibrate on warmup - 3 = 3 steps (benchmarks/systems.py); on 1 step the measured CPU
-    # update rate varied 3.0-4.4 G params/s across rows of one configuration (benchmarks/NOTES.md, session 10)
+    # update rate varied 3.0-4.4 G params/s across rows of one configuration (the 7b-*-20261130.json results)
     "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=6,
                batch={24: {**{s: [8, 16, 32, 64] for s in LT}, **{s: [1, 8] for s in STOCK},
                            **{s: [8] for s in OFFLOAD}},
@@ -196,8 +196,8 @@ def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir
     """Run benchmarks.worker on `spec` in a new process (own session); the rows it wrote, plus rows for the batch
     sizes it did not finish: "timeout" after `timeout_s`, "error"/"oom" when it died; none at the global deadline.
     `on_rows` receives each finished row as soon as the worker writes it (polled every second), so a row survives
-    this process being killed while the worker tears down (session 7 lost two measured rows to an outer `timeout`
-    that fired while a 55 GiB pinned store was being freed)."""
+    this process being killed while the worker tears down (7b-fixed-b64-fsdp2-20261130.json lost two measured rows to an
+    outer `timeout` that fired while a 55 GiB pinned store was being freed)."""
     from .systems import distributed_env
 
     tag = f"{spec['system']}-{spec['model']}-{spec['gpu_cap_gib']}-{'_'.join(map(str, spec['batch_sizes']))}"

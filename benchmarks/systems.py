@@ -1,4 +1,4 @@
-"""The systems of the side-by-side harness (issue 6), each built as an HF Trainer over the same model and data.
+"""The systems of the side-by-side harness, each built as an HF Trainer over the same model and data.
 
 Every system gets the same optimizer hyper-parameters (`HPARAMS`: AdamW lr / betas / eps / weight decay, clip 1.0,
 constant LR), the same GSM8K token rows, warm-up steps excluded from timing. What differs is only what the system is:
@@ -283,7 +283,7 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                # calibrate the MILP plan on the warm-up steps (the first two are never used: the overlapped
                # optimizer allocates its states in step 2), so the timed steps run one plan, predicted before them.
                # The step right after the re-plan is not timed either: the CPU update worker finished while the
-               # solver ran, so that step waited for no update (session 6: 0.4-0.9 s faster than the rest)
+               # solver ran, so that step waited for no update (7b-stock-vs-milp24-20261130.json: 0.4-0.9 s faster)
                # HARNESS_CALIBRATE_STEPS=0: run the first plan throughout (A/B rows on one plan)
                "calibrate_steps": int(os.environ.get("HARNESS_CALIBRATE_STEPS", max(0, int(spec.get("warmup", 0)) - 3)))}
         if os.environ.get("HARNESS_GPU_MEMORY_MARGIN"):  # the MILP's allocator margin (default 0.12)

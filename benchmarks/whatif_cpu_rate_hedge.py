@@ -1,8 +1,8 @@
 """What-if on the CPU (analytic costs, no GPU): how much a plan made for a lower CPU optimizer rate costs when the
-rate holds, and saves when the host gives less (benchmarks/NOTES.md, session 12). For each batch, the MILP plans at
-R, 0.9 R and 0.8 R (R: the calibrated in-step rate of a session-12 row) and each plan is valued at R and at the
-lower rate the timed steps got. Qwen2.5-7B shape, seq 1024, 24 GiB less the 0.12 margin, Kahan master weights,
-kept gradients; compute scaled by the row's calibrated k.
+rate holds, and saves when the host gives less (benchmarks/NOTES.md, Open). For each batch, the MILP plans at
+R, 0.9 R and 0.8 R (R: the calibrated in-step rate of a 2026-11-30 row, e.g. 7b-milp24-b64-20261130.json) and each
+plan is valued at R and at the lower rate the timed steps got. Qwen2.5-7B shape, seq 1024, 24 GiB less the 0.12
+margin, Kahan master weights, kept gradients; compute scaled by the row's calibrated k.
 
     python -m benchmarks.whatif_cpu_rate_hedge
 """
