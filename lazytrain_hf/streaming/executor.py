@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,15 +35,16 @@ from torch import nn
 from ..config import LazyTrainConfig, cpu_threads
 from ..kernels import select_linear_attention
 from ..models import check_supported
-from ..optim import functional as F
 from ..planning.fixed import fixed_schedule
 from ..planning.schedule import Schedule
 from .comm import DataParallel
+from .device_updates import DeviceUpdater
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
 from .resident import ResidentParts, initial_placement
 from .shard import ShardedUpdates
+from .stats import UPDATE_COUNTERS, StepStats, step_extra
 from .tiers import ActivationStash
 from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
@@ -146,29 +146,6 @@ def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
     return ops
 
 
-#: `StepStats.extra` keys about the deferred CPU updates (ms, ms, count, ms): the training thread's wait on them, the
-#: worker's wall time for the previous step's updates and their parameters, the GPU idle time during the waits (the
-#: waits summed over the optimizer step's micro-batches so far: with accumulation the first one waits);
-#: and the weight copies' H2D GB/s, which the updates' host-memory traffic may lower (instrumented CUDA runs)
-UPDATE_COUNTERS = ("optimizer_wait_ms", "cpu_update_ms", "cpu_update_params", "exposed_update_wait_ms",
-                   "h2d_weight_gbps")
-
-
-@dataclass
-class StepStats:
-    """Counters of the last micro-batch (bytes, counts, seconds)."""
-
-    tokens: int = 0
-    h2d_weight_bytes: int = 0
-    d2h_grad_bytes: int = 0
-    act_d2h_bytes: int = 0
-    act_h2d_bytes: int = 0
-    weight_loads: int = 0
-    recomputed_layers: int = 0
-    seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-
-
 class StreamingExecutor:
     """Runs a Hugging Face causal LM with its decoder layers streamed from host memory.
 
@@ -240,14 +217,7 @@ class StreamingExecutor:
         self._update_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_filter = None  # sharded: the optimizer's load_state_dict pre-hook handle
         self._flush_hook = None  # the optimizer's load_state_dict pre-hook that applies pending updates first
-        # GPU-side updates: one staging set per slot (depth + 1 per structure), so the next layer's states go H2D
-        # while the previous layer's copy back D2H (one shared set serialized both directions: 2.08 s measured vs
-        # 1.57 s predicted); updates staged at load time run at the layer's first compute access (`_before_compute`);
-        # the sets are freed at the end of forward (`_release_staging`)
-        self._stage: dict[int, dict[tuple, torch.Tensor]] = {}  # id(slot) -> its staging copies
-        self._launches: dict[int, tuple] = {}  # id(slot) -> (slot, layer, queued update, copy-back list)
-        self._staging_layer: int | None = None  # the layer whose GPU-side update is being staged
-        self.device_updates = 0  # layer updates run on the compute device (optimizer_device == "gpu")
+        self.device_updater = DeviceUpdater(self)  # GPU-side updates (optimizer_device "gpu")
         self.reuse_slots = True  # Note [slot reuse]: on unless switched off (tests compare both)
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
@@ -263,6 +233,11 @@ class StreamingExecutor:
         training thread waited for a deferred CPU update as exposed_update_wait_ms, and the weight copies' own
         bandwidth as h2d_weight_gbps (GB/s; CUDA only; adds events)."""
         self.streamer.instrument = self.grads.instrument = on
+
+    @property
+    def device_updates(self) -> int:
+        """Layer updates run on the compute device (optimizer_device "gpu")."""
+        return self.device_updater.count
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _place_resident(self) -> None:
@@ -288,10 +263,11 @@ class StreamingExecutor:
             # plans at different steps (sequence-length buckets), so no collective here; stale layers stay stale.
             self._flush_local()
             self.streamer = None
-            self._stage.clear()  # keyed by slot: the new streamer's slots get their own
+            self.device_updater.staging.clear()  # keyed by slot: the new streamer's slots get their own
             self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
             self.streamer.before_load = self._before_load
-            self.streamer.after_load = self._after_load
+            # looked up per call (a test wraps `DeviceUpdater.stage`)
+            self.streamer.after_load = lambda slot, layer: self.device_updater.stage(slot, layer)
             self.streamer.before_compute = self._before_compute
             self.streamer.skip_h2d = self.shard.receives if self.shard is not None else None
             self.streamer.host_version = self._host_version
@@ -389,7 +365,7 @@ class StreamingExecutor:
     def _flush_local(self) -> None:
         if self.streamer is not None:
             self.streamer.forget()  # host weights may be written next by other code (Note [slot reuse])
-        self._run_pending_launches()
+        self.device_updater.run_pending()
         if self.streamer is not None and self.device.type == "cuda":
             for ev in self.streamer.host_written.values():  # GPU-side updates copying back to host memory
                 ev.synchronize()
@@ -408,16 +384,10 @@ class StreamingExecutor:
         with self.shard.gathered_states(optimizer, layer_params):
             yield
 
-    def _after_load(self, slot: Slot, layer: int) -> None:
-        """After a layer's weights were enqueued into `slot` (H2D stream): stage its GPU-side update's inputs."""
-        self._device_update(slot, layer)
-
     def _before_compute(self, slot: Slot, layer: int) -> None:
         """Compute is about to use `slot` (current stream, after its weights and staged inputs arrived): run its
         queued GPU-side update and copy the results back, then (sharded) broadcast the layer from its owner."""
-        pending = self._launches.pop(id(slot), None)
-        if pending is not None:
-            self._finish_device_update(*pending)
+        self.device_updater.run_staged(slot)
         if self.shard is None:
             return
         cuda = self.device.type == "cuda"
@@ -426,118 +396,6 @@ class StreamingExecutor:
         if done is not None:  # the received weights are still being copied into the host store
             self.streamer.host_written[layer] = done
             self.streamer.slot_read[id(slot)] = done
-
-    def _run_pending_launches(self) -> None:
-        """Queued GPU-side updates of loads compute never reached (before the slots are forgotten or read)."""
-        for slot, layer, launches, back in list(self._launches.values()):
-            if slot.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(slot.ready)
-            self._finish_device_update(slot, layer, launches, back)
-        self._launches.clear()
-
-    def _release_staging(self) -> None:
-        """Free the GPU-side updates' staging copies once forward has run them all: the cost model counts their
-        workspaces in forward only (estimate.memory_terms), and kept through backward they held ~1.4 GB per slot
-        of a 7B layer. They were read on the compute stream (the update) and the D2H stream (the copy-back): the
-        allocator reuses the memory only after that work (`record_stream`)."""
-        if not self._stage:
-            return
-        if self.device.type == "cuda":
-            users = (torch.cuda.current_stream(self.device), self.grads.d2h_stream)
-            for bufs in self._stage.values():
-                for t in bufs.values():
-                    for st in users:
-                        t.record_stream(st)
-        self._stage.clear()
-
-    def _device_update(self, slot: Slot, layer: int) -> None:
-        """Stage `layer`'s deferred optimizer update for the compute device, next to the weights just streamed in
-        (schedule: optimizer_device "gpu"): its host gradient and optimizer
-        states go H2D into the slot's staging copies on the H2D stream; the update itself is queued
-        (`functional.deferred_launches`) and runs in `_before_compute`.
-
-        Note [GPU-side update ordering]: the update runs on the compute stream right before the layer's forward,
-        not on the H2D stream. bitsandbytes launches its optimizer kernel on the legacy default stream whatever the
-        current stream is; launched from the H2D stream it ran unordered with the staging copies and with its own
-        write-back (non-finite gradient norms on an H200, 2026-11-29). On the compute stream,
-        which is the default stream, it runs in order: after `slot.ready` (staged inputs arrived), before the
-        forward that reads the updated weights. The staging set belongs to the slot: the next load into the slot
-        waits for the copy-back (`WeightStreamer.slot_read`), so a set is never overwritten while in use."""
-        snapshot = self.updater.take_device(layer) if self.updater is not None else None
-        if snapshot is None:
-            return
-        cuda = self.device.type == "cuda"
-        bufs = self._stage.setdefault(id(slot), {})
-        names = {id(p): n for n, p in self.layers[layer].named_parameters()}
-        specs = {sp.name: sp for sp in self.store.buffers[layer].specs}
-        back: list[tuple[torch.Tensor, torch.Tensor, dict, dict]] = []
-
-        def staged(name: str, what: str, src: torch.Tensor) -> torch.Tensor:
-            t = bufs.get((name, what))
-            if t is None or t.shape != src.shape or t.dtype != src.dtype:
-                t = bufs[(name, what)] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            return t.copy_(src, non_blocking=cuda)
-
-        kept = self.grads.is_kept(layer)  # g is then the kept device gradient (`grad_source`): no H2D
-
-        def stage(p: torch.Tensor, g: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            name = names[id(p)]
-            sp = specs[name]
-            on_device = slot.weights[sp.dtype][sp.offset:sp.offset + sp.numel].view(sp.shape)
-            dev_state = {k: staged(name, k, v) if torch.is_tensor(v) and v.dim() > 0 else v
-                         for k, v in state.items()}
-            back.append((p, on_device, state, dev_state))
-            return on_device, g if kept else staged(name, "grad", g), dev_state
-
-        self._staging_layer = layer
-        params = self.updater.layer_params[layer]
-        opt_state = self.updater.optimizer.state
-        steps = {id(p): opt_state[p].get("step", 0) for p in params if p in opt_state}
-        try:
-            with F.deferred_launches() as launches:
-                self.updater.optimizer.step_deferred(params, snapshot, stage)
-        except BaseException:
-            # nothing ran yet (the launches are only queued): the update stays pending with its gradient, for a
-            # retry (an out-of-memory staging copy, hf/recovery.py); the step counters it advanced go back (states
-            # it created keep their initial values, step 0)
-            for q in params:
-                if "step" in opt_state.get(q, {}):
-                    opt_state[q]["step"] = steps.get(id(q), 0)
-            raise
-        finally:
-            self._staging_layer = None
-        self.grads.drop(layer)  # the queued launches hold the views they read
-        self.updater.device_done(layer)
-        self.device_updates += 1
-        if back:  # else: skipped step (non-finite norm) or no gradients
-            self._launches[id(slot)] = (slot, layer, launches, back)
-
-    def _finish_device_update(self, slot: Slot, layer: int, launches: list, back: list) -> None:
-        """Run a staged GPU-side update on the current stream, then copy weights and states back to the host store
-        (CUDA: on the D2H stream, idle in forward, while compute goes on); later loads of the layer and into the
-        slot wait for the copy-back (`WeightStreamer.host_written` / `slot_read`)."""
-        for launch in launches:
-            launch()
-        cuda = self.device.type == "cuda"
-
-        def copy_back() -> None:
-            for p, on_device, state, dev_state in back:
-                p.data.copy_(on_device, non_blocking=cuda)
-                for k, v in dev_state.items():
-                    if torch.is_tensor(v) and v.dim() > 0:  # the staged tensors ("step" is an int)
-                        state[k].copy_(v, non_blocking=cuda)
-
-        if not cuda:
-            copy_back()
-            return
-        d2h = self.grads.d2h_stream
-        d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(d2h):
-            copy_back()
-            done = torch.cuda.Event()
-            done.record(d2h)
-        self.streamer.host_written[layer] = done
-        self.streamer.slot_read[id(slot)] = done
 
     # ---- parameters and gradients ------------------------------------------------------------------------
     def is_streamed(self, p: torch.Tensor) -> bool:
@@ -554,7 +412,7 @@ class StreamingExecutor:
         if not self.grads.has_grad(layer) and not pending:
             return None  # no backward reached this layer in the current window (like p.grad is None)
         if self.grads.is_kept(layer):
-            if layer == self._staging_layer:  # the GPU-side update reads it where it is
+            if layer == self.device_updater.staging_layer:  # the GPU-side update reads it where it is
                 return self.grads.kept_view(layer, spec.dtype, spec.offset, spec.numel, spec.shape)
             self.grads.materialize(layer)
         return self.store.grad_view(layer, spec)
@@ -755,7 +613,7 @@ class StreamingExecutor:
         train = self.model.training
         for s in self.streamer.slots:
             s.module.train(train)
-        self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
+        self.device_updater.run_pending()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
         h2d0, loads0 = self.streamer.h2d_bytes, self.streamer.loads
         self._update_stalls.clear()
@@ -789,7 +647,7 @@ class StreamingExecutor:
                         h = self._forward(slot, h, calls[i])
                 self.streamer.release(slot)
                 if i == self.num_layers - 1:
-                    self._release_staging()  # every GPU-side update ran at its layer's forward load
+                    self.device_updater.release_staging()  # every GPU-side update ran at its layer's forward load
                     loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
                                               denominator, self.config.loss_chunk_tokens)
                     self.resident.head_backward_done()
@@ -836,33 +694,7 @@ class StreamingExecutor:
             self._reduce_resident()
         self.grads.flush()
         self.stash.clear()
-        # the training thread blocked on deferred CPU updates (an upper bound of their exposed time: the GPU may
-        # still run queued work meanwhile), and how long the CPU worker took for the last step's updates
-        up = self.updater
-        extra = {"optimizer_wait_ms": up.wait_s * 1e3 if up is not None else 0.0,
-                 "kept_grad_bytes": float(self.grads.kept_bytes)}  # held on the device into the next step
-        if up is not None and up.last_run_s is not None:
-            extra["cpu_update_ms"] = up.last_run_s * 1e3
-            extra["cpu_update_params"] = float(up.last_run_params)
-            extra["cpu_update_prepared_ms"] = up.last_run_prepared_s * 1e3
-            extra["cpu_update_prepared_params"] = float(up.last_run_prepared_params)
-        if up is not None and up.last_prepare_s is not None:  # the preparation for this step's update
-            extra["prepare_ms"] = up.last_prepare_s * 1e3
-            extra["prepare_params"] = float(up.last_prepare_params)
-            extra["prepare_complete"] = float(up.last_prepare_complete)
-        if self.device.type == "cuda" and self.streamer.instrument:
-            torch.cuda.synchronize(self.device)
-            for key, owner in (("exposed_h2d_ms", self.streamer), ("exposed_d2h_ms", self.grads)):
-                extra[key] = sum(a.elapsed_time(b) for a, b in owner.stalls)
-                owner.stalls.clear()
-            if up is not None:  # (events exist only with an updater)
-                up.stall_ms += sum(a.elapsed_time(b) for a, b in self._update_stalls)
-            extra["exposed_update_wait_ms"] = up.stall_ms if up is not None else 0.0
-            self._update_stalls.clear()
-            copy_ms = sum(a.elapsed_time(b) for a, b in self.streamer.copies)
-            self.streamer.copies.clear()
-            if copy_ms > 0:  # weight bytes over the copies' own time: the H2D rate next to this step's other work
-                extra["h2d_weight_gbps"] = (self.streamer.h2d_bytes - h2d0) / copy_ms / 1e6
+        extra = step_extra(self.updater, self.streamer, self.grads, self._update_stalls, self.device, h2d0)
         self.stats = StepStats(
             tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
             d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
@@ -905,7 +737,7 @@ class StreamingExecutor:
         is divided by `denominator` (default: the valid shifted labels, a mean)."""
         for s in self.streamer.slots:
             s.module.train(self.model.training)
-        self._run_pending_launches()  # a pass cut short (an exception) left staged updates behind
+        self.device_updater.run_pending()  # a pass cut short (an exception) left staged updates behind
         self.streamer.invalidate()
         self.streamer.begin(list(range(self.num_layers)))
         h, calls = self._capture(input_ids.to(self.device),
@@ -949,9 +781,9 @@ class StreamingExecutor:
         cleared as by `zero_grad`. The stash, the update staging copies and the slots' reuse records are dropped (a
         load cut short may leave a slot whose recorded weights are not the ones it holds)."""
         self._unpack_slot = None
-        self._staging_layer = None
-        self._run_pending_launches()
-        self._release_staging()
+        self.device_updater.staging_layer = None
+        self.device_updater.run_pending()
+        self.device_updater.release_staging()
         if self.streamer is not None:
             self.streamer.forget()
         self.stash.clear()

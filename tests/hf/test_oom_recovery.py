@@ -18,6 +18,7 @@ from lazytrain_hf.hf.calibrate import Calibration
 from lazytrain_hf.hf.callback import LazyTrainCallback
 from lazytrain_hf.models import load_model
 from lazytrain_hf.optim import functional as F
+from lazytrain_hf.streaming.device_updates import DeviceUpdater
 from lazytrain_hf.streaming.executor import StreamingExecutor
 from lazytrain_hf.streaming.grads import GradSink
 
@@ -109,14 +110,14 @@ class _Fault:
             if point == "backward" and layer == fault_layer:
                 self._maybe()
 
-        stage, step = StreamingExecutor._device_update, F.adamw_step
-        staging = []  # parameters staged so far in the `_device_update` running now
+        stage, step = DeviceUpdater.stage, F.adamw_step
+        staging = []  # parameters staged so far in the `DeviceUpdater.stage` running now
 
-        def device_update(ex, slot, layer_index):
+        def device_update(updater, slot, layer_index):
             staging.clear()
             staging.append((layer_index, threading.get_ident()))
             try:
-                return stage(ex, slot, layer_index)
+                return stage(updater, slot, layer_index)
             finally:
                 staging.clear()
 
@@ -128,7 +129,7 @@ class _Fault:
             return step(*a, **k)
 
         if point == "staging":
-            monkeypatch.setattr(StreamingExecutor, "_device_update", device_update)
+            monkeypatch.setattr(DeviceUpdater, "stage", device_update)
             monkeypatch.setattr(F, "adamw_step", adamw_step)
         monkeypatch.setattr(StreamingExecutor, "forward_backward", counting)
         monkeypatch.setattr(StreamingExecutor, "_forward", forward)

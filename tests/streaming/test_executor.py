@@ -371,7 +371,7 @@ def test_device_placed_updates_equal_host_updates_on_cpu(placed, retain, keep):
             ex.zero_grad()
             d2h = ex.grads.d2h_bytes
             ex.forward_backward(ids, labels, mask)
-            assert not ex._stage and not ex._launches  # staged copies freed once forward ran the updates
+            assert not ex.device_updater.staging and not ex.device_updater.launches  # staged copies freed once forward ran the updates
             grad_bytes = [sum(t.numel() * t.element_size() for t in ex.store.buffers[i].grads.values())
                           for i in range(L)]
             kept = keep and bool(dev_layers)
