@@ -448,7 +448,7 @@ def deferred_launches():
     """Inside the block `adamw_step` queues each update as a callable instead of running it; yields the queue
     (a list). The caller runs the callables later, in order, where their inputs are ready: the executor stages a
     layer's states on the H2D stream at load time and runs the update on the compute stream right before the layer's
-    forward (streaming/executor.py, Note [GPU-side update ordering]). Per thread; not reentrant."""
+    forward (streaming/device_updates.py, Note [GPU-side update ordering]). Per thread; not reentrant."""
     queue: list[Callable[[], None]] = []
     _deferral.queue = queue
     try:

@@ -51,6 +51,11 @@ def main() -> None:
     a = p.parse_args()
     for tag in a.ga.split(","):
         train(a, tag)
+    # gloo's threads outliving the interpreter abort the process at exit ("terminate called without an active
+    # exception", seen intermittently on 2 cores): take the group down first
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _schedule_file(a: argparse.Namespace, model: torch.nn.Module) -> str:
