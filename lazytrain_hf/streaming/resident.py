@@ -177,11 +177,9 @@ class ResidentParts:
         embed = p is self.embed.weight
         if buf is None:
             buf = self._grad_bufs[id(p)] = torch.zeros(p.shape, dtype=p.dtype, pin_memory=self.pin)
-            if embed:
-                self._touched = None
+        elif p.grad is None and embed and self._touched is not None:
+            buf.index_fill_(0, torch.unique(self._touched), 0)
         if p.grad is None:
-            if embed and self._touched is not None:
-                buf.index_fill_(0, torch.unique(self._touched), 0)
             if embed:
                 self._touched = None
             p.grad = buf
@@ -257,12 +255,12 @@ class ResidentParts:
             self.embed_backward(embed_grad)
 
     def grad_sq_norm(self, p: nn.Parameter) -> torch.Tensor | None:
-        """Squared norm of a host part's gradient (fp64 scalar on the host), from what the device or the touched
+        """Squared norm of a host part's gradient (fp64 scalar), from what the device or the touched
         rows already give when possible; None for parameters not in host memory."""
         if id(p) not in {id(q) for q in self.host_parameters()} or p.grad is None:
             return None
         if p is self.head.weight and self._head_sq is not None and not (self.tied and self._touched is not None):
-            return self._head_sq.cpu()
+            return self._head_sq  # on the device, where the global norm is summed: no round trip
         if p is self.embed.weight and not self.tied and self._touched is not None:
             return sq_norm(p.grad.index_select(0, torch.unique(self._touched)))
         return sq_norm(p.grad)
