@@ -448,6 +448,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None,
                    help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR, else <repo>/../shared/data/gsm8k)")
     p.add_argument("--out", required=True)
+    p.add_argument("--log-dir", default=None,
+                   help="keep each worker process's log (stderr) here, named by system-model-cap-batches; default: "
+                        "a temporary folder, removed at the end")
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
     if _configuration(suite) == PRODUCT_DEFAULTS:
@@ -576,6 +579,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
     systems = [s for s in ORDER if s in (args.systems or suite.get("systems") or ORDER)]
     searched = []
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
+        if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            tmp = args.log_dir
         for model in args.models or suite["models"]:
             for cap in suite["caps"] if args.caps is None else args.caps:
                 for system in systems:

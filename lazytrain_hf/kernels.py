@@ -335,11 +335,12 @@ def _say(path: str, reason: str, warn: bool) -> None:
     (logger.warning if warn else logger.info)(msg)
 
 
-def select_linear_attention(model: torch.nn.Module, device: torch.device | str) -> str | None:
+def select_linear_attention(model: torch.nn.Module, device: torch.device | str, log: bool = True) -> str | None:
     """Decide which gated-delta-rule kernels the model's linear-attention layers run on `device` (where they
     compute, not where the model is stored: LazyTrain keeps the model on the CPU and runs layers on the GPU), switch
     the layers to transformers' reference PyTorch functions where flash-linear-attention is bound but would fail,
-    and log one line saying which path runs and why. Idempotent.
+    and log one line saying which path runs and why (`log=False`: the same decision, silently, for the profiler's
+    layers built from the model's config). Idempotent.
 
     On a device other than CUDA the causal conv is switched to the reference too (causal-conv1d is CUDA-only).
     With transformers >= 5.1x the switch rebinds the modeling module's kernel names (see the module docstring),
@@ -356,11 +357,12 @@ def select_linear_attention(model: torch.nn.Module, device: torch.device | str) 
     current = linear_attention_kernel(model)
     usable, why = fla_usable(dev)
     conv = dev.type != "cuda"
+    say = _say if log else (lambda *a, **kw: None)
     if current == "fla" and usable:
-        _say("fla", why, warn=False)
+        say("fla", why, warn=False)
         return "fla"
     if current not in ("fla", "torch", "mixed"):
-        _say(current, "bound by transformers; left as is", warn=False)
+        say(current, "bound by transformers; left as is", warn=False)
         return current
     _use_reference(layers, conv=conv)
     if current in ("fla", "mixed") or not usable:
@@ -368,5 +370,5 @@ def select_linear_attention(model: torch.nn.Module, device: torch.device | str) 
     else:  # fla would work here, but transformers did not bind it
         reason = ("transformers did not bind flash-linear-attention: it could not import it when it loaded the "
                   "model code")
-    _say("torch", reason, warn=dev.type == "cuda")
+    say("torch", reason, warn=dev.type == "cuda")
     return "torch"

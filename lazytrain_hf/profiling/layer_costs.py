@@ -78,8 +78,12 @@ def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ..kernels import select_linear_attention
+
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
+    # the kernels training will run: fla where it is bound and works on `dev`, else the reference functions
+    select_linear_attention(meta_model, dev, log=False)
     body = meta_model.model
     kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * len(body.layers))
     first: dict[str, int] = {}
