@@ -456,8 +456,9 @@ class StreamingExecutor:
 
         "planned" is the sum of the parts, each its exact size: "store" (the streamed layers' weight and gradient
         buffers), "optimizer_states" (the state arena's bytes in use), "grad_staging" (the accumulate path's
-        gradient staging, one set per slot) and "activations" (the CPU / NVMe tiers' host buffers at their
-        high-water mark, Note [stash buffers]). These buffers exist whatever the device; they are page-locked when
+        gradient staging, one set per slot), "activations" (the CPU / NVMe tiers' host buffers at their
+        high-water mark, Note [stash buffers]) and "resident" (a host-placed embedding / LM head's weights and
+        gradient buffers; their optimizer states are pageable). These buffers exist whatever the device; they are page-locked when
         the executor pins (CUDA and `config.pin_memory`), so on a CPU run "planned" is what a CUDA run would lock.
         "registered" is what cudaHostRegister locked in place: the store's and the staging's exact buffers, the
         arena's whole chunks (used bytes plus each chunk's unused tail), the activation pool's buffers (all it
@@ -469,9 +470,10 @@ class StreamingExecutor:
         parts = {"store": self.store.param_bytes + self.store.grad_bytes,
                  "optimizer_states": self.state_arena.used_bytes,
                  "grad_staging": self.grads.staging_bytes,
-                 "activations": self.stash.buffers.high_water_bytes}
+                 "activations": self.stash.buffers.high_water_bytes,
+                 "resident": self.resident.pinned_bytes}
         registered = (self.store.registered_bytes + self.state_arena.registered_bytes + self.grads.registered_bytes
-                      + self.stash.buffers.registered_bytes)
+                      + self.stash.buffers.registered_bytes + self.resident._reg.bytes)
         host_alloc = host_allocator_bytes() if self.device.type == "cuda" else 0
         return {"planned": sum(parts.values()), **parts, "registered": registered, "host_allocator": host_alloc}
 

@@ -9,7 +9,9 @@
   weights, refreshed once per optimizer step on a side stream while the forward runs; its weight gradient goes back
   to the host right after the head. The final norm stays on the compute device in every placement.
 
-A host part's gradient buffer is allocated once (pinned under CUDA) and reused: a window starts where the
+Host weights and gradient buffers are page-locked at their exact size (`Registrations`, cudaHostRegister): the caching
+host allocator's power-of-two rounding locked a 2.5 GB embedding as 4 GiB. Their optimizer states stay pageable
+(hybrid8's `_alloc_like`). A host part's gradient buffer is allocated once and reused: a window starts where the
 parameter's `.grad` is None (whoever cleared it), at which point the embedding rows touched in the last window are
 zeroed, so the buffer is never cleared whole.
 """
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..planning.schedule import RESIDENT_PLACEMENTS
-from .host_store import sq_norm
+from .host_store import Registrations, sq_norm
 
 __all__ = ["ResidentParts", "initial_placement", "resident_gpu_bytes"]
 
@@ -70,6 +72,8 @@ class ResidentParts:
         self._stage_pending = False  # `_head_stage` holds a gradient still to be added
         self._head_sq: torch.Tensor | None = None  # the head gradient's squared norm, computed on the device
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._reg = Registrations()  # page-locked host weights and buffers, exact sizes
+        self._flat: dict[int, torch.Tensor] = {}  # data_ptr -> the registered flat buffer under a host tensor
 
     # ---- placement -----------------------------------------------------------------------------------------
     @property
@@ -124,24 +128,46 @@ class ResidentParts:
         for p in {id(q): q for q in (self.embed.weight, self.head.weight)}.values():
             target = torch.device("cpu") if id(p) in host else self.device
             p.grad = None
-            if p.device != target:
-                p.data = self._to(p.data, target)
+            ours = p.device.type == "cpu" and p.data.data_ptr() in self._flat
+            if id(p) in host and not ours:  # into exact-size host pages, whatever the device (CPU runs too)
+                old = p.data
+                p.data = self._host_copy(old)
+                self._free(old)
+            elif id(p) not in host and (p.device != target or ours):
+                old = p.data
+                p.data = old.to(target, copy=True)
+                self._free(old)
             states = getattr(optimizer, "state", {}).get(p) if optimizer is not None else None
             for k, v in (states or {}).items():
                 if torch.is_tensor(v) and v.dim() > 0 and v.device != target:
-                    states[k] = self._to(v, target)
-        self._grad_bufs = {k: v for k, v in self._grad_bufs.items() if k in host}
+                    states[k] = v.to(target)  # host states stay pageable: the CPU updates them in place
+        for k in [k for k in self._grad_bufs if k not in host]:
+            self._free(self._grad_bufs.pop(k))
         self._touched = None
         self._copy = None
         self._stale = True
         logger.info("LazyTrain: embedding %s, LM head %s", "in host memory" if self.embed_on_host else "on the GPU",
                     "in host memory (GPU copy per step)" if self.head_on_host else "on the GPU")
 
-    def _to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
-            return out.copy_(t)
-        return t.to(device)
+    def _host_empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed host memory of `shape`, in pages of its own, page-locked at its exact size when pinning."""
+        flat = self._reg.empty(shape.numel(), dtype, pin=self.pin)
+        self._flat[flat.data_ptr()] = flat
+        return flat.view(shape)
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        return self._host_empty(t.shape, t.dtype).copy_(t)
+
+    def _free(self, t: torch.Tensor | None) -> None:
+        """Unregister a host tensor made by `_host_empty` (no-op for others) before it is dropped."""
+        flat = self._flat.pop(t.data_ptr(), None) if t is not None and t.device.type == "cpu" else None
+        if flat is not None:
+            self._reg.drop(flat)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes of the host-placed weights and gradient buffers (page-locked when pinning)."""
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
 
     def mark_stale(self) -> None:
         """The host weights may have changed (an optimizer step, a load): refresh the head's copy before use."""
@@ -176,7 +202,7 @@ class ResidentParts:
         buf = self._grad_bufs.get(id(p))
         embed = p is self.embed.weight
         if buf is None:
-            buf = self._grad_bufs[id(p)] = torch.zeros(p.shape, dtype=p.dtype, pin_memory=self.pin)
+            buf = self._grad_bufs[id(p)] = self._host_empty(p.shape, p.dtype)
         elif p.grad is None and embed and self._touched is not None:
             buf.index_fill_(0, torch.unique(self._touched), 0)
         if p.grad is None:
@@ -229,7 +255,7 @@ class ResidentParts:
             dst = self._window_grad(p)
         else:
             if self._head_stage is None:
-                self._head_stage = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.pin)
+                self._head_stage = self._host_empty(p.shape, p.dtype)
             dst = self._head_stage
             self._stage_pending = True
         if self._side is not None:

@@ -117,14 +117,15 @@ def test_cuda_nonfinite_skip_and_checkpoint_to_host(bnb_cuda):
     after = [p.detach() for p in params] + [v for p in params for v in opt.state[p].values()
                                             if isinstance(v, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    # restore a CUDA-made state next to pinned host copies of the params: states land pinned on the host
+    # restore a CUDA-made state next to pinned host copies of the params: states land on the host, pageable (the
+    # CPU updates them; pinning would round each to a power of two)
     host = [torch.nn.Parameter(p.detach().cpu().pin_memory()) for p in params]
     h_opt = Hybrid8bitOptimizer(host)
     h_opt.load_state_dict(opt.state_dict())
     for p in host:
         for v in h_opt.state[p].values():
             if isinstance(v, torch.Tensor):
-                assert v.device.type == "cpu" and v.is_pinned()
+                assert v.device.type == "cpu" and not v.is_pinned()
     assert h_opt.state_bytes().keys() == {"cpu"}
 
 

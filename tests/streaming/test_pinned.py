@@ -23,7 +23,7 @@ from lazytrain_hf.streaming.tiers import ActivationStash
 from ..conftest import random_batch, rel_err
 
 CPU = torch.device("cpu")
-PARTS = ("store", "optimizer_states", "grad_staging", "activations")
+PARTS = ("store", "optimizer_states", "grad_staging", "activations", "resident")
 
 
 @pytest.fixture
@@ -377,4 +377,43 @@ def test_state_specs_of_a_state_dict_cover_parameters_it_holds_no_state_for():
     reserved = ex.reserve_states(opt)
     opt.load_state_dict(opt.state_dict())  # what AcceleratedOptimizer.__init__ does
     assert sum(n * dt.itemsize for dt, n in ex.state_arena._next.items()) == reserved
+    ex.close()
+
+
+@pytest.mark.parametrize("placement", ["host", "host_embedding"])
+def test_host_resident_parts_counted_exact_and_states_pageable(placement, monkeypatch):
+    """A host-placed embedding / LM head: its weights and gradient buffers are the "resident" part at their exact
+    sizes (registered in place when pinning: here a stand-in registers them), and its optimizer states come from
+    no pinned allocation (the caching host allocator rounds to powers of two)."""
+    registered = []
+    monkeypatch.setattr(host_store, "pin_tensor", lambda t: (registered.append(t.numel() * t.element_size()) or t, True))
+    model = load_model("qwen3-tiny-untied", "float32", seed=2)
+    ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
+    sched = fixed_schedule(model.config.num_hidden_layers, 2)
+    sched.resident = placement
+    ex = StreamingExecutor(model, LazyTrainConfig(), "cpu", sched)
+    ex.resident.pin = True  # page-locking as a CUDA run does, through the stand-in
+    ex.resident.apply("gpu")
+    assert ex.pinned_bytes["resident"] == 0  # moved back out of the host pages
+    ex.resident.apply(placement)
+    pinned_empty = []
+    real_empty = torch.empty
+
+    def empty(*a, **kw):
+        if kw.get("pin_memory"):
+            pinned_empty.append(a)
+        return real_empty(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    opt = Hybrid8bitOptimizer(model.parameters(), lr=1e-3, block_size=64)
+    opt.set_state_allocator(ex.state_alloc)
+    opt.set_grad_source(ex.grad_source)
+    ex.forward_backward(ids, labels, mask)
+    opt.step()
+    host = ex.resident.host_parameters()
+    want = sum(2 * p.numel() * p.element_size() for p in host)  # weights + gradient buffers
+    assert host and ex.pinned_bytes["resident"] == want == ex.resident._reg.bytes
+    assert sum(registered) >= want
+    assert all(opt.state[p]["exp_avg"].device.type == "cpu" for p in host if "exp_avg" in opt.state[p])
+    assert not pinned_empty
     ex.close()

@@ -64,7 +64,8 @@ def test_cuda_placement_switch_moves_optimizer_states():
     assert emb.device.type == "cpu" and model.lm_head.weight.device.type == "cpu"
     for k, v in opt.state[emb].items():
         if torch.is_tensor(v) and v.dim():
-            assert v.device.type == "cpu" and torch.equal(v, before[k]), k
+            assert v.device.type == "cpu" and not v.is_pinned() and torch.equal(v, before[k]), k
+    assert ex.pinned_bytes["resident"] == ex.resident._reg.bytes > 0  # host weights + buffers, exact sizes
     ex.zero_grad()
     ex.forward_backward(ids, labels, mask)
     opt.step()  # the CPU kernel on host states
