@@ -124,8 +124,8 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
     import torch
 
     from lazytrain_hf.config import LazyTrainConfig
-    from lazytrain_hf.hf.callback import LazyTrainCallback
     from lazytrain_hf.hf.plan import cost_model_for_trainer
+    from lazytrain_hf.hf.plans import RunPlans
     from lazytrain_hf.models import resolve_config
 
     base = ("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--batch-size", "2",
@@ -151,8 +151,8 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
                               executor=SimpleNamespace(device=torch.device("cpu"),
                                                        resident=SimpleNamespace(placement="gpu"),
                                                        schedule=SimpleNamespace(rows_per_pass=None)),
-                              plan_layer_costs={},
-                              plan_free_gpu_bytes=None, train_dataset={"input_ids": [[1] * 64]})
+                              train_dataset={"input_ids": [[1] * 64]})
+    trainer.plans = RunPlans(trainer)
     assert cost_model_for_trainer(trainer, 64)[2] == prints["cpu-opt"].fingerprint
     # default budgets: the CLI takes the profile's memory, the Trainer free / total memory; both fingerprint
     # "defaulted", so `plan` then `train` with the defaults match (they differed before)
@@ -160,15 +160,16 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
     assert cli_plan.run(_args(*base[:2], *base[6:], "--no-gpu-optimizer", "--out-dir", str(out))) == 0
     defaulted = Schedule.from_json(next(out.glob("*.schedule.json")))
     trainer.lazy_config = LazyTrainConfig()
+    trainer.plans = RunPlans(trainer)  # the request is built once per run, from its config
     assert cost_model_for_trainer(trainer, 64)[2] == defaulted.fingerprint != prints["cpu-opt"].fingerprint
     trainer.lazy_config = cfg
+    trainer.plans = RunPlans(trainer)
     # a loaded schedule planned for other inputs: a warning naming them
-    callback = LazyTrainCallback(trainer)
-    with caplog.at_level("WARNING", logger="lazytrain_hf.hf.callback"):
-        callback._check_fingerprint(prints["cpu-opt"], "same.json")
+    with caplog.at_level("WARNING", logger="lazytrain_hf.hf.plans"):
+        trainer.plans.check_fingerprint(prints["cpu-opt"], "same.json")
         # (other libraries may log on first import, e.g. bitsandbytes' CPU backend)
-        assert not [r for r in caplog.records if r.name == "lazytrain_hf.hf.callback"]
-        callback._check_fingerprint(prints["rows"], "rows.json")
+        assert not [r for r in caplog.records if r.name == "lazytrain_hf.hf.plans"]
+        trainer.plans.check_fingerprint(prints["rows"], "rows.json")
     assert "rows.json" in caplog.text and "gpu_optimizer, rows_per_pass" in caplog.text
 
 
