@@ -184,3 +184,22 @@ def test_config_file_path_stem_and_small_parameter_counts(tmp_path, capsys):
                  "--prefetch-depth", "1", "--nvme-dir", str(tmp_path))
     assert cli_plan.output_stem(args, "fixed").count("nvme") == 1
     assert cli_plan._count(3_410_000) == "3.41 M" and cli_plan._count(7_620_000_000) == "7.62 B"
+
+
+def test_no_plan_names_the_flags_to_pass_and_each_named_fix_plans(capsys):
+    """The CLI words the planning error in its own flags, from the error's numbers: the --gpu-memory that fits, and
+    a --batch-size with the --gradient-accumulation-steps that keep the rows per optimizer step; each one plans."""
+    import re
+
+    base = ("--model", "qwen3-tiny", "--host-memory", "4GiB", "--hardware", "defaults", "--seq-len", "4096",
+            "--max-batch", "0")
+    assert cli_plan.run(_args(*base, "--gpu-memory", "700MiB", "--batch-size", "64")) == 1
+    out = capsys.readouterr().out
+    fix = out[out.index("Fix: pass "):]
+    assert "lazytrain_config" not in fix and "per_device_train_batch_size" not in fix, fix
+    gpu = re.search(r"--gpu-memory ([0-9.]+GiB)", fix).group(1)
+    batch, steps = re.search(r"--batch-size (\d+) --gradient-accumulation-steps (\d+)", fix).groups()
+    assert int(batch) * int(steps) == 64 and int(batch) < 64
+    assert cli_plan.run(_args(*base, "--gpu-memory", gpu, "--batch-size", "64")) == 0
+    assert cli_plan.run(_args(*base, "--gpu-memory", "700MiB", "--batch-size", batch,
+                              "--gradient-accumulation-steps", steps)) == 0
