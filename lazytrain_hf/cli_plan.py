@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import warnings
@@ -111,22 +112,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"lazytrain-hf plan: --hardware {args.hardware!r}: {e}", file=sys.stderr)
         return 2
     gpu_given, host_given = sizes["gpu_memory"], sizes["host_memory"]  # None: not given (0 was refused)
-    gpu_bytes = int((gpu_given if gpu_given is not None else hardware.gpu_memory_bytes) * (1 - args.gpu_memory_margin))
-    host_bytes = host_given if host_given is not None else int(0.9 * hardware.host_memory_bytes)
     for flag, given, total, what in (("--gpu-memory", gpu_given, hardware.gpu_memory_bytes, "GPU"),
                                      ("--host-memory", host_given, hardware.host_memory_bytes, "host RAM")):
         if given is not None and total and given > total:  # a what-if plan is allowed, but say it cannot run here
             print(f"note: {flag} {given / 2**30:.2f} GiB is more than the hardware profile's {what} "
                   f"({total / 2**30:.2f} GiB): the plan cannot run on that machine as planned")
-    nvme_bytes = 0
-    if args.nvme_dir:
-        nvme_bytes = sizes["nvme_budget"] if sizes["nvme_budget"] is not None else _free_bytes(args.nvme_dir)
+    free_disk = _free_bytes(args.nvme_dir) if args.nvme_dir and sizes["nvme_budget"] is None else 0
 
     from .models import check_supported, resolve_config
     from .planning.fixed import fixed_resident
     from .planning.milp import InfeasiblePlanError, with_margin
     from .planning.planner import largest_feasible_batch, make_schedule, rows_options, search_plans
-    from .planning.schedule import input_hashes, plan_fingerprint
+    from .planning.request import resolve_request
+    from .planning.schedule import input_hashes
     from .profiling.analytic import analytic_cost_model, model_shape, resident_placements
 
     try:
@@ -136,12 +134,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"lazytrain-hf plan: --model {args.model!r}: {e}", file=sys.stderr)
         return 2
     shape = model_shape(config, args.model)
+    # budgets and defaults as the Trainer resolves them, with the hardware profile standing in for the device
+    request = resolve_request(
+        config.to_dict(), shape, batch_size=args.batch_size, seq_len=args.seq_len, hardware=hardware,
+        gpu_memory_budget=gpu_given, host_memory_budget=host_given, nvme_budget=sizes["nvme_budget"],
+        nvme=bool(args.nvme_dir), gpu_memory_margin=args.gpu_memory_margin, gpu_available=hardware.gpu_memory_bytes,
+        host_total=hardware.host_memory_bytes, nvme_available=free_disk, policy=args.policy,
+        fixed={k: getattr(args, k) for k in _FIXED_DEFAULTS}, rows_per_pass=args.rows_per_pass,
+        resident=args.resident, gpu_optimizer=args.gpu_optimizer,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, time_limit_s=args.time_limit,
+        mip_rel_gap=args.mip_gap, name=args.model, **_OPTIMIZER_LAYOUT)
 
     def build(batch: int, resident: str, rows: int | None = args.rows_per_pass) -> Any:
-        return analytic_cost_model(shape, batch, args.seq_len, hardware, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
-                                   nvme_bytes=nvme_bytes, rows_per_pass=rows, name=args.model,
-                                   kept_grads=args.gradient_accumulation_steps == 1, resident=resident,
-                                   **_OPTIMIZER_LAYOUT)
+        return analytic_cost_model(shape, batch, args.seq_len, hardware, **request.cost_model_kwargs(rows, resident))
 
     allowed = resident_placements(shape)
     if args.resident not in ("auto", *allowed):
@@ -151,14 +156,12 @@ def run(args: argparse.Namespace) -> int:
     if args.resident != "auto":
         candidates = [args.resident]
     elif args.policy == "fixed":
-        budget = gpu_given if gpu_given is not None else hardware.gpu_memory_bytes
-        candidates = [fixed_resident(build(args.batch_size, "gpu").resident_bytes, budget, allowed)]
+        candidates = [fixed_resident(build(args.batch_size, "gpu").resident_bytes, request.budgets.gpu_total, allowed)]
     else:
         candidates = list(allowed)
     cm = build(args.batch_size, candidates[0])
-    nvme_asked = (sizes["nvme_budget"] if args.nvme_dir else 0)  # None: defaulted (free disk)
-    inputs = _plan_inputs(args, config.to_dict(), hardware.to_dict(), gpu_given, host_given, nvme_asked)
-    fp = plan_fingerprint(inputs)
+    inputs = request.inputs()
+    fp = request.fingerprint()
     _print_header(args, shape, cm, hardware)
     tried: list[tuple[int, str, float | None]] = []  # (rows per pass, placement, predicted ms or None: no plan)
     built: dict[tuple[int, str], Any] = {}
@@ -166,9 +169,8 @@ def run(args: argparse.Namespace) -> int:
     def solve(rows: int, resident: str) -> Any:
         c = built[rows, resident] = build(args.batch_size, resident, rows)
         try:
-            s = make_schedule(c, args.policy, checkpoint_every=args.checkpoint_every, tier=args.tier,
-                              prefetch_depth=args.prefetch_depth, time_limit_s=args.time_limit,
-                              mip_rel_gap=args.mip_gap, gpu_optimizer=args.gpu_optimizer, fingerprint=fp,
+            s = make_schedule(c, args.policy, **request.fixed, time_limit_s=request.time_limit_s,
+                              mip_rel_gap=request.mip_rel_gap, gpu_optimizer=request.gpu_optimizer, fingerprint=fp,
                               strict=True)
         except InfeasiblePlanError:
             tried.append((rows, resident, None))
@@ -184,12 +186,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             sched = search_plans(solve, rows, candidates)
         except InfeasiblePlanError as e:
-            hint = ""
-            others = [p for p in allowed if p not in candidates and p != "gpu"]
-            if others:  # an explicit placement: the leaner ones may fit
-                hint = (f" The embedding and LM head in host memory need less GPU memory: try --resident "
-                        f"{others[-1]} (or auto).")
-            print(f"\nNo plan ({_tried_summary(tried)}): {with_margin(e, args.gpu_memory_margin)}{hint}")
+            e = with_margin(e, args.gpu_memory_margin)
+            others = [p for p in allowed if p not in candidates and p != "gpu"]  # an explicit placement: leaner ones
+            batch = 0
+            if args.batch_size > 1:  # the largest batch with a plan at these budgets, in the leanest setting tried
+                one = 1 if args.policy == "milp" and not args.rows_per_pass else args.rows_per_pass
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    batch = largest_feasible_batch(lambda b: build(b, candidates[-1], one), args.policy,
+                                                   max_batch=args.batch_size - 1, **request.fixed)
+            print(f"\nNo plan ({_tried_summary(tried)}): {e.facts} Fix: {cli_fix(args, e, batch, others)}.")
             return 1
     cm = built[sched.rows_per_pass, sched.resident]
     sched.solver["fingerprint_inputs"] = input_hashes(inputs)
@@ -216,18 +222,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_inputs(args: argparse.Namespace, config: dict[str, Any], hardware: dict[str, Any], gpu_bytes: int | None,
-                 host_bytes: int | None, nvme_bytes: int | None) -> dict[str, Any]:
-    """What this plan depends on (`planning.schedule.plan_inputs`, as the Trainer computes it): budgets as given,
-    None where defaulted."""
-    from .planning.schedule import plan_inputs
+def cli_fix(args: argparse.Namespace, e: Any, batch: int = 0, leaner: list[str] | tuple[str, ...] = ()) -> str:
+    """The fix for the planning error `e` (`InfeasiblePlanError`) in `plan`'s flags, from its numbers: the budgets to
+    pass, a batch of at most `batch` (the largest with a plan at the given budgets; 0: none or not searched) with
+    the gradient accumulation that keeps the rows per optimizer step, fewer rows per pass, a `leaner` embedding / LM head placement, a
+    shorter sequence."""
+    fixes = []
+    need = e.needed_gpu_bytes
+    gpu = f"--gpu-memory {_flag_size(need)}" if need is not None else ""
+    if e.host_too_small and e.min_host_bytes:
+        fixes.append(f"--host-memory {_flag_size(e.min_host_bytes)}" + (f" {gpu}" if gpu else ""))
+    elif gpu:
+        fixes.append(gpu)
+    if batch:
+        from .planning.request import same_tokens_batch
 
-    fixed = {k: getattr(args, k) for k in _FIXED_DEFAULTS}
-    return plan_inputs(config, args.batch_size, args.seq_len, gpu_bytes, host_bytes, nvme_bytes, hardware,
-                       policy=args.policy, rows_per_pass=args.rows_per_pass, gpu_optimizer=args.gpu_optimizer,
-                       gpu_memory_margin=args.gpu_memory_margin, fixed=fixed,
-                       kept_grads=args.gradient_accumulation_steps == 1, resident=args.resident,
-                       **_OPTIMIZER_LAYOUT)
+        b, ga = same_tokens_batch(args.batch_size, args.gradient_accumulation_steps, batch)
+        fixes.append(f"--batch-size {b} --gradient-accumulation-steps {ga} (the same rows per optimizer step; "
+                     f"batches up to {batch} have a plan at these budgets)")
+    if args.rows_per_pass and args.rows_per_pass > 1:
+        fixes.append(f"--rows-per-pass 1 (now {args.rows_per_pass})")
+    if leaner:
+        fixes.append(f"--resident {leaner[-1]} (or auto: the embedding and LM head in host memory need less GPU "
+                     "memory)")
+    fixes.append(f"a shorter --seq-len (now {args.seq_len})")
+    return "pass " + ", or ".join(fixes)
+
+
+def _flag_size(nbytes: float) -> str:
+    """Bytes as a size flag value, rounded up to 0.01 GiB (the value printed is itself enough)."""
+    return f"{math.ceil(nbytes / _GIB * 100) / 100:.2f}GiB"
 
 
 def _fixed_knobs(args: argparse.Namespace) -> list[str]:

@@ -10,16 +10,17 @@ from typing import Any
 import torch
 
 from ..config import GIB
-from ..planning.buckets import BucketSchedules, seq_len_buckets
+from ..planning.buckets import BucketSchedules
 from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
 from ..planning.planner import make_schedule, rows_options, search_plans
-from ..planning.schedule import Schedule, input_hashes, plan_fingerprint, plan_inputs
+from ..planning.request import PlanRequest, resolve_request, same_tokens_batch
+from ..planning.schedule import Schedule, input_hashes, plan_fingerprint
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
-           "plan_inputs_for_trainer"]
+           "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,35 +37,54 @@ def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
     return B, -(-T // multiple) * multiple
 
 
-def _budgets(trainer: Any) -> tuple[Any, int, int, int]:
-    """(hardware profile, GPU bytes less the margin, host bytes, NVMe bytes) for planning this trainer's run. The GPU
-    bytes are also less `trainer.plan_gpu_reduction_bytes` (what measured steps needed beyond their plans'
-    predictions: hf/recovery.py), so every later re-plan keeps the reduction."""
+def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:
+    """(hardware profile, the machine's side of `planning.request.resolve_budgets`) for this trainer: on CUDA the
+    probe and the free GPU memory now, elsewhere the H200 defaults and an 80 GiB GPU; the host's RAM and the
+    processes sharing it (data parallel: every rank on this host keeps its own host store and stash,
+    streaming/comm.py); 256 GiB of NVMe."""
     cfg = trainer.lazy_config
     ex = trainer.executor
     if ex.device.type == "cuda":
         hardware = probe(ex.device, nvme_dir=cfg.nvme_dir)
-        # free memory when this trainer first planned: later (a re-plan after calibration, a second train()) the
-        # caching allocator holds the running plan's buffers and "free" would be little more than the margin
-        if trainer.plan_free_gpu_bytes is None:
-            trainer.plan_free_gpu_bytes = torch.cuda.mem_get_info(ex.device)[0]
-        gpu = cfg.gpu_memory_budget or trainer.plan_free_gpu_bytes
+        gpu = torch.cuda.mem_get_info(ex.device)[0]
     else:
-        hardware, gpu = H200_DEFAULTS, cfg.gpu_memory_budget or 80 * GIB
-    # data parallel: every rank on this host keeps its own host store and stash (streaming/comm.py)
+        hardware, gpu = H200_DEFAULTS, 80 * GIB
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     if cfg.host_memory_budget:
-        host = cfg.host_memory_budget
+        host = 0
     else:
         import psutil
 
-        host = int(0.9 * psutil.virtual_memory().total) // local
-    gpu = int(gpu * (1 - cfg.gpu_memory_margin))  # fragmentation and unmodelled workspaces (config docs)
-    gpu = max(0, gpu - int(getattr(trainer, "plan_gpu_reduction_bytes", 0) or 0))
-    nvme = (cfg.nvme_budget or 256 * GIB // local) if cfg.nvme_dir else 0
-    if local > 1 and not cfg.host_memory_budget:
-        logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)", host / GIB, local)
-    return hardware, gpu, host, nvme
+        host = int(psutil.virtual_memory().total)
+    return hardware, dict(gpu_available=int(gpu), host_total=host, nvme_available=256 * GIB, ranks_per_host=local)
+
+
+def request_for_trainer(trainer: Any) -> PlanRequest:
+    """The run's `PlanRequest` (`planning.request.resolve_request`): the micro-batch (`per_device_train_batch_size`
+    x the longest sequence, `run_shape`), the budgets (`gpu_memory_budget` less `gpu_memory_margin`, default: the
+    device's free memory now, 80 GiB on CPU runs; `host_memory_budget`, default: 90% of RAM / data-parallel ranks on
+    this host; `nvme_budget` when `nvme_dir` is set, default 256 GiB / ranks), the hardware rates (the cached or
+    fresh probe on CUDA, the H200 defaults elsewhere), `plan_buckets` sequence-length buckets (policy "milp") and
+    the fixed policy's knobs. Its fingerprint names policy "milp" whatever `lazytrain_config.policy` is, as the
+    Trainer's plans always have (`lazytrain-hf plan --policy milp` schedules match it)."""
+    cfg = trainer.lazy_config
+    B, T = run_shape(trainer)
+    hardware, machine = machine_budgets(trainer)
+    request = resolve_request(
+        trainer.model.config.to_dict(), trainer.model.config, batch_size=B, seq_len=T, hardware=hardware,
+        gpu_memory_budget=cfg.gpu_memory_budget, host_memory_budget=cfg.host_memory_budget,
+        nvme_budget=cfg.nvme_budget, nvme=bool(cfg.nvme_dir), gpu_memory_margin=cfg.gpu_memory_margin, **machine,
+        policy="milp", fixed={"checkpoint_every": cfg.checkpoint_every, "tier": cfg.activation_tier,
+                                  "prefetch_depth": cfg.prefetch_depth},
+        rows_per_pass=cfg.max_rows_per_pass, resident=cfg.resident_placement, gpu_optimizer=_gpu_optimizer(trainer),
+        keep_gpu_grads=cfg.keep_gpu_grads, gradient_accumulation_steps=trainer.args.gradient_accumulation_steps,
+        loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype, master_weights=cfg.master_weights,
+        block_size=cfg.block_size, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
+        max_buckets=cfg.plan_buckets if cfg.policy == "milp" else 1)
+    if machine["ranks_per_host"] > 1 and not cfg.host_memory_budget:
+        logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)",
+                    request.budgets.host_bytes / GIB, machine["ranks_per_host"])
+    return request
 
 
 def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.0,
@@ -89,52 +109,32 @@ def running_choices(trainer: Any) -> tuple[str, int | None]:
 def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.0,
                            cpu_optim_params_per_s: float | None = None, resident: str | None = None,
                            rows: int | None = None) -> tuple[Any, str, dict[str, Any]]:
-    """`cost_model_for_trainer` with the plan inputs instead of their fingerprint (budgets resolved once)."""
+    """`cost_model_for_trainer` with the plan inputs instead of their fingerprint (the run's `PlanRequest`)."""
     cfg = trainer.lazy_config
+    request = trainer.plans.request
     running = running_choices(trainer)
     resident, rows = resident or running[0], rows or running[1]
-    B = trainer.args.per_device_train_batch_size  # as run_shape
-    hardware, gpu, host, nvme = _budgets(trainer)
-    cm = analytic_cost_model(trainer.model.config, B, seq_len, hardware, gpu_bytes=gpu, host_bytes=host,
-                             nvme_bytes=nvme, loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
-                             master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                             rows_per_pass=rows, kept_grads=_kept_grads(trainer), resident=resident)
+    B = request.batch_size
+    cm = analytic_cost_model(request.model, B, seq_len, request.hardware, **request.cost_model_kwargs(rows, resident))
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
-                                           trainer.plan_layer_costs, rows)
+                                           trainer.plans.layer_costs, rows)
     if compute_scale != 1.0:
         cm = cm.scaled_compute(compute_scale)
     if cpu_optim_params_per_s is not None:
         cm = cm.with_cpu_optim_rate(cpu_optim_params_per_s)
-    return cm, layer_costs, _inputs(trainer, seq_len, hardware)
+    return cm, layer_costs, request.inputs(seq_len)
 
 
 def plan_inputs_for_trainer(trainer: Any, seq_len: int) -> dict[str, Any]:
     """What this trainer's plan for `seq_len` depends on (`planning.schedule.plan_inputs`; its `plan_fingerprint`
     is the fingerprint `cost_model_for_trainer` returns)."""
-    return _inputs(trainer, seq_len, _budgets(trainer)[0])
-
-
-def _inputs(trainer: Any, seq_len: int, hardware: Any) -> dict[str, Any]:
-    """`plan_inputs` with the budgets as configured (None where defaulted), as the CLI records them."""
-    cfg = trainer.lazy_config
-    nvme = (cfg.nvme_budget if cfg.nvme_dir else 0)
-    return plan_inputs(trainer.model.config.to_dict(), trainer.args.per_device_train_batch_size, seq_len,
-                       cfg.gpu_memory_budget, cfg.host_memory_budget, nvme, hardware.to_dict(), policy="milp",
-                       rows_per_pass=cfg.max_rows_per_pass,
-                       gpu_optimizer=_gpu_optimizer(trainer), loss_chunk_tokens=cfg.loss_chunk_tokens,
-                       state_dtype=cfg.state_dtype, master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                       gpu_memory_margin=cfg.gpu_memory_margin, kept_grads=_kept_grads(trainer),
-                       resident=cfg.resident_placement)
+    return trainer.plans.request.inputs(seq_len)
 
 
 def _kept_grads(trainer: Any) -> bool:
     """GPU-updated layers keep their gradients on the GPU (`keep_gpu_grads`) only with one micro-batch per step
     (streaming/grads.py)."""
     return trainer.lazy_config.keep_gpu_grads and trainer.args.gradient_accumulation_steps == 1
-
-
-def _master_weights(cfg: Any) -> str:
-    return "fp32" if cfg.master_weights == "auto" else cfg.master_weights
 
 
 def _gpu_optimizer(trainer: Any) -> bool:
@@ -160,26 +160,25 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
         rows: rows per pass to plan for (default: the running plan's or `max_rows_per_pass`); recorded as
             `Schedule.rows_per_pass`, which the executor follows.
 
-    Budgets: `gpu_memory_budget` (default: the device's free memory; 80 GiB planning default on CPU runs) less
-    `gpu_memory_margin`, `host_memory_budget` (default: 90% of RAM / data-parallel ranks on this host), `nvme_budget`
-    when `nvme_dir` is set.
-    Hardware rates: the cached or fresh probe on CUDA, the H200 defaults elsewhere.
+    Budgets and hardware rates: the run's `PlanRequest` (`request_for_trainer`, held by `trainer.plans`).
 
     Raises:
-        InfeasiblePlanError: no schedule fits; the message names the smallest feasible budgets.
+        InfeasiblePlanError: no schedule fits; the message names the smallest feasible budgets (`trainer_error`
+            words the fix in lazytrain_config keys and TrainingArguments).
     """
-    cfg = trainer.lazy_config
-    T = seq_len or run_shape(trainer)[1]
+    request = trainer.plans.request
+    T = seq_len or request.seq_len
     running = running_choices(trainer)
     resident, rows = resident or running[0], rows or running[1]
     cm, layer_costs, inputs = _cost_model_and_inputs(trainer, T, compute_scale, cpu_optim_params_per_s, resident,
                                                      rows)
     try:
-        schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=cfg.solver_time_limit_s,
-                              mip_rel_gap=cfg.solver_mip_rel_gap, gpu_optimizer=_gpu_optimizer(trainer),
+        schedule = solve_milp(cm, prefetch_depths=prefetch_depths, time_limit_s=request.time_limit_s,
+                              mip_rel_gap=request.mip_rel_gap, gpu_optimizer=request.gpu_optimizer,
                               fingerprint=plan_fingerprint(inputs))
     except InfeasiblePlanError as e:  # name the budget to pass, not the planner's after-margin figure
-        raise with_margin(e, cfg.gpu_memory_margin) from None
+        raise with_margin(e, request.budgets.margin).with_shape(batch_size=request.batch_size, seq_len=T,
+                                                                rows_per_pass=rows) from None
     schedule.resident, schedule.rows_per_pass = resident, rows
     schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
                            gpu_budget_bytes=int(cm.gpu_bytes),
@@ -187,7 +186,7 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
                            fingerprint_inputs=input_hashes(inputs))
     p = schedule.predicted
     logger.info("MILP plan for batch %d x %d (%s rows per pass, embedding / LM head: %s): predicted step %.1f ms, "
-                "peak GPU %.2f GiB, solved in %.0f ms (gap %.2f%%)", trainer.args.per_device_train_batch_size, T,
+                "peak GPU %.2f GiB, solved in %.0f ms (gap %.2f%%)", request.batch_size, T,
                 rows or "all", resident,
                 p.get("step_ms", float("nan")), p.get("peak_gpu_bytes", 0) / GIB,
                 schedule.solver.get("solve_ms") or 0.0, 100 * (schedule.solver.get("mip_gap") or 0.0))
@@ -268,10 +267,10 @@ def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
         InfeasiblePlanError: the longest bucket has no schedule within the budgets (in any placement tried; the
             error of the placement that needs the least GPU memory).
     """
-    _, T = run_shape(trainer)
-    buckets = seq_len_buckets(T, min_seq_len=min(128, max(8, T // 8)), max_buckets=trainer.lazy_config.plan_buckets)
+    request = trainer.plans.request
+    buckets = list(request.buckets)
     rates = dict(compute_scale=compute_scale, cpu_optim_params_per_s=cpu_optim_params_per_s)
-    B = trainer.args.per_device_train_batch_size
+    B = request.batch_size
     tried: list[str] = []
 
     def solve(r: int, placement: str) -> Schedule:
@@ -283,8 +282,11 @@ def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
         tried.append(f"{r} rows per pass, {placement}: {plan.predicted.get('step_ms', float('nan')):.1f} ms")
         return plan
 
-    longest = search_plans(solve, [rows] if rows else rows_options(B, trainer.lazy_config.max_rows_per_pass),
-                           [resident] if resident else resident_candidates(trainer))
+    placements = [resident] if resident else resident_candidates(trainer)
+    try:
+        longest = search_plans(solve, [rows] if rows else rows_options(B, request.rows_per_pass), placements)
+    except InfeasiblePlanError as e:
+        raise trainer_error(trainer, e, placements[-1]) from None
     if len(tried) > 1:
         logger.info("LazyTrain: planned %s; running %d rows per pass, embedding / LM head %s, for every "
                     "sequence-length bucket", "; ".join(tried), longest.rows_per_pass, longest.resident)
@@ -301,21 +303,78 @@ def fixed_plan_for_trainer(trainer: Any) -> Schedule:
     (`planning.fixed.fixed_resident`), and the largest rows per pass (`max_rows_per_pass` if set, else the batch,
     then halves) at which the schedule fits the budgets by the cost model; its prediction in `predicted`. When no
     row count fits, the whole batch per pass with a warning (a baseline runs as configured)."""
-    cfg = trainer.lazy_config
-    _, T = run_shape(trainer)
-    B = trainer.args.per_device_train_batch_size
+    request = trainer.plans.request
     resident = trainer.executor.resident.placement
 
     def solve(rows: int, placement: str) -> Schedule:
-        cm, _, inputs = _cost_model_and_inputs(trainer, T, resident=placement, rows=rows)
-        return make_schedule(cm, "fixed", checkpoint_every=cfg.checkpoint_every, tier=cfg.activation_tier,
-                             prefetch_depth=cfg.prefetch_depth, fingerprint=plan_fingerprint(inputs), strict=True,
+        cm, _, inputs = _cost_model_and_inputs(trainer, request.seq_len, resident=placement, rows=rows)
+        return make_schedule(cm, "fixed", **request.fixed, fingerprint=plan_fingerprint(inputs), strict=True,
                              simulate_check=False)
 
     try:
-        return search_plans(solve, rows_options(B, cfg.max_rows_per_pass), [resident])
+        return search_plans(solve, rows_options(request.batch_size, request.rows_per_pass), [resident])
     except InfeasiblePlanError as e:
         logger.warning("LazyTrain fixed policy: %s Running it as configured: expect CUDA out of memory", e)
         sched = trainer.executor.schedule
-        sched.rows_per_pass = cfg.max_rows_per_pass
+        sched.rows_per_pass = request.rows_per_pass
         return sched
+
+
+def trainer_fix(trainer: Any, e: InfeasiblePlanError, resident: str | None = None) -> str:
+    """The fix for `e` in this run's terms (lazytrain_config keys, TrainingArguments), from its numbers: the GPU
+    (and host) budget to configure, a per-device batch with a plan at the budgets (the embedding / LM head
+    `resident`, one row per pass) with the gradient accumulation that keeps the rows per optimizer step, fewer rows
+    per pass or shorter sequences."""
+    cfg, request = trainer.lazy_config, trainer.plans.request
+    fixes = []
+    if e.host_too_small and e.min_host_bytes:
+        fixes.append(f"set lazytrain_config.host_memory_budget to at least '{_gib_text(e.min_host_bytes)}' (now "
+                     f"{_gib_text(request.budgets.host_bytes)})")
+    need = e.needed_gpu_bytes
+    if need is not None:
+        now = f"now {_gib_text(cfg.gpu_memory_budget)}" if cfg.gpu_memory_budget else \
+            f"now unset: {_gib_text(request.budgets.gpu_total)} free"
+        fixes.append(f"set lazytrain_config.gpu_memory_budget='{_gib_text(need)}' ({now}) on a device with that "
+                     "much free memory")
+    B, ga = request.batch_size, trainer.args.gradient_accumulation_steps
+    batch = fitting_batch(trainer, resident) if B > 1 else 0
+    if batch:
+        b, steps = same_tokens_batch(B, ga, batch)
+        fixes.append(f"per_device_train_batch_size={b} with gradient_accumulation_steps={steps} (now {B} and {ga}: "
+                     f"the same rows per optimizer step; batches up to {batch} have a plan at these budgets)")
+    if request.rows_per_pass and request.rows_per_pass > 1:
+        fixes.append(f"lazytrain_config.max_rows_per_pass=1 (now {request.rows_per_pass})")
+    fixes.append(f"shorter sequences (the longest is {e.seq_len or request.seq_len} tokens)")
+    return ", or ".join(fixes)
+
+
+def trainer_error(trainer: Any, e: InfeasiblePlanError, resident: str | None = None) -> InfeasiblePlanError:
+    """`e` with the fix worded for the Trainer (`trainer_fix`); the numbers stay in its attributes."""
+    request = trainer.plans.request
+    e = e.with_shape(batch_size=request.batch_size, seq_len=request.seq_len)
+    return e.restated(f"LazyTrain: no plan for batch {e.batch_size} x {e.seq_len}: {e.facts} Fix: "
+                      f"{trainer_fix(trainer, e, resident)}.", facts=e.facts)
+
+
+def fitting_batch(trainer: Any, resident: str | None = None) -> int:
+    """The largest per-device batch below the configured one with a plan at this run's budgets (the analytic costs,
+    one row per pass, the embedding / LM head `resident`, default the executor's); 0 when even one row does not
+    fit."""
+    import warnings
+
+    from ..planning.planner import largest_feasible_batch
+
+    request = trainer.plans.request
+    placement = resident or trainer.executor.resident.placement
+
+    def build(b: int) -> Any:
+        return analytic_cost_model(request.model, b, request.seq_len, request.hardware,
+                                   **request.cost_model_kwargs(1, placement))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return largest_feasible_batch(build, "milp", max_batch=max(1, request.batch_size - 1))
+
+
+def _gib_text(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}GiB"

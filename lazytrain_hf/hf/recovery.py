@@ -15,8 +15,8 @@ overshoot = need - predicted peak (when the need was below the prediction, less 
 says: the request, at least `MIN_REDUCTION` of the budget); need = the larger of the peak allocated bytes
 since the step began (reset at the checked steps' start) and the bytes allocated at the failure plus the request
 the error names ("Tried to allocate ..."). Off CUDA (tests) the plan's predicted peak stands for the allocated
-bytes. Reductions add up (`LazyTrainer.plan_gpu_reduction_bytes`, read by hf/plan.py `_budgets` for every later
-plan, calibration's included).
+bytes. Reductions add up (`RunPlans.gpu_reduction_bytes`, hf/plans.py, taken off the GPU budget of every later plan,
+calibration's included); `RunPlans.replan_for_memory` solves the plans again.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from ..config import GIB
 
 __all__ = ["MAX_OOM_RECOVERIES", "CHECK_STEPS", "MIN_REDUCTION", "MemoryMiss", "Window", "requested_bytes",
-           "measure_oom", "replan_for_memory", "switch_plans", "oom_error"]
+           "measure_oom", "oom_error", "plan_budget", "unrecoverable", "log_replan"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,35 +166,6 @@ def unrecoverable(trainer: Any) -> str | None:
     if trainer.oom_recoveries >= MAX_OOM_RECOVERIES:
         return f"the plan was already re-planned {trainer.oom_recoveries} times for out-of-memory errors"
     return None
-
-
-def replan_for_memory(trainer: Any, miss: MemoryMiss) -> Any:
-    """Every bucket plan solved again with the GPU budget reduced by `miss`'s overshoot (cumulative), keeping the
-    running calibration (compute scale, measured CPU rate). Changes no schedule itself (the caller switches: a
-    failed deferred update raised by the switch is no planning failure).
-
-    Raises:
-        InfeasiblePlanError: no plan fits the reduced budget (the reduction is undone), or any planning error.
-    """
-    from .plan import plan_buckets_for_trainer
-
-    ex = trainer.executor
-    old = trainer.bucket_plans.schedules[trainer.bucket_plans.buckets[-1]] if trainer.bucket_plans else ex.schedule
-    scale = float(old.solver.get("compute_scale", 1.0))
-    cal = trainer.calibration
-    rate = cal.cpu_rate if cal is not None else None
-    trainer.plan_gpu_reduction_bytes += miss.overshoot_bytes
-    try:
-        return plan_buckets_for_trainer(trainer, compute_scale=scale, cpu_optim_params_per_s=rate)
-    except Exception:
-        trainer.plan_gpu_reduction_bytes -= miss.overshoot_bytes
-        raise
-
-
-def switch_plans(trainer: Any, plans: Any) -> None:
-    """Run `plans` from the next micro-batch on (the longest bucket's now)."""
-    trainer.executor.set_schedule(plans.schedules[plans.buckets[-1]])
-    trainer.bucket_plans = plans
 
 
 def _where(miss: MemoryMiss) -> str:

@@ -20,7 +20,6 @@ from transformers import Trainer
 from ..config import GIB, LazyTrainConfig
 from ..kernels import select_linear_attention
 from ..models import check_supported
-from ..planning.buckets import BucketSchedules
 from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
@@ -30,6 +29,7 @@ from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
 from .metrics import StepMeter
+from .plans import RunPlans
 from .recovery import Window
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
@@ -57,19 +57,11 @@ class LazyTrainerMixin:
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
-        self.bucket_plans: BucketSchedules | None = None  # policy "milp": one plan per sequence-length bucket
-        self.calibration: Calibration | None = None  # policy "milp": set at train begin (hf/calibrate.py)
-        # planning inputs kept for re-plans (hf/plan.py): free GPU bytes when first planned (later the running
-        # plan's buffers hold it), and layer timings by (rows, seq, device)
-        self.plan_free_gpu_bytes: int | None = None
-        self.plan_layer_costs: dict[tuple, Any] = {}
-        # GPU bytes taken off the budget of every plan: what measured steps needed beyond their plans (hf/recovery.py)
-        self.plan_gpu_reduction_bytes: int = 0
+        #: the run's plans: request, bucket plans, calibration, re-planning (hf/plans.py; None with policy "none")
+        self.plans: RunPlans | None = None
         #: out-of-memory errors recovered from by re-planning (hf/recovery.py); also in the logged metrics
         self.oom_recoveries: int = 0
         self._window = Window()  # this accumulation window's micro-batches, to run them again after an abort
-        self.step_peak_reset = False  # the CUDA peak-memory counter started with this optimizer step (callback)
-        self.step_predicted_peak = 0  # the largest predicted peak of the plans this optimizer step ran (bytes)
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -111,16 +103,29 @@ class LazyTrainerMixin:
                     f"({dp.backend}), {mode} optimizer updates" if dp is not None
                     else "one process (no data parallelism)")
         self.streaming_model = StreamingModel(self.executor)
+        self.plans = RunPlans(self)
         n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
         self.meter = StepMeter(n_params, device)
         self.add_callback(LazyTrainCallback(self))
 
     # ---- planning ------------------------------------------------------------------------------------------
     def plan_schedule(self) -> Schedule:
-        """Solve the MILP for this run's batch shape (per_device_train_batch_size x max sequence length)."""
-        from .plan import plan_for_trainer
+        """Solve the MILP for this run's batch shape (per_device_train_batch_size x max sequence length).
 
-        return plan_for_trainer(self)
+        Raises:
+            InfeasiblePlanError: no schedule fits; the fix in lazytrain_config keys and TrainingArguments.
+        """
+        from .plan import InfeasiblePlanError, plan_for_trainer, trainer_error
+
+        try:
+            return plan_for_trainer(self)
+        except InfeasiblePlanError as e:
+            raise trainer_error(self, e) from None
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """`plans.calibration` (read-only; benchmarks/systems.py reads it from the trainer)."""
+        return self.plans.calibration if self.plans is not None else None
 
     # ---- model and optimizer -------------------------------------------------------------------------------
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
@@ -229,7 +234,7 @@ class LazyTrainerMixin:
                 loss = self._microbatch(inputs, denominator, sync)
                 break
             except torch.OutOfMemoryError as e:
-                miss = recovery.measure_oom(self, e, pos, self.step_peak_reset)
+                miss = recovery.measure_oom(self, e, pos, self.plans.step_peak_reset)
                 reason = recovery.unrecoverable(self)
                 if reason is not None:
                     self._abort_quietly()
@@ -242,22 +247,13 @@ class LazyTrainerMixin:
     def _microbatch(self, inputs: dict[str, Any], denominator: Any, sync: bool) -> torch.Tensor:
         """One micro-batch's forward and backward under the plan of its sequence-length bucket."""
         labels = inputs["labels"]
-        if self.bucket_plans is not None:  # the plan of the smallest bucket holding this batch's length
-            plans = self.bucket_plans
-            sched = plans.schedule_for(min(labels.shape[1], plans.buckets[-1]))
-            if sched is not self.executor.schedule:
-                self.executor.set_schedule(sched)
-        sched = self.executor.schedule
-        self.step_predicted_peak = max(self.step_predicted_peak, int(sched.predicted.get("peak_gpu_bytes") or 0))
-        if self.calibration is not None:
-            self.calibration.add_microbatch(sched.predicted, sched.solver.get("seq_len_bucket"))
+        self.plans.for_batch(labels.shape[1])
         loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
                                               inputs.get("position_ids"), denominator=denominator,
                                               sync_gradients=sync)
-        if self.calibration is not None:  # a skipped step's updates were no-ops: their time is no rate
-            x = self.executor.stats.extra
-            skipped = getattr(self._inner_optimizer(self.optimizer), "last_step_skipped", False)
-            self.calibration.note_cpu_update(None if skipped else x.get("cpu_update_ms"), x.get("cpu_update_params"))
+        x = self.executor.stats.extra
+        skipped = getattr(self._inner_optimizer(self.optimizer), "last_step_skipped", False)
+        self.plans.microbatch_done(x.get("cpu_update_ms"), x.get("cpu_update_params"), skipped)
         return loss
 
     # ---- out-of-memory recovery (hf/recovery.py) -----------------------------------------------------------
@@ -278,17 +274,13 @@ class LazyTrainerMixin:
         gc.collect()
         if ex.device.type == "cuda":
             torch.cuda.empty_cache()
-            if self.step_peak_reset:  # a checked step: its peak check measures the run again, not the failure
+            if self.plans.step_peak_reset:  # a checked step: its peak check measures the run again, not the failure
                 torch.cuda.reset_peak_memory_stats(ex.device)
-        self.step_predicted_peak = 0
         try:
-            plans = recovery.replan_for_memory(self, miss)
+            plans = self.plans.recover(miss)
         except InfeasiblePlanError as e:
             reason = f"no plan fits the GPU budget less the measured overshoot ({e})"
             raise recovery.oom_error(self, miss, reason) from e
-        recovery.switch_plans(self, plans)
-        if self.calibration is not None:
-            self.calibration.drop_step()
         recovery.log_replan(miss, plans, "CUDA out of memory", "; running the accumulation window again from its "
                             f"first micro-batch (recovery {self.oom_recoveries} of {recovery.MAX_OOM_RECOVERIES})")
         self._window.replay = True

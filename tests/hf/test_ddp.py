@@ -269,11 +269,16 @@ def test_plan_host_budget_is_shared_by_local_ranks(monkeypatch) -> None:
     from types import SimpleNamespace
 
     from lazytrain_hf.config import LazyTrainConfig
-    from lazytrain_hf.hf.plan import _budgets
+    from lazytrain_hf.hf.plan import machine_budgets
+    from lazytrain_hf.planning.request import resolve_budgets
 
     trainer = SimpleNamespace(lazy_config=LazyTrainConfig(device="cpu"),
                               executor=SimpleNamespace(device=torch.device("cpu")))
+
+    def host_bytes() -> int:
+        return resolve_budgets(None, None, None, nvme=False, margin=0.0, **machine_budgets(trainer)[1]).host_bytes
+
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    one = _budgets(trainer)[2]
+    one = host_bytes()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert _budgets(trainer)[2] in (one // 2, one // 2 - 1, one // 2 + 1)
+    assert host_bytes() in (one // 2, one // 2 - 1, one // 2 + 1)

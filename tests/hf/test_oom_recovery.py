@@ -164,7 +164,7 @@ def _assert_equal_runs(a, b):
 def test_an_oom_is_recovered_and_the_run_equals_one_that_never_ran_out(tmp_path, monkeypatch, caplog, arch, ga,
                                                                        point, at):
     clean = _run(tmp_path, "clean", arch, gradient_accumulation_steps=ga)
-    assert clean.oom_recoveries == 0 and clean.plan_gpu_reduction_bytes == 0
+    assert clean.oom_recoveries == 0 and clean.plans.gpu_reduction_bytes == 0
     assert any(g > 1.0 for g in _logs(clean, "grad_norm")), "the test must exercise clipping"
     fault = _Fault(monkeypatch, point, at)
     with caplog.at_level(logging.WARNING, logger="lazytrain_hf.hf.recovery"):
@@ -175,9 +175,9 @@ def test_an_oom_is_recovered_and_the_run_equals_one_that_never_ran_out(tmp_path,
     _assert_equal_runs(hit, clean)
     lines = [r.getMessage() for r in caplog.records if "CUDA out of memory" in r.getMessage()]
     assert len(lines) == 1 and "in step 2" in lines[0] and "re-planned with 20.00 MiB less" in lines[0], lines
-    assert hit.plan_gpu_reduction_bytes == 20 * MIB
+    assert hit.plans.gpu_reduction_bytes == 20 * MIB
     budget = int(1024**3 * (1 - hit.lazy_config.gpu_memory_margin)) - 20 * MIB
-    assert all(s.solver["gpu_budget_bytes"] == budget for s in hit.bucket_plans.schedules.values())
+    assert all(s.solver["gpu_budget_bytes"] == budget for s in hit.plans.bucket_plans.schedules.values())
     assert [h["oom_recoveries"] for h in hit.state.log_history if "oom_recoveries" in h] == [0.0, 1.0, 1.0]
 
 
@@ -270,10 +270,10 @@ def test_a_checked_step_over_the_budget_replans_before_the_next(tmp_path, monkey
     with caplog.at_level(logging.WARNING, logger="lazytrain_hf.hf.recovery"):
         hit = _run(tmp_path, "hit", cfg=cfg, long=True)
     assert seen == [1, 2, 3]
-    assert hit.plan_gpu_reduction_bytes == over  # budget == predicted peak here
+    assert hit.plans.gpu_reduction_bytes == over  # budget == predicted peak here
     lines = [r.getMessage() for r in caplog.records if "measured peak exceeded" in r.getMessage()]
     assert len(lines) == 1 and "in step 1" in lines[0], lines
-    longest = lambda t: t.bucket_plans.schedules[t.bucket_plans.buckets[-1]]  # noqa: E731
+    longest = lambda t: t.plans.bucket_plans.schedules[t.plans.bucket_plans.buckets[-1]]  # noqa: E731
     assert sum(lp.checkpoint for lp in longest(hit).layers) < sum(lp.checkpoint for lp in longest(clean).layers)
     assert hit.oom_recoveries == 0 and hit.executor.stats.recomputed_layers > 0
     _assert_equal_runs(hit, clean)
@@ -287,7 +287,7 @@ def test_an_oom_replans_to_a_smaller_plan_mid_step(tmp_path, monkeypatch, caplog
     fault = _Fault(monkeypatch, "backward", at=2, request=100_000)
     hit = _run(tmp_path, "hit", cfg=cfg, long=True)
     assert fault.raised == 1 and hit.oom_recoveries == 1
-    assert hit.plan_gpu_reduction_bytes == recovery.requested_bytes(f"Tried to allocate {100_000 / MIB:.2f} MiB")
+    assert hit.plans.gpu_reduction_bytes == recovery.requested_bytes(f"Tried to allocate {100_000 / MIB:.2f} MiB")
     assert hit.executor.stats.recomputed_layers > 0 and clean.executor.stats.recomputed_layers == 0
     _assert_equal_runs(hit, clean)
 

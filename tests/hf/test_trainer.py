@@ -125,10 +125,10 @@ def test_milp_policy_plans_per_length_bucket_and_equals_stock(tmp_path, monkeypa
 
     monkeypatch.setattr(StreamingExecutor, "set_schedule", spy)
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp"})
-    assert lazy.bucket_plans.buckets == [8, 16, 24]  # data up to 20 tokens, rounded up to 24
-    assert all(s.policy == "milp" for s in lazy.bucket_plans.schedules.values())
-    assert all(s.solver["layer_costs"] == "analytic" for s in lazy.bucket_plans.schedules.values())  # CPU
-    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.bucket_plans.schedules.values())  # off on CPU
+    assert lazy.plans.bucket_plans.buckets == [8, 16, 24]  # data up to 20 tokens, rounded up to 24
+    assert all(s.policy == "milp" for s in lazy.plans.bucket_plans.schedules.values())
+    assert all(s.solver["layer_costs"] == "analytic" for s in lazy.plans.bucket_plans.schedules.values())  # CPU
+    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.plans.bucket_plans.schedules.values())  # off on CPU
     assert len({b for b in used if b is not None}) >= 2, used  # batches of different lengths, different plans
     for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
@@ -143,10 +143,10 @@ def test_milp_plan_is_recalibrated_from_measured_steps_and_still_equals_stock(tm
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1})
     cal = lazy.calibration
     assert cal.done and len(cal.k) == 1 and cal.cpu_rate == cal.measured_cpu_rate() > 0
-    scales = {s.solver["compute_scale"] for s in lazy.bucket_plans.schedules.values()}
+    scales = {s.solver["compute_scale"] for s in lazy.plans.bucket_plans.schedules.values()}
     assert len(scales) == 1 and scales.pop() == pytest.approx(cal.k[0])
     # the re-plan used the update worker's measured rate (this CPU: far from the H200 figures planned first)
-    assert {s.solver["cpu_optim_params_per_s"] for s in lazy.bucket_plans.schedules.values()} == {cal.cpu_rate}
+    assert {s.solver["cpu_optim_params_per_s"] for s in lazy.plans.bucket_plans.schedules.values()} == {cal.cpu_rate}
     for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
     stock_params = dict(stock.model.named_parameters())
@@ -173,7 +173,7 @@ def test_a_replan_not_clearly_faster_keeps_the_running_plan(tmp_path, monkeypatc
     cal = lazy.calibration
     assert cal.done and len(seen) == 1 and (cal.kept_running_ms, cal.replanned_ms) == seen[0]
     assert seen[0][0] > 0 and seen[0][1] > 0 and cal.scale is None
-    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.bucket_plans.schedules.values())
+    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.plans.bucket_plans.schedules.values())
     for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
 
@@ -193,7 +193,7 @@ def test_a_failed_recalibration_keeps_the_plan_and_the_run(tmp_path, monkeypatch
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1,
                                                                  "overlap_optimizer": False})
     assert len(calls) == 2 and lazy.calibration.scale is None and lazy.state.global_step == 3
-    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.bucket_plans.schedules.values())
+    assert all(s.solver["compute_scale"] == 1.0 for s in lazy.plans.bucket_plans.schedules.values())
     for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss")):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
 

@@ -124,8 +124,8 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
     import torch
 
     from lazytrain_hf.config import LazyTrainConfig
-    from lazytrain_hf.hf.callback import LazyTrainCallback
     from lazytrain_hf.hf.plan import cost_model_for_trainer
+    from lazytrain_hf.hf.plans import RunPlans
     from lazytrain_hf.models import resolve_config
 
     base = ("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--batch-size", "2",
@@ -151,8 +151,8 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
                               executor=SimpleNamespace(device=torch.device("cpu"),
                                                        resident=SimpleNamespace(placement="gpu"),
                                                        schedule=SimpleNamespace(rows_per_pass=None)),
-                              plan_layer_costs={},
-                              plan_free_gpu_bytes=None, train_dataset={"input_ids": [[1] * 64]})
+                              train_dataset={"input_ids": [[1] * 64]})
+    trainer.plans = RunPlans(trainer)
     assert cost_model_for_trainer(trainer, 64)[2] == prints["cpu-opt"].fingerprint
     # default budgets: the CLI takes the profile's memory, the Trainer free / total memory; both fingerprint
     # "defaulted", so `plan` then `train` with the defaults match (they differed before)
@@ -160,15 +160,16 @@ def test_fingerprint_identifies_the_plan_and_matches_the_trainers(tmp_path, caps
     assert cli_plan.run(_args(*base[:2], *base[6:], "--no-gpu-optimizer", "--out-dir", str(out))) == 0
     defaulted = Schedule.from_json(next(out.glob("*.schedule.json")))
     trainer.lazy_config = LazyTrainConfig()
+    trainer.plans = RunPlans(trainer)  # the request is built once per run, from its config
     assert cost_model_for_trainer(trainer, 64)[2] == defaulted.fingerprint != prints["cpu-opt"].fingerprint
     trainer.lazy_config = cfg
+    trainer.plans = RunPlans(trainer)
     # a loaded schedule planned for other inputs: a warning naming them
-    callback = LazyTrainCallback(trainer)
-    with caplog.at_level("WARNING", logger="lazytrain_hf.hf.callback"):
-        callback._check_fingerprint(prints["cpu-opt"], "same.json")
+    with caplog.at_level("WARNING", logger="lazytrain_hf.hf.plans"):
+        trainer.plans.check_fingerprint(prints["cpu-opt"], "same.json")
         # (other libraries may log on first import, e.g. bitsandbytes' CPU backend)
-        assert not [r for r in caplog.records if r.name == "lazytrain_hf.hf.callback"]
-        callback._check_fingerprint(prints["rows"], "rows.json")
+        assert not [r for r in caplog.records if r.name == "lazytrain_hf.hf.plans"]
+        trainer.plans.check_fingerprint(prints["rows"], "rows.json")
     assert "rows.json" in caplog.text and "gpu_optimizer, rows_per_pass" in caplog.text
 
 
@@ -183,3 +184,22 @@ def test_config_file_path_stem_and_small_parameter_counts(tmp_path, capsys):
                  "--prefetch-depth", "1", "--nvme-dir", str(tmp_path))
     assert cli_plan.output_stem(args, "fixed").count("nvme") == 1
     assert cli_plan._count(3_410_000) == "3.41 M" and cli_plan._count(7_620_000_000) == "7.62 B"
+
+
+def test_no_plan_names_the_flags_to_pass_and_each_named_fix_plans(capsys):
+    """The CLI words the planning error in its own flags, from the error's numbers: the --gpu-memory that fits, and
+    a --batch-size with the --gradient-accumulation-steps that keep the rows per optimizer step; each one plans."""
+    import re
+
+    base = ("--model", "qwen3-tiny", "--host-memory", "4GiB", "--hardware", "defaults", "--seq-len", "4096",
+            "--max-batch", "0")
+    assert cli_plan.run(_args(*base, "--gpu-memory", "700MiB", "--batch-size", "64")) == 1
+    out = capsys.readouterr().out
+    fix = out[out.index("Fix: pass "):]
+    assert "lazytrain_config" not in fix and "per_device_train_batch_size" not in fix, fix
+    gpu = re.search(r"--gpu-memory ([0-9.]+GiB)", fix).group(1)
+    batch, steps = re.search(r"--batch-size (\d+) --gradient-accumulation-steps (\d+)", fix).groups()
+    assert int(batch) * int(steps) == 64 and int(batch) < 64
+    assert cli_plan.run(_args(*base, "--gpu-memory", gpu, "--batch-size", "64")) == 0
+    assert cli_plan.run(_args(*base, "--gpu-memory", "700MiB", "--batch-size", batch,
+                              "--gradient-accumulation-steps", steps)) == 0

@@ -1,0 +1,61 @@
+"""The run's plans in one object (lazytrain_hf/hf/plans.py `RunPlans`) and the Trainer's wording of a planning error
+(lazytrain_hf/hf/plan.py `trainer_fix`): lazytrain_config keys and TrainingArguments, never the CLI's flags."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lazytrain_hf.hf import LazyTrainer, LazyTrainingArguments, plan
+from lazytrain_hf.hf.plans import RunPlans
+from lazytrain_hf.models import load_model
+from lazytrain_hf.planning.milp import InfeasiblePlanError
+
+from .test_trainer import EXACT, _collate, _common, _dataset
+
+GIB = 1024**3
+
+
+def _trainer(tmp_path, name, **cfg):
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    args = LazyTrainingArguments(**_common(tmp_path, name, per_device_train_batch_size=4, gradient_accumulation_steps=1),
+                                 lazytrain_config={**EXACT, "policy": "milp", **cfg})
+    return LazyTrainer(model=model, args=args, train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
+
+
+def test_the_trainer_holds_one_plans_object(tmp_path):
+    t = _trainer(tmp_path, "one", gpu_memory_budget="1GiB")
+    t.train()
+    assert isinstance(t.plans, RunPlans) and t.plans.bucket_plans is not None and t.calibration is t.plans.calibration
+    stray = {"bucket_plans", "step_peak_reset", "step_predicted_peak"}
+    assert not [k for k in vars(t) if k in stray or k.startswith("plan_")], vars(t).keys()
+    # the request was resolved once: the configured budget less the margin
+    assert t.plans.request.budgets.gpu_bytes == int(GIB * (1 - t.lazy_config.gpu_memory_margin))
+    assert t.plans.current is t.executor.schedule
+
+
+def test_no_plan_names_the_config_keys_to_change_and_the_budget_named_fits(tmp_path):
+    t = _trainer(tmp_path, "tight", gpu_memory_budget="1MiB")
+    with pytest.raises(InfeasiblePlanError) as info:
+        t.train()
+    e, msg = info.value, str(info.value)
+    assert (e.batch_size, e.seq_len) == (4, t.plans.request.seq_len) and e.gpu_budget_bytes is not None
+    assert e.gpu_budget_bytes == t.plans.request.budgets.gpu_bytes and e.needed_gpu_bytes > 1 << 20
+    assert "lazytrain_config.gpu_memory_budget='" in msg and "Fix:" in msg, msg
+    assert "--gpu-memory" not in msg and "--batch-size" not in msg and "--rows-per-pass" not in msg, msg
+    need = re.search(r"gpu_memory_budget='([0-9.]+)GiB'", msg).group(1)
+    assert float(need) * GIB >= e.needed_gpu_bytes - GIB / 200
+    # the budget the message names has a plan
+    plans = plan.plan_buckets_for_trainer(_trainer(tmp_path, "named", gpu_memory_budget=f"{need}GiB"))
+    assert plans.buckets[-1] == e.seq_len
+
+
+def test_the_trainer_names_a_batch_with_the_same_rows_per_step(tmp_path, monkeypatch):
+    t = _trainer(tmp_path, "batch", gpu_memory_budget="1MiB", max_rows_per_pass=2)
+    monkeypatch.setattr(plan, "fitting_batch", lambda trainer, resident=None: 3)
+    with pytest.raises(InfeasiblePlanError) as info:
+        plan.plan_buckets_for_trainer(t)
+    msg = str(info.value)
+    assert "per_device_train_batch_size=2 with gradient_accumulation_steps=2 (now 4 and 1" in msg, msg
+    assert "lazytrain_config.max_rows_per_pass=1 (now 2)" in msg, msg
