@@ -1,23 +1,36 @@
-"""`LazyTrainConfig`: every knob of the executor, planner and optimizer in one validated dataclass.
+"""`LazyTrainConfig`: every knob of the executor, planner and optimizer, in validated groups by concern.
 
-Resolution order for each field: the value given by the user, then the environment variable `LAZYTRAIN_<FIELD>`
-(upper case; parsed by lazytrain_hf.envvars, docs/environment.md), then the default. All problems are collected and raised at once in
-one `ValueError`, each message naming the key as the user wrote it, the rule, the value received and the fix.
+Groups (one dataclass each): `planning`, `memory`, `streaming`, `optimizer`, `data_parallel`, `experimental`. Every
+field has short help in its metadata (``field(metadata={"help": ...})``, as transformers' TrainingArguments);
+docs/configuration.md is generated from it (``python -m lazytrain_hf.config > docs/configuration.md``).
+
+Field names are unique across the groups, so each key also has a flat spelling, the field name alone: ``policy``
+means ``planning.policy`` in a dict / YAML / JSON config, as a keyword (``LazyTrainConfig(policy="milp")``), in
+``--set lazytrain.policy=milp`` and as an attribute (``cfg.policy`` reads and writes ``cfg.planning.policy``).
+
+Resolution order for each field: the value given by the user (grouped or flat), then the environment variable
+`LAZYTRAIN_<FIELD>` (the flat name in upper case; parsed by lazytrain_hf.envvars, docs/environment.md), then the
+default. All problems are collected and raised at once in one `ValueError`, each message naming the key as the user
+wrote it, the rule, the value received and the fix.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from . import envvars
 
-__all__ = ["LazyTrainConfig", "parse_bytes", "format_bytes", "GIB"]
+__all__ = ["LazyTrainConfig", "PlanningConfig", "MemoryConfig", "StreamingConfig", "OptimizerConfig",
+           "DataParallelConfig", "ExperimentalConfig", "GROUPS", "FLAT_KEYS", "SIZE_FIELDS", "parse_bytes",
+           "format_bytes", "GIB", "did_you_mean", "cpu_threads", "config_fields", "render_markdown"]
 
 GIB = 1024**3
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
@@ -40,11 +53,6 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size such as '24GiB' or '80GB', but got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-#: LazyTrainConfig fields that are memory sizes (bytes, or strings such as "24GiB"), with an example value
-SIZE_FIELDS = {"gpu_memory_budget": "'24GiB'", "host_memory_budget": "'100GiB'", "nvme_budget": "'200GiB'",
-               "prepared_states_budget": "'20GiB' (0: off)"}
 
 
 def did_you_mean(bad: list[str], known: Any, prefix: str = "") -> str:
@@ -82,224 +90,426 @@ def format_bytes(n: int | float | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f} GiB"
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "policy": ("fixed", "milp", "none"),
-    "device": ("auto", "cuda", "cpu"),
-    "activation_tier": ("gpu", "cpu", "nvme"),
-    "state_dtype": ("8bit", "fp32"),
-    "master_weights": ("auto", "fp32", "kahan", "none"),
-    "dp_updates": ("auto", "replicated", "sharded"),
-    "resident_placement": ("auto", "gpu", "host_embedding", "host"),
-}
+_WHERE = "lazytrain_config"  # how messages name the keys (recipes name them lazytrain.<key>)
+_HEADING = "Invalid LazyTrain configuration:\n  - "
+_UNSET = object()
 
 
 @dataclass
-class LazyTrainConfig:
-    """Configuration of the LazyTrain executor, planner and Hybrid 8-bit optimizer.
+class _Build:
+    problems: list[str]
+    names: dict[str, str]  # field -> the key as the user wrote it
 
-    A field the caller gives (a constructor argument, positional or by name, or a key of the dict / YAML / JSON
-    config passed to `from_any`) is used as given, even when it equals the default. A field not given is filled
-    from the environment variable `LAZYTRAIN_<FIELD>` when it is set (lazytrain_hf.envvars parses it; a bad value
-    is one of the problems raised), else takes its default. `__init__` records the given names for
-    `__post_init__`, which drops them: instances hold only their fields (`==`, `asdict`, pickling as a plain
-    dataclass). `dataclasses.replace` passes every field, so a copy keeps its values.
 
-    Args:
-        policy (str, defaults to "fixed"): how the schedule is made. "fixed": the MegaTrain-equivalent baseline
-            (a checkpoint every `checkpoint_every` layers, boundaries in `activation_tier`); "milp": solved by the
-            HiGHS planner (lazytrain_hf.planning); "none": no executor, the plain HF Trainer path.
-        device (str, defaults to "auto"): compute device of the executor: "cuda" when available, else "cpu".
-        checkpoint_every (int, defaults to 4): fixed policy: materialize the input of every k-th decoder layer;
-            layers in between are recomputed in backward.
-        activation_tier (str, defaults to "gpu"): fixed policy: where materialized boundaries live
-            ("gpu" = the compute device, "cpu" = pinned host memory, "nvme" = files in `nvme_dir`).
-        prefetch_depth (int, defaults to 1): number of decoder layers whose weights are streamed ahead of
-            compute (1-3); the device holds `prefetch_depth + 1` weight slots per layer structure.
-        gpu_memory_budget (str or int, defaults to None): device memory the plan may use, e.g. "24GiB".
-            None: what the device reports free. Also caps the process with
-            `torch.cuda.set_per_process_memory_fraction` when `cap_gpu_memory` is true.
-        cap_gpu_memory (bool, defaults to False): enforce `gpu_memory_budget` on the CUDA caching allocator
-            (emulates a smaller GPU).
-        gpu_memory_margin (float, defaults to 0.12): fraction of the GPU budget the MILP keeps free for allocator
-            fragmentation and workspaces the analytic cost model does not count. On the H200 (benchmarks/NOTES.md,
-            2026-11-29) a plan predicted at 23.4 GB ran out of memory under a 25.8 GB cap: >= 9% under-prediction.
-        host_memory_budget (str or int, defaults to None): pinned host memory the plan may use (per process). None:
-            90% of RAM divided among the data-parallel ranks on this host (LOCAL_WORLD_SIZE).
-        nvme_dir (str, defaults to None): directory for the "nvme" tier; required when that tier is used.
-        nvme_budget (str or int, defaults to None): bytes the plan may write to `nvme_dir`.
-        pin_memory (bool, defaults to True): keep host weights and gradients in pinned (page-locked) memory
-            when the device is CUDA (needed for asynchronous H2D/D2H copies).
-        max_rows_per_pass (int, defaults to None): rows (sequences) of a micro-batch a decoder layer processes at
-            once; the layer runs over the micro-batch in row chunks with its weights loaded once, so a layer's
-            activation memory scales with this instead of the micro-batch size. None: the whole micro-batch.
-        overlap_optimizer (bool, defaults to True): run the streamed layers' optimizer updates on a CPU worker
-            overlapped with the next forward (layer i's update must land before layer i is streamed in) instead
-            of serially inside `optimizer.step()`.
-        gpu_layer_updates (bool, defaults to True): let the MILP place streamed layers' optimizer updates on the
-            GPU (run at the layer's next load, streamed states; needs overlap_optimizer and a CUDA device); the
-            plan moves a layer only where the cost model predicts a shorter step. Measured on an H200 (Qwen2.5-7B shape, 24 GiB
-            cap, 16 cores): 1.5x the CPU-only MILP plan at batch 8, 1.14x at batch 64 (benchmarks/NOTES.md).
-        keep_gpu_grads (bool, defaults to True): a GPU-updated layer keeps its gradient on the GPU from its
-            backward to its update at the next load, instead of sending it D2H and back H2D (2 bytes per parameter
-            each way); the plan budgets the GPU memory it holds. Only with gradient_accumulation_steps 1 (with
-            accumulation the host sums the gradients); False sends every gradient to the host. Both also apply to a
-            schedule loaded from `schedule_path` that was planned with kept gradients.
-        prepared_states_budget (int or str, defaults to 0): host memory (bytes, or e.g. "20GiB") for the next
-            step's CPU-updated layers' moments dequantized ahead into fp32 (8 bytes per parameter) by the update
-            worker after a step's updates, while the CPU would idle through forward and backward; those layers'
-            next update then skips half its table reads (bit-identical). Layers are taken in update order (layer 0
-            first) while they fit. 0: off, the default: on the H200 host (16 cores) the prepared update ran only
-            1.09x the full one alone (it reads 8 bytes per parameter instead of 2) and no faster inside training
-            steps (2026-11-30, benchmarks/NOTES.md); it may pay on CPUs with slow gathers (1.16x on 2 Zen 3
-            cores). Needs overlap_optimizer. The planner's host
-            memory accounting does not count these buffers: leave room for them in host_memory_budget.
-        dp_updates (str, defaults to "auto"): data parallel only (>= 2 ranks; ignored in one process).
-            "replicated": every rank all-reduces every layer's gradient and applies every update (full optimizer
-            states per rank). "sharded": streamed layer i's update runs only on rank i % world (its gradient is
-            reduced to that rank, other ranks skip its D2H copy and never allocate its optimizer states: ~1/world
-            of the states' host memory and of the gradient D2H bytes per rank); the updated weights are broadcast
-            from the owner at the layer's next load. Needs overlap_optimizer. "auto": sharded when overlap_optimizer
-            is on, else replicated. Measured on 2 H200s (Qwen2.5-7B shape, 24 GiB cap, batch 32 per GPU): sharded
-            4.17 s per step, replicated 4.63 s, 1 GPU 4.41 s (benchmarks/results/executor-ddp-sharded-20261129.json).
-        profile_layers (bool, defaults to True): policy "milp" on CUDA: before each solve, time one decoder layer
-            of each kind at the planned (rows per pass, seq) on the GPU (profiling/layer_costs.py, ~1-2 s) and plan
-            with those forward / backward times and memory figures (the larger of measured and analytic) instead
-            of the analytic ones alone (which under-predicted the measured 7B step by 7-17% on an H200 in
-            2026-11-29's runs); a pass that does not fit is measured at fewer rows and scaled.
-        calibrate_steps (int, defaults to None): policy "milp": after this many measured optimizer steps (the
-            first one or two are not counted) compare the measured step time with the plan's prediction and the
-            CPU update worker's measured rate (parameters/s) with the planned one; when the GPU compute is off by
-            more than 5% or the rate by more than 10%, solve again with the compute costs scaled to match and the
-            measured rate (hf/calibrate.py); once per run. None: 3 on CUDA, off elsewhere; 0: off.
-        loss_chunk_tokens (int, defaults to 2048): tokens per chunk of the chunked cross-entropy head, so the
-            [B, T, V] logits never exist at once (peak logits bytes = chunk x V x 4).
-        schedule_path (str, defaults to None): load a saved schedule JSON instead of planning.
-        plan_buckets (int, defaults to 4): policy "milp": sequence-length buckets planned at the start of training
-            (powers of two up to the longest sequence, one MILP solve each); each batch runs the plan of the
-            smallest bucket that holds it. 1: one plan for the longest sequence.
-        solver_time_limit_s (float, defaults to 10.0): HiGHS time limit (s).
-        solver_mip_rel_gap (float, defaults to 0.01): HiGHS relative MIP gap.
-        state_dtype (str, defaults to "8bit"): Hybrid8 optimizer moments: "8bit" blockwise or "fp32".
-        master_weights (str, defaults to "auto"): "fp32" master copy, "kahan" compensated bf16, "none"
-            (update in the parameter dtype); "auto" = fp32 for bf16/fp16 parameters, none for fp32 ones.
-        block_size (int, defaults to 256): quantization block size (elements per absmax), as bitsandbytes.
-        min_8bit_size (int, defaults to 4096): tensors with fewer elements keep fp32 states (bitsandbytes default).
-        fp32_state_modules (list of str, defaults to []): extra module-name substrings whose parameters keep fp32
-            states (embeddings and lm_head always do).
-        resident_placement (str, defaults to "auto"): where the input embedding and the LM head live with their
-            gradients and (fp32) optimizer states: "gpu"; "host_embedding" (the embedding in host memory: looked up
-            and updated on the CPU; untied heads only); "host" (the LM head too: updated on the CPU, its weights
-            copied to the GPU once per step); "auto": policy "milp" plans each placement and takes the fastest that
-            fits; policy "fixed" keeps them on the GPU when they take at most half the GPU budget, else "host"
-            (streaming/resident.py). The final norm stays on the GPU. Data parallel runs keep them on the GPU.
-    """
+# set while LazyTrainConfig builds its groups: they add their problems to the one error instead of raising
+_BUILD: contextvars.ContextVar[_Build | None] = contextvars.ContextVar("lazytrain_config_build", default=None)
 
-    policy: str = "fixed"
-    device: str = "auto"
-    checkpoint_every: int = 4
-    activation_tier: str = "gpu"
-    prefetch_depth: int = 1
-    gpu_memory_budget: int | str | None = None
-    cap_gpu_memory: bool = False
-    gpu_memory_margin: float = 0.12
-    host_memory_budget: int | str | None = None
-    nvme_dir: str | None = None
-    nvme_budget: int | str | None = None
-    pin_memory: bool = True
-    max_rows_per_pass: int | None = None
-    overlap_optimizer: bool = True
-    gpu_layer_updates: bool = True
-    keep_gpu_grads: bool = True
-    prepared_states_budget: int | str = 0
-    dp_updates: str = "auto"
-    loss_chunk_tokens: int = 2048
-    schedule_path: str | None = None
-    plan_buckets: int = 4
-    solver_time_limit_s: float = 10.0
-    profile_layers: bool = True
-    calibrate_steps: int | None = None
-    solver_mip_rel_gap: float = 0.01
-    state_dtype: str = "8bit"
-    master_weights: str = "auto"
-    block_size: int = 256
-    min_8bit_size: int = 4096
-    fp32_state_modules: list[str] = field(default_factory=list)
-    resident_placement: str = "auto"
+
+def _records_given(cls: type) -> type:
+    """Wrap the dataclass `__init__` to record the fields passed (positionally or by name); `__post_init__` pops
+    the record, so instances hold only their fields (`==`, `asdict`, pickling as plain dataclasses)."""
+    init = cls.__init__
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_given"] = frozenset(names[:len(args)]) | kwargs.keys()
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+class _Group:
+    """A group of fields. A field not given is filled from `LAZYTRAIN_<FIELD>` when that is set; then every field
+    is normalized and checked from its metadata (choices, range, size) and `_check`. Built alone, a group raises
+    its problems; built by `LazyTrainConfig`, they join that one error."""
+
+    GROUP: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        problems: list[str] = []
         given = self.__dict__.pop("_given", frozenset())
-        # 1. resolve: a given value > environment > default
-        for f in dataclasses.fields(self):
-            if f.init and f.name not in given:
-                try:
-                    env = envvars.read(envvars.field_env_name(f.name), default=_UNSET)
-                except ValueError as e:
-                    problems.append(str(e))
-                    continue
-                if env is not _UNSET:
-                    setattr(self, f.name, env)
-        # 2. normalize
-        for key in _CHOICES:
-            if isinstance(getattr(self, key), str):
-                setattr(self, key, getattr(self, key).lower())
-        for key in SIZE_FIELDS:
+        build = _BUILD.get()
+        problems = build.problems if build is not None else []
+        names = build.names if build is not None else {}
+
+        def name(key: str) -> str:
+            return names.get(key) or f"{_WHERE}.{self.GROUP}.{key}"
+
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if f.name in given:
+                continue
             try:
-                setattr(self, key, parse_bytes(getattr(self, key)))
+                env = envvars.read(envvars.field_env_name(f.name), default=_UNSET)
             except ValueError as e:
-                problems.append(f"lazytrain_config.{key}: {e}")
-        if isinstance(self.fp32_state_modules, str):  # "q_proj|k_proj", as in optim_args
-            self.fp32_state_modules = [m for m in self.fp32_state_modules.split("|") if m]
-        # 3. validate
-        for key, allowed in _CHOICES.items():
-            if getattr(self, key) not in allowed:
-                problems.append(f"lazytrain_config.{key} must be one of {list(allowed)}, but got {getattr(self, key)!r}")
-        for f in dataclasses.fields(self):  # a YAML / --set "maybe" or "false" string would read as true
-            if str(f.type) == "bool" and not isinstance(getattr(self, f.name), bool):
-                problems.append(f"lazytrain_config.{f.name} must be true or false, but got {getattr(self, f.name)!r}")
-        _check_int(problems, "checkpoint_every", self.checkpoint_every, 1, 10_000)
-        _check_int(problems, "prefetch_depth", self.prefetch_depth, 1, 3)
-        _check_int(problems, "plan_buckets", self.plan_buckets, 1, 16)
+                problems.append(str(e))
+                continue
+            if env is not _UNSET:
+                setattr(self, f.name, env)
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            _check_field(self, f, name(f.name), problems)
+        self._check(name, problems)
+        if build is None and problems:
+            raise ValueError(_HEADING + "\n  - ".join(problems))
+
+    def _check(self, name: Callable[[str], str], problems: list[str]) -> None:
+        """Checks beyond one field's metadata."""
+
+
+def _check_field(obj: Any, f: dataclasses.Field, key: str, problems: list[str]) -> None:
+    value, meta = getattr(obj, f.name), f.metadata
+    if "choices" in meta:
+        if isinstance(value, str):
+            value = value.lower()
+            setattr(obj, f.name, value)
+        if value not in meta["choices"]:
+            problems.append(f"{key} must be one of {list(meta['choices'])}, but got {value!r}")
+    elif f.type == "bool":  # a YAML / --set "maybe" or "false" string would read as true
+        if not isinstance(value, bool):
+            problems.append(f"{key} must be true or false, but got {value!r}")
+    elif "size" in meta:
+        try:
+            value = parse_bytes(value)
+        except ValueError as e:
+            problems.append(f"{key}: {e}")
+            return
+        setattr(obj, f.name, value)
+        if value is not None and value < 0:
+            problems.append(f"{key} must be a size >= 0 such as {meta['size']}, but got {value}")
+    elif "range" in meta and not (value is None and "None" in str(f.type)):
+        _check_int(problems, key, value, *meta["range"])
+
+
+def _check_int(problems: list[str], key: str, value: Any, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        problems.append(f"{key} must be an integer in [{lo}, {hi}], but got {value!r}")
+
+
+def _help(text: str, **checks: Any) -> dict[str, Any]:
+    return {"help": text, **checks}
+
+
+@_records_given
+@dataclass
+class PlanningConfig(_Group):
+    """How the schedule (checkpoints, recomputation, placement, rows per pass) is made."""
+
+    GROUP: ClassVar[str] = "planning"
+
+    policy: str = field(default="fixed", metadata=_help(
+        '"fixed": a checkpoint every `checkpoint_every` layers, kept in `activation_tier` (the MegaTrain-equivalent '
+        'baseline); "milp": solved by the HiGHS planner (lazytrain_hf.planning); "none": no executor, the plain '
+        "HF Trainer path.", choices=("fixed", "milp", "none")))
+    checkpoint_every: int = field(default=4, metadata=_help(
+        "Fixed policy: keep the input of every k-th decoder layer; the layers in between are recomputed in "
+        "backward.", range=(1, 10_000)))
+    activation_tier: str = field(default="gpu", metadata=_help(
+        'Fixed policy: where kept layer inputs live: "gpu" (the compute device), "cpu" (pinned host memory) or '
+        '"nvme" (files in memory.nvme_dir).', choices=("gpu", "cpu", "nvme")))
+    prefetch_depth: int = field(default=1, metadata=_help(
+        "Decoder layers whose weights are streamed ahead of compute; the device holds prefetch_depth + 1 weight "
+        "slots per layer structure.", range=(1, 3)))
+    max_rows_per_pass: int | None = field(default=None, metadata=_help(
+        "Rows (sequences) of a micro-batch a decoder layer processes at once: the layer runs over the micro-batch in "
+        "row chunks with its weights loaded once, so its activation memory follows this, not the micro-batch size. "
+        "None: the plan's own rows per pass when the MILP sets one, else the whole micro-batch.",
+        range=(1, 1 << 20)))
+    resident_placement: str = field(default="auto", metadata=_help(
+        'Where the input embedding and the LM head live with their gradients and fp32 optimizer states: "gpu"; '
+        '"host_embedding" (the embedding in host memory, looked up and updated on the CPU; untied heads only); '
+        '"host" (the LM head too; its weights are copied to the GPU once per step); "auto": policy "milp" plans '
+        'each and takes the fastest that fits, policy "fixed" keeps them on the GPU when they take at most half '
+        "the GPU budget, else \"host\". The final norm stays on the GPU; data-parallel runs keep them on the GPU.",
+        choices=("auto", "gpu", "host_embedding", "host")))
+    gpu_memory_margin: float = field(default=0.12, metadata=_help(
+        "Fraction of the GPU budget the MILP keeps free for allocator fragmentation and workspaces the analytic "
+        "cost model does not count, in [0, 0.9); the default follows the out-of-memory runs in benchmarks/NOTES.md."))
+    schedule_path: str | None = field(default=None, metadata=_help(
+        "A saved schedule JSON to run instead of planning."))
+    plan_buckets: int = field(default=4, metadata=_help(
+        'Policy "milp": sequence-length buckets planned at the start of training (powers of two up to the longest '
+        "sequence, one solve each); each batch runs the plan of the smallest bucket that holds it. 1: one plan for "
+        "the longest sequence.", range=(1, 16)))
+    solver_time_limit_s: float = field(default=10.0, metadata=_help("HiGHS time limit per solve, in seconds."))
+    calibrate_steps: int | None = field(default=None, metadata=_help(
+        'Policy "milp": after this many measured optimizer steps, compare the measured step time and CPU update '
+        "rate with the plan's and, when they are off, plan once more with the measured figures (hf/calibrate.py). "
+        "None: 3 on CUDA, off elsewhere; 0: off (the plan stays the first one).", range=(0, 1000)))
+
+    def _check(self, name: Callable[[str], str], problems: list[str]) -> None:
         margin = self.gpu_memory_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.9:
-            problems.append(f"lazytrain_config.gpu_memory_margin must be a fraction in [0, 0.9), e.g. 0.12 (the "
-                            f"default), but got {margin!r}")
-        for key, example in SIZE_FIELDS.items():
-            value = getattr(self, key)
-            if isinstance(value, int) and value < 0:
-                problems.append(f"lazytrain_config.{key} must be a size >= 0 such as {example}, but got {value}")
-        _check_int(problems, "loss_chunk_tokens", self.loss_chunk_tokens, 1, 1 << 30)
-        if self.calibrate_steps is not None:
-            _check_int(problems, "calibrate_steps", self.calibrate_steps, 0, 1000)
-        if self.max_rows_per_pass is not None:
-            _check_int(problems, "max_rows_per_pass", self.max_rows_per_pass, 1, 1 << 20)
-        _check_int(problems, "block_size", self.block_size, 64, 1 << 16)
-        _check_int(problems, "min_8bit_size", self.min_8bit_size, 0, 1 << 40)
+            problems.append(f"{name('gpu_memory_margin')} must be a fraction in [0, 0.9), e.g. 0.12 (the default), "
+                            f"but got {margin!r}")
+        if self.schedule_path and not Path(self.schedule_path).is_file():
+            problems.append(f"{name('schedule_path')}: no file at {self.schedule_path!r}")
+
+
+@_records_given
+@dataclass
+class MemoryConfig(_Group):
+    """The memory budgets the plan must fit (sizes take a unit, e.g. "24GiB" or "80GB", or a byte count)."""
+
+    GROUP: ClassVar[str] = "memory"
+
+    gpu_memory_budget: int | str | None = field(default=None, metadata=_help(
+        'Device memory the plan may use, e.g. "24GiB". None: what the device reports free.', size="'24GiB'"))
+    host_memory_budget: int | str | None = field(default=None, metadata=_help(
+        "Pinned host memory the plan may use, per process. None: 90% of RAM divided among the data-parallel ranks "
+        "on this host (LOCAL_WORLD_SIZE).", size="'100GiB'"))
+    nvme_dir: str | None = field(default=None, metadata=_help(
+        'Directory on a fast local disk for the "nvme" activation tier; required when that tier is used.'))
+    nvme_budget: int | str | None = field(default=None, metadata=_help(
+        "Bytes the plan may write to nvme_dir.", size="'200GiB'"))
+
+
+@_records_given
+@dataclass
+class StreamingConfig(_Group):
+    """The executor that streams decoder layers through the compute device."""
+
+    GROUP: ClassVar[str] = "streaming"
+
+    device: str = field(default="auto", metadata=_help(
+        'Compute device of the executor; "auto": "cuda" when available, else "cpu".',
+        choices=("auto", "cuda", "cpu")))
+    loss_chunk_tokens: int = field(default=2048, metadata=_help(
+        "Tokens per chunk of the chunked cross-entropy head, so the [batch, seq, vocab] logits never exist at once "
+        "(peak logits bytes: chunk x vocab x 4).", range=(1, 1 << 30)))
+
+
+@_records_given
+@dataclass
+class OptimizerConfig(_Group):
+    """The Hybrid 8-bit AdamW (lazytrain_hybrid8)."""
+
+    GROUP: ClassVar[str] = "optimizer"
+
+    state_dtype: str = field(default="8bit", metadata=_help(
+        'Optimizer moments: "8bit" (blockwise quantized) or "fp32".', choices=("8bit", "fp32")))
+    master_weights: str = field(default="auto", metadata=_help(
+        '"fp32" master copy, "kahan" (compensated bf16) or "none" (update in the parameter dtype); "auto": fp32 '
+        "for bf16 / fp16 parameters, none for fp32 ones.", choices=("auto", "fp32", "kahan", "none")))
+    block_size: int = field(default=256, metadata=_help(
+        "Quantization block size (elements per absmax, a power of two), as bitsandbytes.", range=(64, 1 << 16)))
+    min_8bit_size: int = field(default=4096, metadata=_help(
+        "Tensors with fewer elements keep fp32 states (the bitsandbytes default).", range=(0, 1 << 40)))
+    fp32_state_modules: list[str] = field(default_factory=list, metadata=_help(
+        'Extra module-name parts whose parameters keep fp32 states (a list, or a "q_proj|k_proj" string); the '
+        "embedding and LM head always do."))
+
+    def _check(self, name: Callable[[str], str], problems: list[str]) -> None:
+        if isinstance(self.fp32_state_modules, str):  # "q_proj|k_proj", as in optim_args
+            self.fp32_state_modules = [m for m in self.fp32_state_modules.split("|") if m]
         if isinstance(self.block_size, int) and self.block_size & (self.block_size - 1):
-            problems.append(f"lazytrain_config.block_size must be a power of two, but got {self.block_size}")
+            problems.append(f"{name('block_size')} must be a power of two, but got {self.block_size}")
+
+
+@_records_given
+@dataclass
+class DataParallelConfig(_Group):
+    """Runs of two or more ranks (ignored in one process)."""
+
+    GROUP: ClassVar[str] = "data_parallel"
+
+    dp_updates: str = field(default="auto", metadata=_help(
+        '"replicated": every rank all-reduces every layer\'s gradient and applies every update (full optimizer '
+        'states per rank); "sharded": streamed layer i is updated only on rank i % world, which holds its states '
+        "(about 1/world of the states' host memory and gradient copies per rank) and broadcasts the updated "
+        'weights at the layer\'s next load; needs overlap_optimizer. "auto": sharded when overlap_optimizer is on, '
+        "else replicated (the step times are in benchmarks/results/executor-ddp-sharded-20261129.json).",
+        choices=("auto", "replicated", "sharded")))
+
+
+@_records_given
+@dataclass
+class ExperimentalConfig(_Group):
+    """Switches kept for measurements and comparisons; the defaults are what the benchmarks support."""
+
+    GROUP: ClassVar[str] = "experimental"
+
+    cap_gpu_memory: bool = field(default=False, metadata=_help(
+        "Enforce memory.gpu_memory_budget on the CUDA caching allocator (torch.cuda.set_per_process_memory_fraction),"
+        " emulating a smaller GPU."))
+    pin_memory: bool = field(default=True, metadata=_help(
+        "Keep host weights and gradients in pinned (page-locked) memory on CUDA, as the asynchronous copies need."))
+    overlap_optimizer: bool = field(default=True, metadata=_help(
+        "Run the streamed layers' optimizer updates on a CPU worker overlapped with the next forward (layer i's "
+        "update lands before layer i is streamed in); False: serially inside optimizer.step()."))
+    gpu_layer_updates: bool = field(default=True, metadata=_help(
+        "Let the MILP place streamed layers' optimizer updates on the GPU (at the layer's next load, streamed "
+        "states; needs overlap_optimizer and CUDA) where the cost model predicts a shorter step (measured: "
+        "benchmarks/NOTES.md)."))
+    keep_gpu_grads: bool = field(default=True, metadata=_help(
+        "A GPU-updated layer keeps its gradient on the GPU from its backward to its update (the plan budgets it), "
+        "instead of a round trip through the host; only with gradient_accumulation_steps 1. Also applies to a "
+        "loaded schedule planned with kept gradients. False: every gradient goes to the host."))
+    prepared_states_budget: int | str = field(default=0, metadata=_help(
+        "Host memory for dequantizing the next step's CPU-updated layers' moments into fp32 ahead of time (8 bytes "
+        "per parameter, layers in update order while they fit), so their next update reads less (bit-identical). "
+        "0: off; benchmarks/NOTES.md has why off is the default. Needs overlap_optimizer; not counted by the "
+        "planner's host accounting, so leave room in memory.host_memory_budget.", size="'20GiB' (0: off)"))
+    profile_layers: bool = field(default=True, metadata=_help(
+        'Policy "milp" on CUDA: before each solve, time one decoder layer of each kind at the planned shape '
+        "(profiling/layer_costs.py, a second or two) and plan with the larger of the measured and analytic "
+        "figures."))
+    solver_mip_rel_gap: float = field(default=0.01, metadata=_help("HiGHS relative MIP gap."))
+
+
+#: group name -> its dataclass, in the order of LazyTrainConfig's fields
+GROUPS: dict[str, type[_Group]] = {cls.GROUP: cls for cls in (
+    PlanningConfig, MemoryConfig, StreamingConfig, OptimizerConfig, DataParallelConfig, ExperimentalConfig)}
+#: flat key -> "group.key"
+FLAT_KEYS: dict[str, str] = {f.name: f"{g}.{f.name}" for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+# the flat dataclass's field order: positional arguments and `to_dict()` follow it
+_FLAT_ORDER = (
+    "policy", "device", "checkpoint_every", "activation_tier", "prefetch_depth", "gpu_memory_budget", "cap_gpu_memory",
+    "gpu_memory_margin", "host_memory_budget", "nvme_dir", "nvme_budget", "pin_memory", "max_rows_per_pass",
+    "overlap_optimizer", "gpu_layer_updates", "keep_gpu_grads", "prepared_states_budget", "dp_updates",
+    "loss_chunk_tokens", "schedule_path", "plan_buckets", "solver_time_limit_s", "profile_layers", "calibrate_steps",
+    "solver_mip_rel_gap", "state_dtype", "master_weights", "block_size", "min_8bit_size", "fp32_state_modules",
+    "resident_placement")
+assert sorted(_FLAT_ORDER) == sorted(FLAT_KEYS), "every field has one flat key, in _FLAT_ORDER"
+
+
+def config_fields() -> Iterator[tuple[str, dataclasses.Field]]:
+    """(group, field) for every field of every group, in group order."""
+    for g, cls in GROUPS.items():
+        for f in dataclasses.fields(cls):
+            yield g, f
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
+#: fields that are memory sizes (bytes, or strings such as "24GiB"), with an example value
+SIZE_FIELDS: dict[str, str] = {f.name: f.metadata["size"] for _, f in config_fields() if "size" in f.metadata}
+_CHOICES: dict[str, tuple[str, ...]] = {f.name: f.metadata["choices"] for _, f in config_fields()
+                                        if "choices" in f.metadata}
+
+
+@dataclass(init=False)
+class LazyTrainConfig:
+    """Configuration of the LazyTrain executor, planner and Hybrid 8-bit optimizer, one group per concern.
+
+    Each keyword is a group (a dict of its keys, or the group's dataclass) or a flat key (a field name, mapped onto
+    its group: `FLAT_KEYS`); positional arguments are flat keys in the order of `to_dict()`. A field the caller
+    gives is used as given, even when it equals the default; a field not given is filled from the environment
+    variable `LAZYTRAIN_<FIELD>` when it is set, else takes its default. A flat key and the same field in a group
+    dict with different values is an error; a flat key next to a group dataclass edits a copy of it (as
+    `dataclasses.replace(cfg, policy="milp")` does). `cfg.<field>` reads and writes `cfg.<group>.<field>`;
+    `LazyTrainConfig.<field>` is the field's default.
+
+    Raises:
+        ValueError: every problem at once: unknown keys (with did-you-mean), invalid values, a field given twice.
+    """
+
+    planning: PlanningConfig = field(default_factory=PlanningConfig, metadata=_help(PlanningConfig.__doc__))
+    memory: MemoryConfig = field(default_factory=MemoryConfig, metadata=_help(MemoryConfig.__doc__))
+    streaming: StreamingConfig = field(default_factory=StreamingConfig, metadata=_help(StreamingConfig.__doc__))
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata=_help(OptimizerConfig.__doc__))
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig,
+                                              metadata=_help(DataParallelConfig.__doc__))
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig,
+                                             metadata=_help(ExperimentalConfig.__doc__))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > len(_FLAT_ORDER):
+            raise TypeError(f"LazyTrainConfig takes at most {len(_FLAT_ORDER)} positional arguments")
+        for key, value in zip(_FLAT_ORDER, args):
+            if key in kwargs:
+                raise TypeError(f"LazyTrainConfig got multiple values for argument {key!r}")
+            kwargs[key] = value
+        self._build(kwargs)
+
+    def _build(self, values: dict[Any, Any]) -> None:
+        problems: list[str] = []
+        names: dict[str, str] = {}
+        given: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+        bases: dict[str, _Group] = {}
+        flat: dict[str, Any] = {}
+        unknown: dict[str, list[str]] = {}  # "" (top level) or a group -> its unknown keys
+        for key, value in values.items():
+            if key in GROUPS:
+                cls = GROUPS[key]
+                if isinstance(value, cls):
+                    bases[key] = value
+                elif isinstance(value, dict):
+                    known = {f.name for f in dataclasses.fields(cls)}
+                    for k, v in value.items():
+                        if k in known:
+                            given[key][k], names[k] = v, f"{_WHERE}.{key}.{k}"
+                        elif k in FLAT_KEYS:
+                            problems.append(f"{_WHERE}.{key}.{k}: {k} is a key of {FLAT_KEYS[k].split('.')[0]}; "
+                                            f"write {_WHERE}.{FLAT_KEYS[k]} (or {_WHERE}.{k})")
+                        else:
+                            unknown.setdefault(key, []).append(str(k))
+                elif value is not None:
+                    keys = [f.name for f in dataclasses.fields(cls)]
+                    problems.append(f"{_WHERE}.{key} must be a mapping of its keys {keys}, but got {value!r}")
+            elif key in FLAT_KEYS:
+                flat[key] = value
+            else:
+                unknown.setdefault("", []).append(str(key))
+        for k, v in flat.items():
+            g = FLAT_KEYS[k].split(".")[0]
+            if k in given[g]:
+                if given[g][k] != v:
+                    problems.append(f"{_WHERE}.{k}={v!r} and {_WHERE}.{g}.{k}={given[g][k]!r} set the same field; "
+                                    "keep one of them")
+                continue
+            given[g][k], names[k] = v, f"{_WHERE}.{k}"
+        heads: list[str] = []  # unknown keys first
+        for g, bad in unknown.items():
+            if g:
+                known = [f.name for f in dataclasses.fields(GROUPS[g])]
+                heads.append(f"Unknown {_WHERE} key(s) {sorted(f'{g}.{k}' for k in bad)}; allowed in {g}: {known}"
+                             + did_you_mean(bad, known, f"{_WHERE}.{g}"))
+            else:
+                hint = did_you_mean(bad, [*GROUPS, *FLAT_KEYS], _WHERE)
+                heads.insert(0, f"Unknown {_WHERE} key(s) {sorted(bad)}; allowed: the groups {list(GROUPS)} (a "
+                             "mapping each) or any of their keys alone (docs/configuration.md)" + hint)
+        problems[:0] = heads
+        token = _BUILD.set(_Build(problems, names))
+        try:
+            for g, cls in GROUPS.items():
+                group = dataclasses.replace(bases[g], **given[g]) if g in bases else cls(**given[g])
+                self.__dict__[g] = group
+        finally:
+            _BUILD.reset(token)
+        self._check(lambda k: names.get(k) or f"{_WHERE}.{FLAT_KEYS[k]}", problems)
+        if problems:
+            raise ValueError(_HEADING + "\n  - ".join(problems))
+
+    def _check(self, name: Callable[[str], str], problems: list[str]) -> None:
+        """Checks across groups."""
         if self.activation_tier == "nvme" and not self.nvme_dir:
-            problems.append("lazytrain_config.activation_tier='nvme' needs lazytrain_config.nvme_dir (a directory "
-                            "on a fast local disk), but nvme_dir is not set")
-        if self.dp_updates == "sharded" and not self.overlap_optimizer:
-            problems.append("lazytrain_config.dp_updates='sharded' needs overlap_optimizer=True (the sharded update "
+            problems.append(f"{name('activation_tier')}='nvme' needs {name('nvme_dir')} (a directory on a fast local "
+                            "disk), but nvme_dir is not set")
+        if self.dp_updates == "sharded" and self.overlap_optimizer is False:
+            problems.append(f"{name('dp_updates')}='sharded' needs overlap_optimizer=True (the sharded update "
                             "runs through the deferred per-layer updater); set overlap_optimizer=True or "
                             "dp_updates='replicated'")
-        if self.prepared_states_budget and not self.overlap_optimizer:
-            problems.append("lazytrain_config.prepared_states_budget needs overlap_optimizer=True (the update worker "
+        if self.prepared_states_budget and self.overlap_optimizer is False:
+            problems.append(f"{name('prepared_states_budget')} needs overlap_optimizer=True (the update worker "
                             "prepares the moments); set overlap_optimizer=True or prepared_states_budget=0")
-        if self.schedule_path and not Path(self.schedule_path).is_file():
-            problems.append(f"lazytrain_config.schedule_path: no file at {self.schedule_path!r}")
-        if problems:
-            raise ValueError("Invalid LazyTrain configuration:\n  - " + "\n  - ".join(problems))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if set(state) <= set(GROUPS):
+            self.__dict__.update(state)
+        else:  # pickled when LazyTrainConfig was one flat dataclass: its fields are the flat keys
+            self._build({k: v for k, v in state.items() if not str(k).startswith("_")})
 
     @classmethod
     def from_any(cls, value: LazyTrainConfig | dict[str, Any] | str | os.PathLike | None) -> LazyTrainConfig:
-        """Build from a config, a dict, a JSON object string (as HF's command line passes dict arguments, e.g.
-        `--lazytrain_config '{"policy": "milp"}'`), a YAML path or None (defaults).
+        """Build from a config, a dict (grouped and / or flat keys), a JSON object string (as HF's command line
+        passes dict arguments, e.g. `--lazytrain_config '{"planning": {"policy": "milp"}}'`), a YAML path (its
+        `lazytrain:` section when it has one) or None (defaults).
 
         Raises:
-            ValueError: unknown keys (all listed, with the allowed keys), invalid values, or a string that starts
-                with "{" but is not a JSON object.
+            ValueError: unknown keys (all listed, with did-you-mean), invalid values, a field given both grouped and
+                flat with different values, or a string that starts with "{" but is not a JSON object.
             FileNotFoundError: a YAML path that does not exist.
         """
         if value is None:
@@ -321,24 +531,21 @@ class LazyTrainConfig:
             if not path.is_file():
                 raise FileNotFoundError(f"lazytrain_config: no YAML file at {str(path)!r}")
             value = yaml.safe_load(path.read_text()) or {}
-            if "lazytrain" in value and isinstance(value["lazytrain"], dict):
+            if isinstance(value, dict) and isinstance(value.get("lazytrain"), dict):
                 value = value["lazytrain"]
         if not isinstance(value, dict):
             raise ValueError(f"lazytrain_config must be a dict or a YAML path, but got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:  # one error: the unknown keys and whatever else is wrong with the known ones
-            msg = (f"Unknown lazytrain_config key(s) {unknown}; allowed keys: {sorted(known)}"
-                   + did_you_mean(unknown, known, "lazytrain_config"))
-            try:
-                cls(**{k: v for k, v in value.items() if k in known})
-            except (ValueError, TypeError) as e:  # its problem lines, without its own heading
-                msg += "\nAlso:\n" + str(e).split("\n", 1)[-1].rstrip()
-            raise ValueError(msg)
-        return cls(**value)
+        cfg = cls.__new__(cls)
+        cfg._build(dict(value))
+        return cfg
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, grouped: bool = False) -> dict[str, Any]:
+        """The flat form {key: value} (what `LazyTrainingArguments.lazytrain_config` and benchmark rows hold), or
+        with `grouped` the grouped form {group: {key: value}} (`dataclasses.asdict`). Both load with `from_any`."""
+        nested = dataclasses.asdict(self)
+        if grouped:
+            return nested
+        return {k: nested[FLAT_KEYS[k].split(".")[0]][k] for k in _FLAT_ORDER}
 
     def resolved_dp_updates(self) -> str:
         """"replicated" or "sharded": what `dp_updates` means with >= 2 ranks ("auto": sharded when the overlapped
@@ -356,21 +563,72 @@ class LazyTrainConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_int(problems: list[str], key: str, value: Any, lo: int, hi: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        problems.append(f"lazytrain_config.{key} must be an integer in [{lo}, {hi}], but got {value!r}")
+class _FlatAlias:
+    """`cfg.<key>` reads and writes `cfg.<group>.<key>`; on the class it is the field's default."""
+
+    def __init__(self, group: str, key: str) -> None:
+        self.group, self.key = group, key
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return _default(GROUPS[self.group].__dataclass_fields__[self.key])
+        return getattr(obj.__dict__[self.group], self.key)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.__dict__[self.group], self.key, value)
 
 
-_UNSET = object()
-_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(LazyTrainConfig) if f.init)
-_dataclass_init = LazyTrainConfig.__init__
+for _key, _path in FLAT_KEYS.items():
+    setattr(LazyTrainConfig, _key, _FlatAlias(_path.split(".")[0], _key))
 
 
-@functools.wraps(_dataclass_init)
-def _init_recording_given(self: LazyTrainConfig, *args: Any, **kwargs: Any) -> None:
-    # the fields passed (positionally or by name); __post_init__ pops it, so it is not kept, pickled or compared
-    self.__dict__["_given"] = frozenset(_FIELD_NAMES[:len(args)]) | kwargs.keys()
-    _dataclass_init(self, *args, **kwargs)
+def _type_text(f: dataclasses.Field) -> str:
+    meta, hint = f.metadata, str(f.type)
+    if "choices" in meta:
+        return "one of " + ", ".join(f"`{c}`" for c in meta["choices"])
+    if "size" in meta:
+        return "size" + (" or `None`" if "None" in hint else "") + f", e.g. `{meta['size'].split()[0]}`"
+    if "range" in meta:
+        return f"`{hint}`, in [{meta['range'][0]}, {meta['range'][1]}]"
+    return f"`{hint}`"
 
 
-LazyTrainConfig.__init__ = _init_recording_given  # type: ignore[method-assign]
+def render_markdown() -> str:
+    """docs/configuration.md: one table per group from the fields' help, then the flat keys."""
+    def cell(text: Any) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        "# lazytrain_config keys", "",
+        "Generated from the field help in `lazytrain_hf/config.py` "
+        "(`python -m lazytrain_hf.config > docs/configuration.md`).", "",
+        "`LazyTrainingArguments(lazytrain_config=...)` takes a dict, a YAML path or a JSON string; recipes take the",
+        "same keys under `lazytrain:` and `--set lazytrain.planning.policy=milp`; in Python,",
+        "`LazyTrainConfig(planning={\"policy\": \"milp\"})` or `LazyTrainConfig(planning=PlanningConfig(policy=\"milp\"))`.",
+        "A key you give is used as given; a key not given is read from `LAZYTRAIN_<KEY>` (the key's flat name in upper",
+        "case) when that variable is set ([environment.md](environment.md)), else takes its default. All problems are",
+        "reported together in one error. Sizes take a unit (`\"24GiB\"`, `\"80GB\"`) or a byte count.", "",
+        "```yaml", "lazytrain:", "  planning:", "    policy: milp", "  memory:", "    gpu_memory_budget: 24GiB",
+        "```", ""]
+    for g, cls in GROUPS.items():
+        lines += [f"## {g}", "", cell(cls.__doc__), "", "| Key | Type | Default | Help |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            lines.append(f"| `{g}.{f.name}` | {cell(_type_text(f))} | `{cell(repr(_default(f)))}` "
+                         f"| {cell(f.metadata['help'])} |")
+        lines.append("")
+    lines += [
+        "## Flat keys", "",
+        "Every key also works without its group, as its flat name: `{\"policy\": \"milp\"}`, `policy: milp` in a recipe's",
+        "`lazytrain:` section, `--set lazytrain.policy=milp`, `LazyTrainConfig(policy=\"milp\")`; `cfg.policy` reads and",
+        "writes `cfg.planning.policy`. Giving a field both ways with different values is an error.",
+        "`LazyTrainConfig.to_dict()` returns the flat form (as `LazyTrainingArguments.lazytrain_config` holds it),",
+        "`to_dict(grouped=True)` the grouped one.", "",
+        "| Flat key | Grouped key |", "| --- | --- |"]
+    lines += [f"| `{k}` | `{FLAT_KEYS[k]}` |" for k in _FLAT_ORDER]
+    lines += ["", "Environment variables of the kernels (`LAZYTRAIN_CPU_ISA`, `LAZYTRAIN_CPU_THREADS`, "
+              "`LAZYTRAIN_GPU_KERNEL`, ...) are listed in [environment.md](environment.md)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")

@@ -2,8 +2,8 @@
 
 `read(name)` is the only way the package reads one: an unset or empty variable gives the row's default; a value
 its parser refuses raises one ``ValueError`` naming the variable, the value and what is accepted. Besides the
-variables of `VARIABLES`, each `LazyTrainConfig` field ``<field>`` has a row ``LAZYTRAIN_<FIELD>`` (generated from
-the dataclass fields), which fills that field when the user did not give it. `render_markdown` writes the table;
+variables of `VARIABLES`, each `LazyTrainConfig` field ``<group>.<field>`` has a row ``LAZYTRAIN_<FIELD>`` (the flat
+key in upper case, generated from the group dataclasses' fields), which fills that field when the user did not give it. `render_markdown` writes the table;
 docs/environment.md is its output (``python -m lazytrain_hf.envvars > docs/environment.md``).
 """
 
@@ -104,11 +104,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
 
 
 def field_env_name(field_name: str) -> str:
-    """``LAZYTRAIN_<FIELD>``: the variable that fills `LazyTrainConfig.<field_name>` when the user did not give it."""
+    """``LAZYTRAIN_<FIELD>``: the variable that fills the LazyTrainConfig field `field_name` (its flat key, e.g.
+    "policy" for planning.policy) when the user did not give it."""
     return PREFIX + field_name.upper()
 
 
-def _field_var(f: dataclasses.Field) -> EnvVar:
+def _field_var(group: str, f: dataclasses.Field) -> EnvVar:
     from .config import _CHOICES, SIZE_FIELDS, parse_bytes
 
     hint = str(f.type)
@@ -137,16 +138,17 @@ def _field_var(f: dataclasses.Field) -> EnvVar:
     else:
         parse, accepted = _text, "any text"
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    return EnvVar(field_env_name(f.name), parse, default, accepted, f"LazyTrainConfig.{f.name}, when it is built",
-                  f"Fills LazyTrainConfig.{f.name} when it is not given (an explicit value, a key of a dict / YAML "
-                  "/ JSON config, always wins).")
+    return EnvVar(field_env_name(f.name), parse, default, accepted,
+                  f"LazyTrainConfig.{group}.{f.name}, when its group is built",
+                  f"Fills {group}.{f.name} (flat key {f.name}) when it is not given (an explicit value, grouped or "
+                  "flat, a key of a dict / YAML / JSON config, always wins).")
 
 
 @functools.cache
 def _table() -> dict[str, EnvVar]:
-    from .config import LazyTrainConfig
+    from .config import config_fields
 
-    fields = {field_env_name(f.name): _field_var(f) for f in dataclasses.fields(LazyTrainConfig) if f.init}
+    fields = {field_env_name(f.name): _field_var(g, f) for g, f in config_fields()}
     clash = sorted(set(fields) & set(VARIABLES))
     if clash:
         raise RuntimeError(f"environment variables {clash} are both LazyTrainConfig fields and other settings")
@@ -154,7 +156,7 @@ def _table() -> dict[str, EnvVar]:
 
 
 def table() -> dict[str, EnvVar]:
-    """Every variable: `VARIABLES`, then one ``LAZYTRAIN_<FIELD>`` per LazyTrainConfig field."""
+    """Every variable: `VARIABLES`, then one ``LAZYTRAIN_<FIELD>`` per LazyTrainConfig field (all groups)."""
     return dict(_table())
 
 
@@ -193,8 +195,9 @@ def render_markdown() -> str:
              "Generated from `lazytrain_hf/envvars.py` (`python -m lazytrain_hf.envvars > docs/environment.md`).",
              "Each is read by `lazytrain_hf.envvars.read`: unset or empty gives the default; a value outside",
              "'Accepted' raises one `ValueError` naming the variable, the value and the accepted values.",
-             "A `LAZYTRAIN_<FIELD>` variable fills `LazyTrainConfig.<field>` only when the user did not give",
-             "that field (as an argument, or as a key of a dict / YAML / JSON config).", "",
+             "A `LAZYTRAIN_<FIELD>` variable (the flat key in upper case, for any group) fills that field of",
+             "`LazyTrainConfig` only when the user did not give it, grouped or flat (as an argument, or as a key of",
+             "a dict / YAML / JSON config); [configuration.md](configuration.md) lists the keys.", "",
              "| Variable | Accepted | Default | Read by | Meaning |", "| --- | --- | --- | --- | --- |"]
     for var in _table().values():
         lines.append(f"| `{var.name}` | {cell(var.accepted)} | {cell(_show(var.default))} | {cell(var.applies)} "

@@ -7,9 +7,11 @@ Sections (unknown keys anywhere are an error, listed all at once before any mode
     data:      {source, hub_config, train_split, test_split, train_limit, test_limit, max_length, seed}
     eval:      {enabled, max_new_tokens, batch_size, limit}
     training:  any transformers TrainingArguments field (output_dir, learning_rate, ...)
-    lazytrain: any LazyTrainConfig field (policy, checkpoint_every, ...)
+    lazytrain: LazyTrainConfig groups (planning: {policy, ...}, memory: {...}, ...) or their keys alone (policy, ...)
 
-`--set section.key=value` overrides on the command line (values parsed as YAML scalars).
+`--set section.key=value` overrides on the command line (values parsed as YAML scalars); a lazytrain key may be
+grouped or flat (`--set lazytrain.planning.policy=milp`, `--set lazytrain.policy=milp`) and replaces the recipe's
+value of that field in either spelling.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from .config import SIZE_FIELDS, LazyTrainConfig, did_you_mean
+from .config import FLAT_KEYS, GROUPS, SIZE_FIELDS, LazyTrainConfig, config_fields, did_you_mean
 
 __all__ = ["Recipe", "load_recipe", "training_argument_fields"]
 
@@ -180,6 +182,34 @@ def training_argument_annotations() -> dict[str, str]:
             for f in dataclasses.fields(TrainingArguments)}
 
 
+_LAZY_BOOLS = {f.name for _, f in config_fields() if f.type == "bool"}
+
+
+def _check_lazy_keys(values: dict[str, Any], where: str, problems: list[str]) -> dict[str, Any]:
+    """`values` (the lazytrain section or one of its groups) with yes/no/on/off read as booleans in the bool fields
+    (LazyTrainConfig checks them) and sizes without a unit reported here and left out: "24" would be 24 bytes,
+    surely not meant (as in `plan`)."""
+    values = _read_bool_words(values, _LAZY_BOOLS)
+    for k in SIZE_FIELDS:
+        v = values.get(k)
+        if (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0) or \
+                (isinstance(v, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", v) and float(v) > 0):
+            problems.append(f"{where}.{k}: {v} has no unit (it would be {v} bytes); give one, e.g. {str(v).strip()}GiB")
+            values = {**values, k: None}  # reported here; LazyTrainConfig checks the rest
+    return values
+
+
+def _drop_other_spelling(lazy: dict[str, Any], keys: list[str]) -> None:
+    """Before `--set lazytrain.<keys>` applies, remove the recipe's value of the same field spelt the other way
+    (grouped for a flat key, flat for a grouped one), so the override replaces it instead of conflicting."""
+    if len(keys) == 1 and keys[0] in FLAT_KEYS:
+        group = lazy.get(FLAT_KEYS[keys[0]].split(".")[0])
+        if isinstance(group, dict):
+            group.pop(keys[0], None)
+    elif len(keys) == 2 and FLAT_KEYS.get(keys[1]) == ".".join(keys):
+        lazy.pop(keys[1], None)
+
+
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe; every problem is reported in one error.
 
@@ -204,6 +234,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raw["tokenizer"] = {"name_or_path": raw["tokenizer"]}
     for item in overrides or []:
         keys, value = _parse_override(item)
+        if keys[0] == "lazytrain" and isinstance(raw.get("lazytrain"), dict):
+            _drop_other_spelling(raw["lazytrain"], keys[1:])
         node = raw
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -253,16 +285,10 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     if "output_dir" not in training:
         problems.append("training.output_dir is required (where checkpoints and metrics are written)")
     lazy = raw.get("lazytrain") or {}
-    if isinstance(lazy, dict):  # LazyTrainConfig checks its own bool fields
-        lazy = _read_bool_words(lazy, {f.name for f in dataclasses.fields(LazyTrainConfig) if str(f.type) == "bool"})
-    if isinstance(lazy, dict):  # a size without a unit would be bytes ("24": 24 bytes), surely not meant (as in `plan`)
-        for k in SIZE_FIELDS:
-            v = lazy.get(k)
-            if (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0) or \
-                    (isinstance(v, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", v) and float(v) > 0):
-                problems.append(f"lazytrain.{k}: {v} has no unit (it would be {v} bytes); give one, e.g. "
-                                f"{str(v).strip()}GiB")
-                lazy = {**lazy, k: None}  # reported here; LazyTrainConfig checks the rest
+    if isinstance(lazy, dict):  # flat keys, and each group's mapping of grouped keys
+        lazy = _check_lazy_keys(lazy, "lazytrain", problems)
+        lazy.update({g: _check_lazy_keys(lazy[g], f"lazytrain.{g}", problems)
+                     for g in GROUPS if isinstance(lazy.get(g), dict)})
     try:
         if isinstance(lazy, str):  # a LazyTrainConfig YAML path
             lazy = LazyTrainConfig.from_any(lazy).to_dict()

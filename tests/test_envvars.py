@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lazytrain_hf import envvars
-from lazytrain_hf.config import LazyTrainConfig, cpu_threads
+from lazytrain_hf.config import LazyTrainConfig, PlanningConfig, config_fields, cpu_threads
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "environment.md"
 
@@ -28,6 +28,21 @@ def test_explicit_checkpoint_every_wins_over_the_environment(monkeypatch):
     assert LazyTrainConfig(checkpoint_every=4).checkpoint_every == 4  # 4 is the default: given all the same
     assert LazyTrainConfig(checkpoint_every=5).checkpoint_every == 5
     assert LazyTrainConfig("fixed", "auto", 4).checkpoint_every == 4  # positional arguments are given too
+
+
+def test_explicit_grouped_checkpoint_every_wins_over_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAZYTRAIN_CHECKPOINT_EVERY", "3")
+    assert LazyTrainConfig(planning={"checkpoint_every": 4}).checkpoint_every == 4
+    assert LazyTrainConfig(planning={"policy": "fixed"}).planning.checkpoint_every == 3  # not given: filled
+    assert LazyTrainConfig(planning=PlanningConfig(checkpoint_every=4)).checkpoint_every == 4
+    assert PlanningConfig().checkpoint_every == 3 and PlanningConfig(checkpoint_every=4).checkpoint_every == 4
+    assert LazyTrainConfig(memory={"gpu_memory_budget": "1GiB"}).checkpoint_every == 3  # another group given
+    assert LazyTrainConfig.from_any({"planning": {"checkpoint_every": 4}}).checkpoint_every == 4
+    assert LazyTrainConfig.from_any('{"planning": {"checkpoint_every": 4}}').checkpoint_every == 4
+    assert LazyTrainConfig.from_any({"planning": {"policy": "milp"}}).checkpoint_every == 3
+    given = tmp_path / "given.yaml"
+    given.write_text("lazytrain:\n  planning:\n    checkpoint_every: 4\n")
+    assert LazyTrainConfig.from_any(given).checkpoint_every == 4
 
 
 def test_explicit_values_win_through_from_any(monkeypatch, tmp_path):
@@ -62,7 +77,7 @@ def test_every_field_type_is_read_from_the_environment(monkeypatch):
 
 def _defaults() -> LazyTrainConfig:
     return LazyTrainConfig(**{f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                              for f in dataclasses.fields(LazyTrainConfig)})
+                              for _, f in config_fields()})
 
 
 def test_a_bad_override_names_the_variable_value_and_accepted_values(monkeypatch):
@@ -79,11 +94,12 @@ def test_a_bad_override_names_the_variable_value_and_accepted_values(monkeypatch
 def test_config_equality_asdict_pickle_and_replace(monkeypatch):
     cfg = LazyTrainConfig(policy="milp", checkpoint_every=4)
     assert "_given" not in vars(cfg)
-    assert dataclasses.asdict(cfg) == cfg.to_dict() and set(cfg.to_dict()) == {f.name for f in dataclasses.fields(cfg)}
+    assert dataclasses.asdict(cfg) == cfg.to_dict(grouped=True)
+    assert set(cfg.to_dict()) == {f.name for _, f in config_fields()}  # the flat form: every field's flat key
     assert pickle.loads(pickle.dumps(cfg)) == cfg
     monkeypatch.setenv("LAZYTRAIN_CHECKPOINT_EVERY", "3")
     assert dataclasses.replace(cfg, policy="fixed").checkpoint_every == 4  # a copy keeps its values
-    assert LazyTrainConfig.from_any(cfg.to_dict()) == cfg
+    assert LazyTrainConfig.from_any(cfg.to_dict()) == cfg == LazyTrainConfig.from_any(cfg.to_dict(grouped=True))
     assert LazyTrainConfig(policy="milp") != cfg
 
 
@@ -128,7 +144,7 @@ def test_table_choices_match_the_modules_that_use_them():
     table = envvars.table()
     assert table[K.ISA_ENV].accepted == f"one of {['auto', *K.ISA_CODES]}"
     assert table[K.LOOKUP_ENV].accepted == f"one of {['auto', *K.LOOKUP_MODES]}"
-    fields = {envvars.field_env_name(f.name) for f in dataclasses.fields(LazyTrainConfig)}
+    fields = {envvars.field_env_name(f.name) for _, f in config_fields()}
     assert fields <= set(table) and set(envvars.VARIABLES) <= set(table)
 
 
