@@ -280,11 +280,11 @@ def _cpu_kernel_facts() -> dict[str, Any]:
     """Which CPU update kernel this host runs: build status, table-read mode, the self-check against the torch
     reference, and the LAZYTRAIN_CPU_KERNEL override (a non-finite run can then be compared with the torch kernel)."""
     from lazytrain_hf.config import cpu_threads
-    from lazytrain_hf.optim import functional as F
+    from lazytrain_hf.optim import kernel_select as K
     from lazytrain_hf.optim._cpu_kernel import cpu_kernel_status
 
-    return {"status": cpu_kernel_status()[1], "self_check": F.cpp_kernel_self_check(cpu_threads())[1],
-            "env": os.environ.get(F.CPU_KERNEL_ENV)}
+    return {"status": cpu_kernel_status()[1], "self_check": K.cpp_kernel_self_check(cpu_threads())[1],
+            "env": os.environ.get(K.CPU_KERNEL_ENV)}
 
 
 def _global_targets(ids: torch.Tensor, ex: Any) -> torch.Tensor | None:

@@ -72,7 +72,7 @@ _CPU_LOOKUP, _CPU_LOOKUP_OK = _choice("auto", "gather", "scalar")
 #: the variables that are not LazyTrainConfig fields
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("LAZYTRAIN_CPU_KERNEL", _CPU_KERNEL, "auto", _CPU_KERNEL_OK,
-           "optim.functional.select_kernel, at each CPU update (checked when Hybrid8bitOptimizer is built)",
+           "optim.kernel_select.select_kernel, at each CPU update (checked when Hybrid8bitOptimizer is built)",
            "Forces the CPU update kernel: 'cpp' (the fused C++ kernel; raises if it cannot be built) or 'torch'. "
            "'auto': the C++ kernel where it builds and passes its self-check."),
     EnvVar("LAZYTRAIN_CPU_ISA", _CPU_ISA, "auto", _CPU_ISA_OK,
@@ -84,7 +84,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Table reads of the AVX2 / AVX-512 paths (bit-identical). 'auto': measures both at load and takes the "
            "faster. A bad value met while loading the kernel is logged and measured as 'auto'."),
     EnvVar("LAZYTRAIN_GPU_KERNEL", _GPU_KERNEL, "auto", _GPU_KERNEL_OK,
-           "optim.functional.select_kernel, at each CUDA update (checked when Hybrid8bitOptimizer is built)",
+           "optim.kernel_select.select_kernel, at each CUDA update (checked when Hybrid8bitOptimizer is built)",
            "Forces the CUDA update kernel: 'triton' (raises where it cannot run), 'bnb' (bitsandbytes) or "
            "'torch'. 'auto': Triton for 8-bit states where it passes its self-check, else bitsandbytes."),
     EnvVar("LAZYTRAIN_CPU_THREADS", _positive_int, None, "an integer >= 1",

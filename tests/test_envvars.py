@@ -153,7 +153,7 @@ def test_committed_docs_equal_the_rendered_table():
 
 
 def test_migrated_readers_keep_their_behaviour(monkeypatch, tmp_path):
-    from lazytrain_hf.optim import functional as F
+    from lazytrain_hf.optim import kernel_select as K
     from lazytrain_hf.profiling import hardware
 
     monkeypatch.setenv("LAZYTRAIN_CPU_THREADS", " 3 ")
@@ -161,7 +161,7 @@ def test_migrated_readers_keep_their_behaviour(monkeypatch, tmp_path):
     monkeypatch.delenv("LAZYTRAIN_CPU_THREADS")
     assert cpu_threads() == torch.get_num_threads()
     monkeypatch.setenv("LAZYTRAIN_CPU_KERNEL", "TORCH")
-    assert F.cpu_kernel_choice() == "torch"
+    assert K.cpu_kernel_choice() == "torch"
     monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path))
     assert hardware.cache_dir() == tmp_path
     monkeypatch.delenv("LAZYTRAIN_CACHE_DIR")

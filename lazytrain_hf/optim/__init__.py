@@ -6,8 +6,9 @@ CPU kernel (built on first use).
 """
 
 from ._cpu_kernel import cpu_kernel_status
-from .functional import AdamWHyper, Codebooks, adamw_step, bitsandbytes_cuda_status, select_kernel
+from .functional import AdamWHyper, Codebooks, adamw_step
 from .hybrid8 import STATE_TENSOR_KEYS, Hybrid8bitOptimizer
+from .kernel_select import bitsandbytes_cuda_status, select_kernel
 from .quant import (
     code_lookup_table,
     code_midpoints,

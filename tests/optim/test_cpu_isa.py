@@ -22,6 +22,7 @@ import torch
 
 from lazytrain_hf.optim import _cpu_kernel as K
 from lazytrain_hf.optim import functional as F
+from lazytrain_hf.optim import kernel_select as KS
 from lazytrain_hf.optim.hybrid8 import Hybrid8bitOptimizer
 
 from .test_functional import _prepared_state
@@ -83,7 +84,7 @@ def test_forced_isa_is_used_or_refused(monkeypatch):
             with pytest.raises(RuntimeError, match=f"LAZYTRAIN_CPU_ISA={isa} but"):
                 K.resolve_isa(lib)
             with pytest.raises(RuntimeError, match=f"LAZYTRAIN_CPU_ISA={isa} but"):
-                F.select_kernel(p, p, st, 256)
+                KS.select_kernel(p, p, st, 256)
             with pytest.raises(ValueError, match=f"LAZYTRAIN_CPU_ISA={isa} but .*unset LAZYTRAIN_CPU_ISA"):
                 Hybrid8bitOptimizer([torch.nn.Parameter(torch.zeros(4))])  # when built, before any update
             assert f"ISA path unusable: LAZYTRAIN_CPU_ISA={isa}" in K.cpu_kernel_status()[1]

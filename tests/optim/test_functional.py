@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lazytrain_hf.optim import functional as F
+from lazytrain_hf.optim import kernel_select as K
 from lazytrain_hf.optim.hybrid8 import Hybrid8bitOptimizer
 
 from .test_quant import lookup_mode, requires_cpu_kernel
@@ -133,15 +134,15 @@ def test_env_forces_cpu_kernel(monkeypatch):
     p = torch.zeros(8)
     st = {"state1": torch.zeros(8), "state2": torch.zeros(8)}
     monkeypatch.setenv(F.CPU_KERNEL_ENV, "torch")
-    assert F.select_kernel(p, p, st, 256) == "torch"
+    assert K.select_kernel(p, p, st, 256) == "torch"
     monkeypatch.setenv(F.CPU_KERNEL_ENV, "cpp")
     if F.cpu_kernel_status()[0]:
-        assert F.select_kernel(p, p, st, 256) == "cpp"
+        assert K.select_kernel(p, p, st, 256) == "cpp"
         # a dtype the fused kernel does not take falls back to torch even when forced
-        assert F.select_kernel(p.half(), p.half(), st, 256) == "torch"
+        assert K.select_kernel(p.half(), p.half(), st, 256) == "torch"
     monkeypatch.setenv(F.CPU_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="LAZYTRAIN_CPU_KERNEL"):
-        F.select_kernel(p, p, st, 256)
+        K.select_kernel(p, p, st, 256)
 
 
 def test_forced_cpp_without_build_raises(monkeypatch):
@@ -149,14 +150,14 @@ def test_forced_cpp_without_build_raises(monkeypatch):
 
     monkeypatch.setattr(_cpu_kernel, "_status", (False, "no compiler (simulated)"))
     monkeypatch.setattr(_cpu_kernel, "_lib", None)
-    monkeypatch.setattr(F, "load_cpu_kernel", lambda: None)
+    monkeypatch.setattr(K, "load_cpu_kernel", lambda: None)
     p = torch.zeros(8)
     st = {"state1": torch.zeros(8), "state2": torch.zeros(8)}
     monkeypatch.setenv(F.CPU_KERNEL_ENV, "cpp")
     with pytest.raises(RuntimeError, match="simulated"):
-        F.select_kernel(p, p, st, 256)
+        K.select_kernel(p, p, st, 256)
     monkeypatch.delenv(F.CPU_KERNEL_ENV)
-    assert F.select_kernel(p, p, st, 256) == "torch"   # auto: falls back (and logs the reason once)
+    assert K.select_kernel(p, p, st, 256) == "torch"   # auto: falls back (and logs the reason once)
 
 
 def test_adamw_step_rejects_mismatched_sizes():
@@ -201,8 +202,8 @@ def test_cpp_self_check_passes_here_and_catches_a_wrong_kernel(monkeypatch):
     """The fused kernel is checked against the torch reference on the CPU it was built for (`-march=native`) before
     its first use; a kernel that computes wrong or non-finite values is not used (auto) or refused (cpp)."""
     requires_cpu_kernel()
-    F.cpp_kernel_self_check.cache_clear()
-    assert F.cpp_kernel_self_check(2) == (True, "ok")
+    K.cpp_kernel_self_check.cache_clear()
+    assert K.cpp_kernel_self_check(2) == (True, "ok")
     real = F.cpu_adamw_step
 
     def broken(lib, books, param, *args, **kw):
@@ -210,19 +211,19 @@ def test_cpp_self_check_passes_here_and_catches_a_wrong_kernel(monkeypatch):
         param.view(-1)[::1000] = float("nan")
 
     monkeypatch.setattr(F, "cpu_adamw_step", broken)
-    F.cpp_kernel_self_check.cache_clear()
+    K.cpp_kernel_self_check.cache_clear()
     try:
-        ok, reason = F.cpp_kernel_self_check(2)
+        ok, reason = K.cpp_kernel_self_check(2)
         assert not ok and "non-finite" in reason
         p, g = torch.zeros(300, dtype=torch.bfloat16), torch.ones(300, dtype=torch.bfloat16)
         st = {"state1": torch.zeros(300, dtype=torch.uint8), "kahan": torch.zeros(300, dtype=torch.bfloat16)}
         monkeypatch.delenv(F.CPU_KERNEL_ENV, raising=False)
-        assert F.select_kernel(p, g, st, 256) == "torch"
+        assert K.select_kernel(p, g, st, 256) == "torch"
         monkeypatch.setenv(F.CPU_KERNEL_ENV, "cpp")
         with pytest.raises(RuntimeError, match="self-check"):
-            F.select_kernel(p, g, st, 256)
+            K.select_kernel(p, g, st, 256)
     finally:
-        F.cpp_kernel_self_check.cache_clear()
+        K.cpp_kernel_self_check.cache_clear()
 
 
 @pytest.mark.parametrize("master", ["kahan", "fp32"])

@@ -14,6 +14,7 @@ import torch
 
 from lazytrain_hf.optim import Hybrid8bitOptimizer
 from lazytrain_hf.optim import functional as F
+from lazytrain_hf.optim import kernel_select as K
 
 from ..conftest import requires_cuda
 
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 @pytest.fixture
 def bnb_cuda():
     pytest.importorskip("bitsandbytes")
-    ok, reason = F.bitsandbytes_cuda_status(0)
+    ok, reason = K.bitsandbytes_cuda_status(0)
     if not ok:
         pytest.skip(f"bitsandbytes CUDA kernels unavailable: {reason}")
 
@@ -136,8 +137,8 @@ def test_cuda_block_size_other_than_256_uses_torch_path(bnb_cuda, monkeypatch):
     p = torch.nn.Parameter(torch.randn(8192, device="cuda"))
     st = {"state1": torch.zeros(8192, dtype=torch.uint8, device="cuda"),
           "state2": torch.zeros(8192, dtype=torch.uint8, device="cuda")}
-    assert F.select_kernel(p, p, st, 512) == "torch"
-    assert F.select_kernel(p, p, st, 256) == "bnb"
+    assert K.select_kernel(p, p, st, 512) == "torch"
+    assert K.select_kernel(p, p, st, 256) == "bnb"
     opt = Hybrid8bitOptimizer([p], block_size=512)
     p.grad = torch.randn_like(p)
     opt.step()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lazytrain_hf.optim import functional as F
+from lazytrain_hf.optim import kernel_select as K
 from lazytrain_hf.optim.quant import quantize_blockwise
 
 pytest.importorskip("triton")
@@ -112,12 +113,12 @@ def test_triton_supports_names_what_it_does_not_handle():
 
 def test_gpu_kernel_choice_reads_the_environment(monkeypatch):
     monkeypatch.delenv(F.GPU_KERNEL_ENV, raising=False)
-    assert F.gpu_kernel_choice() == "auto"
+    assert K.gpu_kernel_choice() == "auto"
     monkeypatch.setenv(F.GPU_KERNEL_ENV, " BNB ")
-    assert F.gpu_kernel_choice() == "bnb"
+    assert K.gpu_kernel_choice() == "bnb"
     monkeypatch.setenv(F.GPU_KERNEL_ENV, "cuda")
     with pytest.raises(ValueError, match="LAZYTRAIN_GPU_KERNEL must be one of"):
-        F.gpu_kernel_choice()
+        K.gpu_kernel_choice()
 
 
 @pytest.mark.gpu
@@ -151,19 +152,19 @@ def test_cuda_kernel_choice_prefers_triton_and_obeys_the_environment(monkeypatch
     st = {"state1": torch.zeros(4096, dtype=torch.uint8, device="cuda"),
           "state2": torch.zeros(4096, dtype=torch.uint8, device="cuda")}
     monkeypatch.delenv(F.GPU_KERNEL_ENV, raising=False)
-    assert F.select_kernel(p, p, st, 256) == "triton"
-    assert F.select_kernel(p, p, {"state1": torch.zeros(4096, device="cuda")}, 256) in ("bnb", "torch")
+    assert K.select_kernel(p, p, st, 256) == "triton"
+    assert K.select_kernel(p, p, {"state1": torch.zeros(4096, device="cuda")}, 256) in ("bnb", "torch")
     monkeypatch.setenv(F.GPU_KERNEL_ENV, "bnb")
-    assert F.select_kernel(p, p, st, 256) in ("bnb", "torch")
+    assert K.select_kernel(p, p, st, 256) in ("bnb", "torch")
     monkeypatch.setenv(F.GPU_KERNEL_ENV, "torch")
-    assert F.select_kernel(p, p, copy.deepcopy(st), 256) == "torch"
+    assert K.select_kernel(p, p, copy.deepcopy(st), 256) == "torch"
 
 
 def test_self_check_passes_and_reports_failures(monkeypatch):
     """The self-check the CUDA kernel choice runs once per device: passes where the kernel gives the C++ bits (here
     the interpreter), and names what went wrong when the kernel raises or changes a bit (then select_kernel falls
     back to bitsandbytes' kernel, or raises under LAZYTRAIN_GPU_KERNEL=triton)."""
-    check = F.triton_self_check.__wrapped__  # uncached
+    check = K.triton_self_check.__wrapped__  # uncached
     assert check("cpu") == (True, "ok")
     real = F.triton_adamw_step
 
@@ -187,7 +188,7 @@ def test_self_check_runs_now_inside_deferred_launches():
     """Called while the executor queues GPU-side updates (`deferred_launches`), the check still runs its updates
     (the queue would otherwise swallow them and compare untouched tensors), and leaves the queue as it was."""
     with F.deferred_launches() as queue:
-        assert F.triton_self_check.__wrapped__("cpu") == (True, "ok")
+        assert K.triton_self_check.__wrapped__("cpu") == (True, "ok")
         assert queue == []
         assert F._deferral.queue is queue
 
