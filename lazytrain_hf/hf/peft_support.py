@@ -16,7 +16,7 @@ import torch
 from ..streaming.executor import StreamingExecutor
 from .register import OPTIM_NAME
 
-__all__ = ["is_hybrid8", "check_optimizer", "clip_resident"]
+__all__ = ["is_hybrid8", "check_optimizer", "clip_resident", "frozen_costs"]
 
 
 def is_hybrid8(optimizer: Any) -> bool:
@@ -51,3 +51,10 @@ def clip_resident(executor: StreamingExecutor, max_norm: float, norm: torch.Tens
     if grads:
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
     return norm
+
+
+def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
+    """`analytic_cost_model`'s frozen-layer arguments for what `executor` runs: which layers are streamed read-only
+    and how many trainable parameters those layers keep resident (LoRA adapters)."""
+    adapters = {id(p): p.numel() for b in executor.store.buffers for _, p in b.resident}
+    return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values())}

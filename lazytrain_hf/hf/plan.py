@@ -17,6 +17,7 @@ from ..planning.schedule import Schedule, input_hashes, plan_fingerprint, plan_i
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
+from . import peft_support
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
            "plan_inputs_for_trainer"]
@@ -98,7 +99,8 @@ def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.
     cm = analytic_cost_model(trainer.model.config, B, seq_len, hardware, gpu_bytes=gpu, host_bytes=host,
                              nvme_bytes=nvme, loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
                              master_weights=_master_weights(cfg), block_size=cfg.block_size,
-                             rows_per_pass=rows, kept_grads=_kept_grads(trainer), resident=resident)
+                             rows_per_pass=rows, kept_grads=_kept_grads(trainer), resident=resident,
+                             **peft_support.frozen_costs(trainer.executor))
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
                                            trainer.plan_layer_costs, rows)
     if compute_scale != 1.0:

@@ -206,3 +206,39 @@ def test_a_model_prepared_for_kbit_training_is_accepted_and_recomputation_taken_
     assert [r for r in caplog.records if "gradient checkpointing" in r.getMessage()]
     assert not lazy.model.get_base_model().is_gradient_checkpointing
     _assert_equal_runs(stock, lazy)
+
+
+def test_the_cost_model_counts_no_gradient_or_optimizer_work_for_frozen_layers():
+    from lazytrain_hf.planning.milp import solve_milp
+    from lazytrain_hf.profiling.analytic import analytic_cost_model
+
+    config = load_model("qwen2-tiny", "float32").config
+    budgets = dict(gpu_bytes=2**30, host_bytes=2**32)
+    full = analytic_cost_model(config, 4, 64, **budgets)
+    frozen = [True, True, False, True]
+    lora = analytic_cost_model(config, 4, 64, **budgets, frozen=frozen, adapter_params=1000)
+    for i, f in enumerate(frozen):
+        assert (lora.grad_bytes[i] == 0) == f and (lora.num_params[i] == 0) == f
+        assert (lora.gpu_optim_h2d_bytes[i] == lora.gpu_optim_work_bytes[i] == 0) == f
+        assert lora.param_bytes[i] == full.param_bytes[i] and lora.fwd_ms[i] == full.fwd_ms[i]
+        assert lora.cpu_optim_ms(i) == (0.0 if f else full.cpu_optim_ms(i))
+    p = sum(full.num_params[i] for i in range(4) if frozen[i])
+    # a frozen layer keeps its bf16 weights only: no bf16 gradient, 8-bit moments (+ fp32 absmax per 256) or master
+    assert full.host_fixed_bytes - lora.host_fixed_bytes == pytest.approx(p * (2 + 2 + 8 / 256 + 4), abs=2)
+    assert lora.resident_bytes > full.resident_bytes and lora.head_optim_params == full.head_optim_params + 1000
+    assert solve_milp(lora).predicted["step_ms"] < solve_milp(full).predicted["step_ms"]
+    with pytest.raises(ValueError, match="frozen must have one entry per layer"):
+        analytic_cost_model(config, 4, 64, **budgets, frozen=[True])
+
+
+def test_a_lora_runs_plan_costs_no_gradient_traffic(tmp_path):
+    from lazytrain_hf.hf.plan import cost_model_for_trainer
+
+    model = _lora("qwen3-tiny")
+    lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy", max_steps=1),
+                                                               lazytrain_config={**EXACT, "policy": "milp"}),
+                       train_dataset=tiny_dataset(model.config.vocab_size), data_collator=_collate)
+    lazy.train()
+    cm, _, _ = cost_model_for_trainer(lazy, 16)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert cm.grad_bytes == [0] * 4 and cm.num_params == [0] * 4 and cm.meta["adapter_params"] == adapters
