@@ -56,5 +56,8 @@ def clip_resident(executor: StreamingExecutor, max_norm: float, norm: torch.Tens
 def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
     """`analytic_cost_model`'s frozen-layer arguments for what `executor` runs: which layers are streamed read-only
     and how many trainable parameters those layers keep resident (LoRA adapters)."""
-    adapters = {id(p): p.numel() for b in executor.store.buffers for _, p in b.resident}
+    store = getattr(executor, "store", None)  # (a stand-in executor of planning code: every layer trains)
+    if store is None:
+        return {}
+    adapters = {id(p): p.numel() for b in store.buffers for _, p in b.resident}
     return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values())}
