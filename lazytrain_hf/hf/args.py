@@ -25,20 +25,21 @@ class LazyTrainingArguments(TrainingArguments):
     Args:
         lazytrain_config (dict or str, defaults to None): a dict or a YAML path validated into a
             `LazyTrainConfig` (see lazytrain_hf.config for every key); None = defaults.
-        optim (str, defaults to "lazytrain_hybrid8"): the executor's optimizer. With
-            `lazytrain_config.policy="none"` any HF optimizer may be used.
+        optim (str, defaults to "lazytrain_hybrid8"): the executor's optimizer. Another HF optimizer is
+            accepted when every parameter it updates stays on the compute device (LoRA adapters, frozen decoder
+            layers; `LazyTrainer` checks this with the model), or with `lazytrain_config.policy="none"`.
 
     The executor owns host/device placement, so the Trainer does not move the model to the device.
 
     Raises:
         ValueError: invalid `lazytrain_config` (every problem listed), `gradient_checkpointing=True` with the
-            executor (it owns recomputation), another `optim` with the executor, or `optim_args` the
+            executor (it owns recomputation), or `optim_args` the
             lazytrain_hybrid8 handler would refuse at `train()` (unknown keys, bad values).
     """
 
     lazytrain_config: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "LazyTrain config: a dict or a YAML path (see lazytrain_hf.config)."})
-    optim: str = field(default=OPTIM_NAME, metadata={"help": "Optimizer; the executor needs lazytrain_hybrid8."})
+    optim: str = field(default=OPTIM_NAME, metadata={"help": "Optimizer; streamed trainable layers need lazytrain_hybrid8."})
 
     def __post_init__(self) -> None:
         cfg = LazyTrainConfig.from_any(self.lazytrain_config)
@@ -49,10 +50,6 @@ class LazyTrainingArguments(TrainingArguments):
                 problems.append("gradient_checkpointing=True conflicts with the LazyTrain executor, which owns "
                                 "recomputation (lazytrain_config.policy=" + repr(cfg.policy) + "). Set "
                                 "gradient_checkpointing=False, or lazytrain_config.policy='none' for the plain path.")
-            if str(getattr(self.optim, "value", self.optim)) != OPTIM_NAME:
-                problems.append(f"optim={self.optim!r} cannot update parameters streamed from host memory; use "
-                                f"optim='{OPTIM_NAME}' (lazytrain_config.state_dtype='fp32' gives plain fp32 AdamW "
-                                "states) or lazytrain_config.policy='none'.")
             if self.label_smoothing_factor:
                 problems.append("label_smoothing_factor > 0 is not supported by the executor's chunked loss; set "
                                 "it to 0 or lazytrain_config.policy='none'.")

@@ -18,6 +18,7 @@ from ..planning.schedule import Schedule, input_hashes, plan_fingerprint
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
+from . import peft_support
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
            "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError"]
@@ -115,7 +116,8 @@ def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.
     running = running_choices(trainer)
     resident, rows = resident or running[0], rows or running[1]
     B = request.batch_size
-    cm = analytic_cost_model(request.model, B, seq_len, request.hardware, **request.cost_model_kwargs(rows, resident))
+    cm = analytic_cost_model(request.model, B, seq_len, request.hardware, **request.cost_model_kwargs(rows, resident),
+                             **peft_support.frozen_costs(trainer.executor))
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
                                            trainer.plans.layer_costs, rows)
     if compute_scale != 1.0:

@@ -24,7 +24,7 @@ from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
-from . import recovery
+from . import peft_support, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
@@ -45,8 +45,13 @@ class LazyTrainerMixin:
 
     Raises (at construction, before any training time is spent):
         TypeError: `args` is not a LazyTrainingArguments.
-        ValueError: unsupported architecture, `gradient_checkpointing=True`, another optimizer, a
-            `compute_loss_func`, or invalid `lazytrain_config`.
+        ValueError: unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
+            lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, or invalid
+            `lazytrain_config`.
+
+    A `peft.PeftModel` (LoRA) and models with frozen decoder parameters train through the executor's frozen-layer
+    path (streaming/executor.py, Note [frozen layers]); `save_model` and checkpoints write what the stock Trainer
+    writes for them (PEFT: the adapter files).
     """
 
     def __init__(self, model: nn.Module | None = None, args: LazyTrainingArguments | None = None,
@@ -69,11 +74,8 @@ class LazyTrainerMixin:
             if kwargs.get("compute_loss_func") is not None:
                 raise ValueError("compute_loss_func is not supported by the executor's chunked loss; remove it or "
                                  "set lazytrain_config.policy='none'")
-            flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else \
-                "is_gradient_checkpointing"
-            if getattr(model, flag, False):
-                raise ValueError("the model has gradient checkpointing enabled; call "
-                                 "model.gradient_checkpointing_disable() (the executor owns recomputation)")
+            # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
+            # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
         super().__init__(model, args, *pos, **kwargs)
         if cfg.policy == "none":
             if cfg.resident_placement != "auto":
@@ -97,6 +99,7 @@ class LazyTrainerMixin:
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
         self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
+        peft_support.check_optimizer(self.executor, args)
         dp = self.executor.dp
         mode = "sharded" if self.executor.shard is not None else "replicated"
         logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "
@@ -153,6 +156,8 @@ class LazyTrainerMixin:
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         opt = super().create_optimizer(model)
+        if self.executor is not None and not peft_support.is_hybrid8(self._inner_optimizer(opt)):
+            return opt  # another optimizer: every parameter it updates is resident (`peft_support.check_optimizer`)
         if self.executor is not None:
             inner = self._inner_optimizer(opt)
             inner.set_grad_source(self.executor.grad_source)
@@ -298,10 +303,16 @@ class LazyTrainerMixin:
         if self.executor is None:
             return super()._clip_grad_norm(model)
         norm = self.executor.grad_norm()
-        return self._inner_optimizer(self.optimizer).clip_grad_norm(self.args.max_grad_norm, norm)
+        opt = self._inner_optimizer(self.optimizer)
+        if not peft_support.is_hybrid8(opt):
+            return peft_support.clip_resident(self.executor, self.args.max_grad_norm, norm)
+        return opt.clip_grad_norm(self.args.max_grad_norm, norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        if self.executor is not None and grad_norm is None:
+        if self.executor is not None and grad_norm is None and not peft_support.is_hybrid8(
+                self._inner_optimizer(self.optimizer)):
+            grad_norm = self.executor.grad_norm()
+        elif self.executor is not None and grad_norm is None:
             # max_grad_norm == 0: no clipping, but a non-finite norm still skips the step (documented difference)
             grad_norm = self._inner_optimizer(self.optimizer).clip_grad_norm(float("inf"), self.executor.grad_norm())
         return super()._get_grad_norm(model, grad_norm=grad_norm)

@@ -34,11 +34,13 @@ class CostModel:
     Per-layer fields (lists of length L, one entry per decoder layer):
         layer_kind: structure id of the layer ("full_attention", "linear_attention", ...). Layers of one kind
             share GPU weight slots (`prefetch_depth + 1` slots per kind, sized for the kind's largest layer).
-        num_params: trainable parameters of the layer (count; sets the optimizer update time).
+        num_params: trainable streamed parameters of the layer (count; sets the optimizer update time; 0 for a
+            frozen layer, whose trainable parameters are resident: `head_optim_params`).
         fwd_ms: forward time on the GPU for the planned (batch, seq) (ms); also the cost of one recompute.
         bwd_ms: backward time (autograd through the layer, input and weight grads), without the re-forward (ms).
         param_bytes: bytes of the layer's weights streamed H2D each time the layer runs (bf16: 2 per param).
-        grad_bytes: bytes of the layer's parameter gradients sent D2H in backward (bf16: 2 per param).
+        grad_bytes: bytes of the layer's parameter gradients sent D2H in backward (bf16: 2 per param; 0 for a
+            frozen layer, streamed read-only).
         act_bytes: A_i, bytes of boundary i, the layer's input hidden states [B, T, H] (bf16: B*T*H*2).
         saved_bytes: S_i, bytes of all autograd-saved activations of the layer (input included) when run with
             grad: what `retain` keeps on the GPU from forward to backward, and what a re-forward allocates.
@@ -67,7 +69,7 @@ class CostModel:
         head_grad_bytes: resident gradients sent D2H right after the head (lm_head and final norm) (bytes).
         embed_grad_bytes: embedding gradient sent D2H at the end of backward (bytes; the tied weight's lives here).
         embed_optim_params: embedding parameters (count); head_optim_params: untied lm_head and final norm
-            parameters (count). Both are resident and updated at `optimizer.step()`, before the next forward
+            parameters, and the frozen layers' resident trainable ones (LoRA adapters) (count). Both are resident and updated at `optimizer.step()`, before the next forward
             (streaming/updates.py); the layers' updates are deferred and overlap the next forward.
         gpu_reserve_bytes: GPU bytes held back for allocator fragmentation and the CUDA context's leftovers.
         resident_optim_on_gpu: the resident parameters' update runs on the GPU (their states and gradients then

@@ -30,6 +30,7 @@ Sources of the formulas:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,7 +249,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                         gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
                         kept_grads: bool = True, name: str = "",
-                        resident: str = "gpu") -> CostModel:
+                        resident: str = "gpu", frozen: Sequence[bool] | None = None,
+                        adapter_params: int = 0) -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
 
     Args:
@@ -275,6 +277,11 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         kept_grads: GPU-updated layers keep their bf16 gradients on the GPU from backward to the update
             (`CostModel.kept_grad_bytes`, `Schedule.keep_grads`); the executor does so with one micro-batch per
             optimizer step only, so pass False with gradient accumulation.
+        frozen: per layer, streamed read-only (the executor's `StreamingExecutor.frozen`: LoRA base weights, plain
+            freezing): no gradient buffers or D2H, no optimizer update or states, only the weights in host memory.
+            None: every layer trains.
+        adapter_params: trainable parameters of the frozen layers (LoRA A / B), resident on the GPU with their
+            gradients and fp32 states, updated with the resident parameters at `optimizer.step()`.
 
     Raises:
         ValueError: non-positive batch or sequence length, unknown state_dtype / master_weights.
@@ -290,9 +297,14 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         problems.append(f"resident must be one of {RESIDENT_PLACEMENTS}, but got {resident!r}")
     if rows_per_pass is not None and rows_per_pass < 1:
         problems.append(f"rows_per_pass must be >= 1 or None, but got {rows_per_pass}")
+    shape = config_or_shape if isinstance(config_or_shape, ModelShape) else model_shape(config_or_shape, name)
+    frozen = [False] * shape.num_layers if frozen is None else [bool(f) for f in frozen]
+    if len(frozen) != shape.num_layers:
+        problems.append(f"frozen must have one entry per layer ({shape.num_layers}), but got {len(frozen)}")
+    if adapter_params < 0:
+        problems.append(f"adapter_params must be >= 0, but got {adapter_params}")
     if problems:
         raise ValueError("analytic_cost_model: " + "; ".join(problems))
-    shape = config_or_shape if isinstance(config_or_shape, ModelShape) else model_shape(config_or_shape, name)
     L, H, V = shape.num_layers, shape.hidden_size, shape.vocab_size
     n = batch_size * seq_len
     peak = hardware.gpu_tflops * 1e12 / 1e3  # FLOPs per ms
@@ -312,6 +324,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         bwd_work.append(int(bw * n_pass))
         retained.append(int(s * n) + BF16 * n * H)  # whole micro-batch: activations and the output
     params = shape.layer_params
+    trained = [0 if f else p for p, f in zip(params, frozen)]  # parameters with gradients and optimizer work
     act = BF16 * n * H
     head_flops = 6.0 * n * H * V  # lm_head forward 2NHV, backward 4NHV
     chunk = min(loss_chunk_tokens, n)
@@ -342,24 +355,28 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # gradient, bf16 result, its fp32 copy and the residual: 18 bytes per element at the write-back). Missing, the
     # 24 GiB plan with GPU-side updates peaked ~1 GiB above its prediction (21.7 vs 20.7 GiB at B=64) and ran out of
     # memory at B=8 on the H200.
-    gpu_opt_tmp = [18 * min(p, CHUNK_ELEMENTS) for p in params]
+    gpu_opt_tmp = [18 * min(p, CHUNK_ELEMENTS) for p in trained]
     meta = {"model": shape.name, "model_type": shape.model_type, "batch_size": batch_size, "seq_len": seq_len,
             "rows_per_pass": rows_per_pass, "resident": resident,
-            "num_params": shape.num_params, "hardware": hardware.source, "hardware_measured": hardware.measured,
+            "num_params": shape.num_params, "frozen_layers": sum(frozen), "adapter_params": int(adapter_params),
+            "hardware": hardware.source, "hardware_measured": hardware.measured,
             "estimate": "analytic"}
     return CostModel(
-        layer_kind=list(shape.layer_kinds), num_params=list(params), fwd_ms=fwd_ms, bwd_ms=bwd_ms,
-        param_bytes=[BF16 * p for p in params], grad_bytes=[BF16 * p for p in params], act_bytes=[act] * L,
+        layer_kind=list(shape.layer_kinds), num_params=list(trained), fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+        param_bytes=[BF16 * p for p in params], grad_bytes=[BF16 * p for p in trained], act_bytes=[act] * L,
         saved_bytes=saved, fwd_work_bytes=fwd_work, bwd_work_bytes=bwd_work,
-        gpu_optim_h2d_bytes=[int(gpu_opt_b * p) for p in params],
-        gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in params],
-        gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(params, gpu_opt_tmp)], retained_bytes=retained,
-        kept_grad_bytes=[BF16 * p for p in params] if kept_grads else [],
-        resident_bytes=int(resident_b * gpu_params + head_copy), head_ms=head_flops / matmul_efficiency / peak,
+        gpu_optim_h2d_bytes=[int(gpu_opt_b * p) for p in trained],
+        gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in trained],
+        gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(trained, gpu_opt_tmp)], retained_bytes=retained,
+        kept_grad_bytes=[BF16 * p for p in trained] if kept_grads else [],
+        resident_bytes=int(resident_b * (gpu_params + adapter_params) + head_copy),
+        head_ms=head_flops / matmul_efficiency / peak,
         head_work_bytes=int(head_work), head_grad_bytes=head_copy, head_h2d_bytes=head_copy,
         embed_grad_bytes=act if host_embed else 0, embed_optim_params=shape.embed_params,
         resident_optim_on_gpu=True, resident_cpu_params=host_params,
-        head_optim_params=shape.lm_head_params + shape.norm_params, gpu_reserve_bytes=int(gpu_reserve_bytes),
-        host_fixed_bytes=int(layer_host_b * sum(params) + resident_b * host_params),
+        head_optim_params=shape.lm_head_params + shape.norm_params + adapter_params,
+        gpu_reserve_bytes=int(gpu_reserve_bytes),
+        host_fixed_bytes=int(layer_host_b * sum(trained) + BF16 * (sum(params) - sum(trained))
+                             + resident_b * host_params),
         **hardware.planner_rates(), gpu_bytes=int(gpu_bytes), pinned_host_bytes=int(host_bytes),
         nvme_bytes=int(nvme_bytes), tokens_per_step=n, meta=meta)

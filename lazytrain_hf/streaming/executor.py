@@ -20,6 +20,15 @@ slot is reused between micro-batches of one step, and after a step the GPU-updat
 (weights arrive by broadcast) and a run without the deferred updater reuse nothing. Code that writes the decoder
 layers' host weights itself (model.load_state_dict, in-place edits) calls `flush_updates` first, as it must anyway
 for the pending updates not to land on top of what it wrote; the flush also forgets every slot's count.
+
+Note [frozen layers]: a decoder layer with any requires_grad=False parameter (LoRA's base weights, plain freezing)
+is frozen: only its frozen parameters are in the host store, streamed read-only (no gradient buffers, no gradient
+D2H, no optimizer state; the host copy is the only one). Its trainable parameters (LoRA A / B, small) are resident:
+moved to the compute device once, updated by the optimizer at `optimizer.step()` like the embedding, and bound into
+the slot's template module at each load (`Slot.binds`), so the slot runs the layer's own forward (peft's
+`lora.Linear`: dropout, scaling, the active adapter) and backward accumulates straight into their `.grad`. Backward
+through a frozen layer computes the input gradient and those gradients only. A PEFT model runs as the HF model it
+wraps (`get_base_model()`); gradient checkpointing on the model is turned off (the schedule recomputes).
 """
 
 from __future__ import annotations
@@ -74,27 +83,24 @@ class _Capture(nn.Module):
         return hidden_states
 
 
-#: the fix named by the refusals below
-_WITHOUT_EXECUTOR = ("without the executor: lazytrain_config policy 'none' (the stock Trainer path; "
-                     "optim='lazytrain_hybrid8' still works there)")
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    """The HF causal LM inside a PEFT model (its adapter modules injected in place), or `model` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
 
-def _trainable_decoder(model: nn.Module) -> tuple[nn.Module, str]:
-    """`find_decoder`, refusing frozen decoder-layer parameters (they would get gradients, enter the clipping norm
-    and be stepped) and PEFT models (LoRA freezes the layers' weights and adds adapters inside them)."""
-    if callable(getattr(model, "get_base_model", None)):  # a PEFT model: adapters inside the streamed layers
-        raise ValueError(f"{type(model).__name__} (PEFT) is not supported by the layer-streaming executor yet: its "
-                         "adapters live inside the decoder layers and its base weights are frozen. Train it "
-                         + _WITHOUT_EXECUTOR)
-    base, prefix = find_decoder(model)
-    frozen = [f"{prefix}{i}.{n}" for i, layer in enumerate(base.layers) for n, p in layer.named_parameters()
-              if not p.requires_grad]
-    if frozen:
-        raise ValueError(f"the layer-streaming executor trains every decoder-layer parameter, but {len(frozen)} have "
-                         f"requires_grad=False ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}): frozen "
-                         "decoder parameters (e.g. PEFT / LoRA base weights) are not supported yet. Unfreeze them, "
-                         "or train " + _WITHOUT_EXECUTOR)
-    return base, prefix
+def _take_over_recomputation(model: nn.Module) -> None:
+    """Turn the model's gradient checkpointing off (e.g. set by peft's `prepare_model_for_kbit_training`): the
+    schedule decides what is recomputed, and a checkpointed layer inside a streamed slot would recompute again."""
+    on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not on:
+        return
+    if callable(getattr(model, "gradient_checkpointing_disable", None)):
+        model.gradient_checkpointing_disable()
+    for m in on:
+        m.gradient_checkpointing = False
+    logger.info("LazyTrain: the model had gradient checkpointing on; turned it off: the executor's schedule decides "
+                "what is recomputed")
 
 
 def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
@@ -150,8 +156,9 @@ class StreamingExecutor:
     """Runs a Hugging Face causal LM with its decoder layers streamed from host memory.
 
     Args:
-        model: a supported HF causal LM (Qwen2 / Qwen3 / Qwen3.5 text / Llama) on the CPU. Its decoder-layer
-            parameters are moved into pinned host buffers (views; one copy) and its other modules to `device`.
+        model: a supported HF causal LM (Qwen2 / Qwen3 / Qwen3.5 text / Llama) on the CPU, or a PEFT model of one.
+            Its decoder-layer parameters are moved into pinned host buffers (views; one copy) and its other modules
+            to `device` (a frozen layer's trainable parameters too: Note [frozen layers]).
         config: LazyTrainConfig (loss chunking, pinning, NVMe dir, fixed-policy defaults).
         device: compute device ("cuda" or "cpu"; the CPU path runs the same code with plain copies).
         schedule: the plan; defaults to the fixed policy from `config`.
@@ -163,8 +170,7 @@ class StreamingExecutor:
             only its share of the layers (streaming/shard.py).
 
     Raises:
-        ValueError: unsupported architecture, a schedule whose layer count differs from the model's, a frozen
-            (requires_grad=False) decoder-layer parameter, or a PEFT model (policy 'none' trains those).
+        ValueError: unsupported architecture, or a schedule whose layer count differs from the model's.
     """
 
     def __init__(self, model: nn.Module, config: LazyTrainConfig | None = None,
@@ -172,7 +178,9 @@ class StreamingExecutor:
                  host_grad_dtype: str = "fp32", data_parallel: DataParallel | str | None = "auto") -> None:
         self.config = config or LazyTrainConfig()
         check_supported(model.config)
-        self.base, self.layer_prefix = _trainable_decoder(model)
+        model = _unwrap_peft(model)
+        self.base, self.layer_prefix = find_decoder(model)
+        _take_over_recomputation(model)
         self.model = model
         self.device = torch.device(device or self.config.resolved_device())
         self.linear_attention_kernel = select_linear_attention(model, self.device)  # before layers are copied
@@ -185,6 +193,11 @@ class StreamingExecutor:
         self.resident = ResidentParts(model, self.base, self.device, pin)  # embedding / LM head placement
         self._optimizer: Any = None  # the optimizer over this model (`reserve_states`): moves with a placement
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
+        self.frozen = self.store.frozen  # per layer: streamed read-only (Note [frozen layers])
+        for b in self.store.buffers:  # a frozen layer's trainable parameters (LoRA adapters) live on the device
+            for _, p in b.resident:
+                if p.device != self.device:
+                    p.data = p.data.to(self.device)
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self._reserve_hooks: dict[int, Any] = {}  # id(optimizer) -> its load pre-hook (`reserve_states`)
         self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
@@ -304,7 +317,13 @@ class StreamingExecutor:
         self.grads.keep_layers = self._device_layers() if keep else set()
 
     def _device_layers(self) -> set[int]:
-        return {i for i, lp in enumerate(self.schedule.layers) if lp.optimizer_device == "gpu"}
+        return {i for i, lp in enumerate(self.schedule.layers) if lp.optimizer_device == "gpu" and not self.frozen[i]}
+
+    def _layer_trainables(self) -> list[list[nn.Parameter]]:
+        """Per layer, the streamed parameters the optimizer updates there (none in a frozen layer: its trainable
+        parameters are resident and updated with the others at `optimizer.step()`)."""
+        return [[] if self.frozen[i] else [p for _, p in layer.named_parameters()]
+                for i, layer in enumerate(self.layers)]
 
     # ---- optimizer overlap ---------------------------------------------------------------------------------
     def attach_optimizer(self, optimizer: Any) -> None:
@@ -312,7 +331,7 @@ class StreamingExecutor:
         (see streaming/updates.py). The optimizer must provide `set_deferred` / `step_deferred`."""
         if self.updater is not None:
             self.updater.detach()
-        layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
+        layer_params = self._layer_trainables()
         if self._flush_hook is not None:
             self._flush_hook.remove()
         # loading optimizer states: the pending updates land first, as the step that deferred them meant (their
@@ -380,7 +399,7 @@ class StreamingExecutor:
         if self.shard is None:
             yield
             return
-        layer_params = [[p for _, p in layer.named_parameters()] for layer in self.layers]
+        layer_params = self._layer_trainables()
         with self.shard.gathered_states(optimizer, layer_params):
             yield
 
@@ -671,7 +690,8 @@ class StreamingExecutor:
                     # The graph's AccumulateGrad nodes belong to the forward-time slot's parameters, so the
                     # grads land in that slot's grad buffers; weights are rebuilt from `slot` (Note [retained weights]).
                     parts, grad_slot = retained.pop(i)
-                    self.grads.prepare(grad_slot)
+                    if not self.frozen[i]:
+                        self.grads.prepare(grad_slot)
                     self._unpack_slot = slot
                     gx = torch.empty_like(g) if len(parts) > 1 else None
                     for x, y, (a, b) in parts:
@@ -685,9 +705,11 @@ class StreamingExecutor:
                     g = gx
                 else:
                     grad_slot = slot
-                    self.grads.prepare(grad_slot)
+                    if not self.frozen[i]:
+                        self.grads.prepare(grad_slot)
                     g = self._backward(slot, inputs.pop(i), g, calls[i])
-                self.grads.push(grad_slot, i)
+                if not self.frozen[i]:  # a frozen layer's adapter gradients went to the resident parameters' .grad
+                    self.grads.push(grad_slot, i)
                 self.streamer.release(slot)
         if h0.requires_grad:  # embedding gradient (and anything else before layer 0); none if those are frozen
             h0.backward(g)

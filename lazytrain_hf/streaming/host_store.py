@@ -11,7 +11,7 @@ import logging
 import math
 import mmap
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -59,12 +59,17 @@ class LayerBuffers:
         weights: dtype -> flat 1-D tensor holding every parameter of that dtype (pinned when CUDA is used).
         grads: dtype -> flat 1-D gradient buffer, same length as `weights[dtype]`: fp32 (accumulators) or the
             parameter dtype (`grad_dtype="param"`: no accumulation, the autograd gradient as is).
-        specs: one ParamSpec per parameter, in `named_parameters()` order.
+        specs: one ParamSpec per streamed parameter, in `named_parameters()` order.
+        frozen: the layer has parameters with requires_grad=False (Note [frozen layers]): only those are streamed
+            (read-only: `grads` is empty), its trainable parameters stay on the compute device (`resident`).
+        resident: a frozen layer's trainable parameters, (name, parameter) in `named_parameters()` order.
     """
 
     weights: dict[torch.dtype, torch.Tensor]
     grads: dict[torch.dtype, torch.Tensor]
     specs: list[ParamSpec]
+    frozen: bool = False
+    resident: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
     @property
     def param_bytes(self) -> int:
@@ -78,7 +83,7 @@ class LayerBuffers:
 def structure_key(layer: nn.Module, layer_type: str | None = None) -> tuple:
     """Hashable description of a layer's structure: layers with equal keys can share GPU templates/slots."""
     mods = tuple(type(m).__name__ for m in layer.modules())
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters())
     return (type(layer).__name__, layer_type, mods, params)
 
 
@@ -402,6 +407,9 @@ class HostParamStore:
 
     def _adopt(self, layer: nn.Module, pin: bool) -> LayerBuffers:
         named = list(layer.named_parameters())
+        frozen = not all(p.requires_grad for _, p in named)
+        resident = [(n, p) for n, p in named if frozen and p.requires_grad]
+        named = [(n, p) for n, p in named if not (frozen and p.requires_grad)]
         sizes: dict[torch.dtype, int] = {}
         specs = []
         for name, p in named:
@@ -410,14 +418,19 @@ class HostParamStore:
             sizes[p.dtype] = off + p.numel()
         weights = {dt: self._registered.empty(n, dt, pin) for dt, n in sizes.items()}
         gdt = (lambda dt: torch.float32) if self.grad_dtype == "fp32" else (lambda dt: dt)
-        grads = {dt: self._registered.empty(n, gdt(dt), pin) for dt, n in sizes.items()}
+        grads = {} if frozen else {dt: self._registered.empty(n, gdt(dt), pin) for dt, n in sizes.items()}
         if pin:
             self.pinned_bytes += sum(t.numel() * t.element_size() for st in (weights, grads) for t in st.values())
         for (_, p), s in zip(named, specs):
             view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
             view.copy_(p.data)
             p.data = view  # the module now reads and writes the store's bytes: one copy in host RAM
-        return LayerBuffers(weights, grads, specs)
+        return LayerBuffers(weights, grads, specs, frozen, resident)
+
+    @property
+    def frozen(self) -> list[bool]:
+        """Per layer: streamed read-only (`LayerBuffers.frozen`)."""
+        return [b.frozen for b in self.buffers]
 
     def grad_view(self, layer: int, spec: ParamSpec) -> torch.Tensor:
         """Gradient of one parameter, shape `spec.shape` (a view into the layer's grad buffer)."""

@@ -39,14 +39,16 @@ __all__ = ["LayerUpdater"]
 
 
 class LayerUpdater:
-    """Args: optimizer (a Hybrid8bitOptimizer), layer_params (the parameters of each streamed layer, in order),
+    """Args: optimizer (a Hybrid8bitOptimizer), layer_params (the parameters of each streamed layer the optimizer
+    updates, in order; empty for a frozen layer),
     owned (the layers this rank updates; None: all), on_step (called at each step, before any update starts)."""
 
     def __init__(self, optimizer: Any, layer_params: list[list[torch.Tensor]], owned: set[int] | None = None,
                  on_step: Callable[[], None] | None = None) -> None:
         self.optimizer = optimizer
         self.layer_params = layer_params
-        self.owned = set(range(len(layer_params))) if owned is None else set(owned)
+        # a layer with nothing to update (frozen) is never pending, so its slot keeps its weights across steps
+        self.owned = {i for i in (range(len(layer_params)) if owned is None else owned) if layer_params[i]}
         self.on_step = on_step
         self.device_layers: set[int] = set()
         self.device_pending: dict[int, dict[str, Any]] = {}  # layer -> snapshot of the step that deferred it

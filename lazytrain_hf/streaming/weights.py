@@ -62,6 +62,8 @@ class Slot:
     storage_ptrs: set[int] = field(default_factory=set)
     version: object = None  # `WeightStreamer.host_version` of the weights loaded (None: unknown)
     held: int = -1  # after `invalidate`: the layer whose current host weights the slot still holds (-1: none)
+    # (module, attribute) in `module` of each resident parameter of a frozen layer, bound at every load
+    binds: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
 class WeightStreamer:
@@ -118,15 +120,23 @@ class WeightStreamer:
         bufs = self.store.buffers[index]
         module = copy.deepcopy(layer).to(self.device)
         weights = {dt: torch.empty(t.numel(), dtype=dt, device=self.device) for dt, t in bufs.weights.items()}
-        grads = {dt: torch.zeros(t.numel(), dtype=dt, device=self.device) for dt, t in bufs.weights.items()}
+        # a frozen layer's slot has no gradient buffers (Note [frozen layers] in streaming/executor.py)
+        grads = {} if bufs.frozen else {dt: torch.zeros(t.numel(), dtype=dt, device=self.device)
+                                        for dt, t in bufs.weights.items()}
         params = dict(module.named_parameters())
         for s in bufs.specs:
             p = params[s.name]
             p.data = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
-            p.grad = grads[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+            if not bufs.frozen:
+                p.grad = grads[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+        binds = []  # where the loaded layer's own resident parameters go in the template
+        for name, _ in bufs.resident:
+            owner, _, attr = name.rpartition(".")
+            binds.append((module.get_submodule(owner), attr))
         ptrs = {t.untyped_storage().data_ptr() for t in weights.values()}
         ev = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else (None, None)
-        return Slot(module=module, weights=weights, grads=grads, layer=-1, ready=ev[0], free=ev[1], storage_ptrs=ptrs)
+        return Slot(module=module, weights=weights, grads=grads, layer=-1, ready=ev[0], free=ev[1], storage_ptrs=ptrs,
+                    binds=binds)
 
     @property
     def slots(self) -> list[Slot]:
@@ -216,6 +226,8 @@ class WeightStreamer:
                 dst.copy_(host[dt])
             if self.after_load is not None:
                 self.after_load(slot, layer)
+        for (owner, attr), (_, p) in zip(slot.binds, self.store.buffers[layer].resident):
+            owner._parameters[attr] = p  # the layer's own trainable parameter: autograd accumulates into its .grad
         slot.layer = layer
         self.loads += 1
         if copy:

@@ -346,29 +346,6 @@ def test_a_resume_reserves_for_the_saved_layout():
     ex2.close()
 
 
-def test_frozen_decoder_parameters_are_refused_before_anything_moves():
-    model = load_model("qwen3-tiny", "float32", seed=2)
-    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
-    before = model.model.layers[1].mlp.up_proj.weight.data_ptr()
-    with pytest.raises(ValueError, match=r"requires_grad=False \(model\.layers\.1\.mlp\.up_proj\.weight\).*"
-                                         r"policy 'none'"):
-        StreamingExecutor(model, LazyTrainConfig(), "cpu")
-    assert model.model.layers[1].mlp.up_proj.weight.data_ptr() == before  # not moved into a host store
-
-
-def test_a_peft_model_is_refused_with_the_fix():
-    """Not the unsupported-architecture message (a PeftModel has no `model.layers`), whether LoRA froze the layers'
-    weights or they were unfrozen by hand."""
-    peft = pytest.importorskip("peft")
-    model = load_model("qwen3-tiny", "float32", seed=2)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    for unfreeze in (False, True):
-        for p in lora.parameters():
-            p.requires_grad_(unfreeze or p.requires_grad)
-        with pytest.raises(ValueError, match=r"PeftModel \(PEFT\) is not supported.*policy 'none'"):
-            StreamingExecutor(lora, LazyTrainConfig(), "cpu")
-
-
 def test_state_specs_of_a_state_dict_cover_parameters_it_holds_no_state_for():
     """accelerate reloads a fresh optimizer's own empty state when it wraps it: the specs of that load are this
     run's layout (not nothing), so the executor's reservation survives it."""

@@ -1,0 +1,63 @@
+"""PEFT (LoRA) and frozen decoder layers under `LazyTrainer`: which optimizers may run, and clipping for them.
+
+The executor's frozen-layer path (streaming/executor.py, Note [frozen layers]) keeps every trainable parameter of
+a frozen layer on the compute device. When no decoder layer is fully trainable, the optimizer updates resident
+parameters only, so any Trainer optimizer works (`adamw_torch` for LoRA adapters, as with the stock Trainer);
+Hybrid8 (`lazytrain_hybrid8`, the default) is needed only for streamed trainable layers, whose gradients and
+states live in host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..streaming.executor import StreamingExecutor
+from .register import OPTIM_NAME
+
+__all__ = ["is_hybrid8", "check_optimizer", "clip_resident", "frozen_costs"]
+
+
+def is_hybrid8(optimizer: Any) -> bool:
+    """Whether `optimizer` reads the executor's gradient buffers (`Hybrid8bitOptimizer`)."""
+    return callable(getattr(optimizer, "set_grad_source", None))
+
+
+def check_optimizer(executor: StreamingExecutor, args: Any) -> None:
+    """Refuse, before training, an optimizer other than lazytrain_hybrid8 when decoder layers are streamed with
+    trainable parameters (their gradients and states live in host memory, which only Hybrid8 reads).
+
+    Raises:
+        ValueError: naming the optimizer, the first trainable streamed layers and the fixes.
+    """
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim == OPTIM_NAME:
+        return
+    streamed = [i for i, ps in enumerate(executor._layer_trainables()) if ps]
+    if streamed:
+        names = ", ".join(f"{executor.layer_prefix}{i}" for i in streamed[:3]) + (", ..." if len(streamed) > 3 else "")
+        raise ValueError(f"optim={optim!r} cannot update parameters streamed from host memory: {len(streamed)} "
+                         f"decoder layers ({names}) are trainable and streamed. Use optim='{OPTIM_NAME}' "
+                         "(lazytrain_config.state_dtype='fp32' gives plain fp32 AdamW states), train adapters only "
+                         "(PEFT / LoRA: every decoder layer then has frozen weights), or set "
+                         "lazytrain_config.policy='none'.")
+
+
+def clip_resident(executor: StreamingExecutor, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """Clip the resident parameters' gradients (every trainable one, `check_optimizer`) to `max_norm` given their
+    global `norm`, as `torch.nn.utils.clip_grad_norm_` does; returns `norm`."""
+    grads = [p for p in executor.resident_parameters() if p.grad is not None]
+    if grads:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return norm
+
+
+def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
+    """`analytic_cost_model`'s frozen-layer arguments for what `executor` runs: which layers are streamed read-only
+    and how many trainable parameters those layers keep resident (LoRA adapters)."""
+    store = getattr(executor, "store", None)  # (a stand-in executor of planning code: every layer trains)
+    if store is None:
+        return {}
+    adapters = {id(p): p.numel() for b in store.buffers for _, p in b.resident}
+    return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values())}
