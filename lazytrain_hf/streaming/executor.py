@@ -52,6 +52,7 @@ from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
 from .resident import ResidentParts, initial_placement
+from .rng import LayerRng
 from .shard import ShardedUpdates
 from .stats import UPDATE_COUNTERS, StepStats, step_extra
 from .tiers import ActivationStash
@@ -194,6 +195,7 @@ class StreamingExecutor:
         self._optimizer: Any = None  # the optimizer over this model (`reserve_states`): moves with a placement
         self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
         self.frozen = self.store.frozen  # per layer: streamed read-only (Note [frozen layers])
+        self._rng = LayerRng(self.layers, model.config, self.device)  # Note [dropout in recompute]
         for b in self.store.buffers:  # a frozen layer's trainable parameters (LoRA adapters) live on the device
             for _, p in b.resident:
                 if p.device != self.device:
@@ -560,34 +562,39 @@ class StreamingExecutor:
                                "does not call every layer once (unsupported architecture)")
         return sink[0][0], [(a, k) for _, a, k in sink]
 
-    def _run(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
-        out = slot.module(x, *call[0], **call[1])
+    def _run(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict], key: tuple[int, int] | None = None
+             ) -> torch.Tensor:
+        with self._rng.replay(key, self.model.training):
+            out = slot.module(x, *call[0], **call[1])
         return out[0] if isinstance(out, tuple) else out
 
     def _row_chunks(self, B: int) -> list[tuple[int, int]]:
         rows = self.schedule.rows_per_pass or self.config.max_rows_per_pass or B
         return [(a, min(a + rows, B)) for a in range(0, B, rows)]
 
-    def _forward(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+    def _forward(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict], layer: int | None = None
+                 ) -> torch.Tensor:
         """No-grad layer forward over the micro-batch in row chunks (weights loaded once)."""
         B = x.shape[0]
         chunks = self._row_chunks(B)
         if len(chunks) == 1:
-            return self._run(slot, x, call)
-        return torch.cat([self._run(slot, x[a:b], _slice_rows(call, B, a, b)) for a, b in chunks])
+            return self._run(slot, x, call, None if layer is None else (layer, 0))
+        return torch.cat([self._run(slot, x[a:b], _slice_rows(call, B, a, b), None if layer is None else (layer, a))
+                          for a, b in chunks])
 
-    def _forward_retained(self, slot: Slot, h: torch.Tensor, call: tuple[tuple, dict]) -> list[tuple]:
+    def _forward_retained(self, slot: Slot, h: torch.Tensor, call: tuple[tuple, dict], layer: int) -> list[tuple]:
         """Forward with grad, per row chunk, keeping each chunk's graph: [(x_chunk, y_chunk, rows), ...]."""
         B = h.shape[0]
         out = []
         for a, b in self._row_chunks(B):
             x = h[a:b].detach().requires_grad_()
             with torch.enable_grad(), self._weight_refs(slot):
-                y = self._run(slot, x, _slice_rows(call, B, a, b))
+                y = self._run(slot, x, _slice_rows(call, B, a, b), (layer, a))
             out.append((x, y, (a, b)))
         return out
 
-    def _backward(self, slot: Slot, x_full: torch.Tensor, g: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+    def _backward(self, slot: Slot, x_full: torch.Tensor, g: torch.Tensor, call: tuple[tuple, dict], layer: int
+                  ) -> torch.Tensor:
         """Re-forward with grad and backpropagate `g` per row chunk; returns dL/dx. Weight grads accumulate in the
         slot's grad buffers across chunks."""
         B = x_full.shape[0]
@@ -596,7 +603,7 @@ class StreamingExecutor:
         for a, b in chunks:
             x = x_full[a:b].detach().requires_grad_()
             with torch.enable_grad():
-                y = self._run(slot, x, _slice_rows(call, B, a, b))
+                y = self._run(slot, x, _slice_rows(call, B, a, b), (layer, a))
             torch.autograd.backward(y, g[a:b])
             if gx is None:
                 return x.grad
@@ -642,6 +649,7 @@ class StreamingExecutor:
         self.streamer.begin([i for op, i in self._ops if op in ("fwd", "recompute", "bwd")])
         self.stash.d2h_bytes = self.stash.h2d_bytes = 0
         self.grads.begin_microbatch()
+        self._rng.clear()
         d2h0 = self.grads.d2h_bytes
         self.resident.start_refresh()  # a host head's weights go up while the forward runs
 
@@ -660,12 +668,12 @@ class StreamingExecutor:
                     self.stash.put(i, h, lay[i].tier)
                 slot = self.streamer.acquire(i)
                 if lay[i].retain:
-                    parts = self._forward_retained(slot, h, calls[i])
+                    parts = self._forward_retained(slot, h, calls[i], i)
                     retained[i] = (parts, slot)
                     h = _retained_output(parts)
                 else:
                     with torch.no_grad():
-                        h = self._forward(slot, h, calls[i])
+                        h = self._forward(slot, h, calls[i], i)
                 self.streamer.release(slot)
                 if i == self.num_layers - 1:
                     self.device_updater.release_staging()  # every GPU-side update ran at its layer's forward load
@@ -681,7 +689,7 @@ class StreamingExecutor:
             elif op == "recompute":
                 slot = self.streamer.acquire(i)
                 with torch.no_grad():
-                    inputs[i + 1] = self._forward(slot, inputs[i], calls[i])
+                    inputs[i + 1] = self._forward(slot, inputs[i], calls[i], i)
                 self.streamer.release(slot)
                 recomputed += 1
             else:  # "bwd"
@@ -707,7 +715,7 @@ class StreamingExecutor:
                     grad_slot = slot
                     if not self.frozen[i]:
                         self.grads.prepare(grad_slot)
-                    g = self._backward(slot, inputs.pop(i), g, calls[i])
+                    g = self._backward(slot, inputs.pop(i), g, calls[i], i)
                 if not self.frozen[i]:  # a frozen layer's adapter gradients went to the resident parameters' .grad
                     self.grads.push(grad_slot, i)
                 self.streamer.release(slot)

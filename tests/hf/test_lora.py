@@ -242,3 +242,14 @@ def test_a_lora_runs_plan_costs_no_gradient_traffic(tmp_path):
     cm, _, _ = cost_model_for_trainer(lazy, 16)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert cm.grad_bytes == [0] * 4 and cm.num_params == [0] * 4 and cm.meta["adapter_params"] == adapters
+
+
+@pytest.mark.parametrize("policy", ["fixed", "milp"])
+def test_lora_dropout_draws_the_forward_masks_when_layers_rerun(tmp_path, policy):
+    """lora_dropout 0.1: each decoder layer runs again in backward (recompute / re-forward); it must draw the masks
+    its forward drew (the executor replays the RNG state), or the gradients are not those of the computed loss. With
+    one row chunk the masks are the stock forward's too, so the run equals stock Trainer + PEFT."""
+    model = _lora("qwen3-tiny", lora_dropout=0.1)
+    stock, lazy = _pair(tmp_path, model, {**EXACT, "policy": policy})
+    _assert_equal_runs(stock, lazy)
+    assert lazy.executor._rng.active
