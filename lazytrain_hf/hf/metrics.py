@@ -30,8 +30,9 @@ def tflops_6nd(num_params: int, tokens: int, seconds: float) -> float:
 class StepMeter:
     """Times optimizer steps and counts their tokens; `metrics()` gives the latest values for `Trainer.log`."""
 
-    num_params: int
+    num_params: int  # trainable: 6 FLOPs per parameter per token (forward, input and weight gradients)
     device: torch.device
+    frozen_params: int = 0  # 4 FLOPs per parameter per token: forward and input gradient, no weight gradient
     peak_tflops: float | None = None  # device bf16 peak for MFU, TFLOP/s
     tokens: int = 0
     _t0: float | None = None
@@ -55,7 +56,8 @@ class StepMeter:
         self._t0 = None
         m = {"step_time_s": _sig(dt),
              "tokens_per_second": _sig(self.tokens / dt) if dt > 0 else 0.0,
-             "tflops": _sig(tflops_6nd(self.num_params, self.tokens, dt))}
+             "tflops": _sig(tflops_6nd(self.num_params, self.tokens, dt)
+                            + tflops_6nd(self.frozen_params, self.tokens, dt) * 4 / 6)}
         if self.peak_tflops:
             m["mfu"] = _sig(m["tflops"] / self.peak_tflops)
         if self.device.type == "cuda":

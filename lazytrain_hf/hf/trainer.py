@@ -107,8 +107,9 @@ class LazyTrainerMixin:
                     else "one process (no data parallelism)")
         self.streaming_model = StreamingModel(self.executor)
         self.plans = RunPlans(self)
-        n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
-        self.meter = StepMeter(n_params, device)
+        params = {id(p): p for p in self.model.parameters()}.values()
+        self.meter = StepMeter(sum(p.numel() for p in params if p.requires_grad), device,
+                               frozen_params=sum(p.numel() for p in params if not p.requires_grad))
         self.add_callback(LazyTrainCallback(self))
 
     # ---- planning ------------------------------------------------------------------------------------------

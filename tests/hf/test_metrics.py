@@ -62,3 +62,16 @@ def test_allocator_retries_warn_without_calibration_and_name_a_fix_that_applies(
         LazyTrainCallback(trainer)._warn_alloc_retries(3, Calibration(steps=0))
     (rec,) = caplog.records
     assert "gpu_memory_margin" not in rec.getMessage() and "gpu_memory_budget" in rec.getMessage()
+
+
+def test_step_meter_counts_4_flops_per_frozen_parameter(monkeypatch):
+    """A frozen parameter (LoRA's base) runs its forward and input gradient, no weight gradient: 4 FLOPs per token
+    against a trainable one's 6."""
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr("lazytrain_hf.hf.metrics.time.perf_counter", lambda: next(clock))
+    meter = StepMeter(num_params=1_000_000, device=torch.device("cpu"), frozen_params=3_000_000_000)
+    meter.start()
+    meter.add_tokens(4096)
+    meter.stop()
+    want = (6 * 1_000_000 + 4 * 3_000_000_000) * 4096 / 2.0 / 1e12
+    assert abs(meter.last["tflops"] - want) / want < 1e-3
