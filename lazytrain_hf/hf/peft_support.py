@@ -54,10 +54,13 @@ def clip_resident(executor: StreamingExecutor, max_norm: float, norm: torch.Tens
 
 
 def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
-    """`analytic_cost_model`'s frozen-layer arguments for what `executor` runs: which layers are streamed read-only
-    and how many trainable parameters those layers keep resident (LoRA adapters)."""
+    """`analytic_cost_model`'s frozen-part arguments for what `executor` runs: which layers are streamed read-only,
+    how many trainable parameters those layers keep resident (LoRA adapters), and whether the embedding / LM head
+    are frozen (weights only)."""
     store = getattr(executor, "store", None)  # (a stand-in executor of planning code: every layer trains)
     if store is None:
         return {}
     adapters = {id(p): p.numel() for b in store.buffers for _, p in b.resident}
-    return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values())}
+    parts = executor.resident
+    return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
+            "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}

@@ -371,7 +371,8 @@ def fitting_batch(trainer: Any, resident: str | None = None) -> int:
 
     def build(b: int) -> Any:
         return analytic_cost_model(request.model, b, request.seq_len, request.hardware,
-                                   **request.cost_model_kwargs(1, placement))
+                                   **request.cost_model_kwargs(1, placement),
+                                   **peft_support.frozen_costs(trainer.executor))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -250,7 +250,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
                         kept_grads: bool = True, name: str = "",
                         resident: str = "gpu", frozen: Sequence[bool] | None = None,
-                        adapter_params: int = 0) -> CostModel:
+                        adapter_params: int = 0, frozen_embed: bool = False, frozen_head: bool = False) -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
 
     Args:
@@ -280,6 +280,9 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         frozen: per layer, streamed read-only (the executor's `StreamingExecutor.frozen`: LoRA base weights, plain
             freezing): no gradient buffers or D2H, no optimizer update or states, only the weights in host memory.
             None: every layer trains.
+        frozen_embed, frozen_head: the input embedding / LM head has requires_grad=False (LoRA's base): its weights
+            only, wherever placed (no gradient, no optimizer state), and a frozen head's backward computes the
+            hidden-state gradient alone. A tied head follows the embedding.
         adapter_params: trainable parameters of the frozen layers (LoRA A / B), resident on the GPU with their
             gradients and fp32 states, updated with the resident parameters at `optimizer.step()`.
 
@@ -326,30 +329,37 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     params = shape.layer_params
     trained = [0 if f else p for p, f in zip(params, frozen)]  # parameters with gradients and optimizer work
     act = BF16 * n * H
-    head_flops = 6.0 * n * H * V  # lm_head forward 2NHV, backward 4NHV
+    tied = shape.lm_head_params == 0
+    frozen_head = frozen_embed if tied else frozen_head
+    head_flops = (2.0 if frozen_head else 4.0) * n * H * V + 2.0 * n * H * V  # backward (input [+ weight]) + forward
     chunk = min(loss_chunk_tokens, n)
     layer_host_b = BF16 + BF16 + state_b + master_b  # weight, gradient, moments, master
-    # resident parts: fp32 moments (8 bytes) + master, whatever the layers' state_dtype (optim/hybrid8.py)
+    # resident parts: fp32 moments (8 bytes) + master, whatever the layers' state_dtype (optim/hybrid8.py); a frozen
+    # part keeps its weights only
     resident_b = BF16 + BF16 + 2 * FP32 + master_b
+    embed_b, head_b = (BF16 if frozen_embed else resident_b), (BF16 if frozen_head else resident_b)
     embed_p, norm_p = shape.embed_params, shape.norm_params
     head_p = shape.lm_head_params or shape.embed_params  # the weight the head multiplies by (tied: the embedding)
     host_embed = resident != "gpu"
     host_head = resident == "host"
-    tied = shape.lm_head_params == 0
     # parameters whose weights, gradients and states live on the GPU; the rest live in host memory
     if tied and resident == "host_embedding":
         raise ValueError("analytic_cost_model: resident='host_embedding' needs an untied LM head (a tied weight is "
                          "the embedding and the head at once): use 'gpu' or 'host'")
-    gpu_params = norm_p + (0 if host_embed else embed_p) + (0 if host_head else shape.lm_head_params)
-    host_params = embed_p + shape.lm_head_params + norm_p - gpu_params
+    gpu_resident_b = (resident_b * (norm_p + adapter_params) + (0 if host_embed else embed_b * embed_p)
+                      + (0 if host_head else head_b * shape.lm_head_params))
+    host_resident_b = (embed_b * embed_p if host_embed else 0) + (head_b * shape.lm_head_params if host_head else 0)
+    host_params = ((0 if frozen_embed else embed_p) if host_embed else 0) + \
+        ((0 if frozen_head else shape.lm_head_params) if host_head else 0)  # updated on the CPU
     head_copy = BF16 * head_p if host_head else 0  # the GPU working copy of a host-placed head's weights
+    head_grad = 0 if frozen_head else head_copy  # its weight gradient, sent back right after the head
     # head workspace (streaming/head.py): final norm internals (fp32 copy + bf16); per logit of a chunk the bf16
     # logits and, in its backward, three fp32 [chunk, V] tensors at once (log-softmax output, the loss gradient,
     # the logits' gradient); the hidden-state gradient; and a host-placed head's GPU weight gradient (sent back
     # right after the head). A GPU-placed head's gradient is in the resident bytes; it grows in place per chunk.
     # With 2 fp32 tensors per logit and a [V, H] product per chunk (autograd's accumulation) the Qwen3.6-27B-width
     # head planned 16.9 GiB at 24 GiB, batch 8, and needed 22.4 GiB on an H200 (benchmarks/results/hybrid-20261201.json)
-    head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + BF16 * n * H + head_copy
+    head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + BF16 * n * H + head_grad
     gpu_opt_b = state_b + master_b + BF16  # per param: states + master + gradient (up) / weight (down)
     # the update's fp32 temporaries over one slice of CHUNK_ELEMENTS (optim/functional.py: param + Kahan sum, fp32
     # gradient, bf16 result, its fp32 copy and the residual: 18 bytes per element at the write-back). Missing, the
@@ -359,6 +369,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     meta = {"model": shape.name, "model_type": shape.model_type, "batch_size": batch_size, "seq_len": seq_len,
             "rows_per_pass": rows_per_pass, "resident": resident,
             "num_params": shape.num_params, "frozen_layers": sum(frozen), "adapter_params": int(adapter_params),
+            "frozen_embed": bool(frozen_embed), "frozen_head": bool(frozen_head),
             "hardware": hardware.source, "hardware_measured": hardware.measured,
             "estimate": "analytic"}
     return CostModel(
@@ -369,14 +380,15 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in trained],
         gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(trained, gpu_opt_tmp)], retained_bytes=retained,
         kept_grad_bytes=[BF16 * p for p in trained] if kept_grads else [],
-        resident_bytes=int(resident_b * (gpu_params + adapter_params) + head_copy),
+        resident_bytes=int(gpu_resident_b + head_copy),
         head_ms=head_flops / matmul_efficiency / peak,
-        head_work_bytes=int(head_work), head_grad_bytes=head_copy, head_h2d_bytes=head_copy,
-        embed_grad_bytes=act if host_embed else 0, embed_optim_params=shape.embed_params,
+        head_work_bytes=int(head_work), head_grad_bytes=head_grad, head_h2d_bytes=head_copy,
+        embed_grad_bytes=act if host_embed and not frozen_embed else 0,
+        embed_optim_params=0 if frozen_embed else shape.embed_params,
         resident_optim_on_gpu=True, resident_cpu_params=host_params,
-        head_optim_params=shape.lm_head_params + shape.norm_params + adapter_params,
+        head_optim_params=(0 if frozen_head else shape.lm_head_params) + shape.norm_params + adapter_params,
         gpu_reserve_bytes=int(gpu_reserve_bytes),
         host_fixed_bytes=int(layer_host_b * sum(trained) + BF16 * (sum(params) - sum(trained))
-                             + resident_b * host_params),
+                             + host_resident_b),
         **hardware.planner_rates(), gpu_bytes=int(gpu_bytes), pinned_host_bytes=int(host_bytes),
         nvme_bytes=int(nvme_bytes), tokens_per_step=n, meta=meta)

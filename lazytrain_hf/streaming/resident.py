@@ -302,9 +302,13 @@ class ResidentParts:
 
 def resident_gpu_bytes(parts: ResidentParts) -> int:
     """GPU bytes of the embedding and LM head kept on the GPU: weights, gradients, fp32 moments (8 bytes per
-    parameter) and, for 16-bit weights, fp32 master weights (the optimizer's defaults for these parameters)."""
+    parameter) and, for 16-bit weights, fp32 master weights (the optimizer's defaults for these parameters); a
+    frozen one, its weights only."""
     total = 0
     for p in {id(q): q for q in (parts.embed.weight, parts.head.weight)}.values():
+        if not p.requires_grad:  # frozen (LoRA's base): its weights only
+            total += p.numel() * p.element_size()
+            continue
         master = 4 if p.dtype in (torch.bfloat16, torch.float16) else 0
         total += p.numel() * (2 * p.element_size() + 8 + master)
     return total

@@ -242,6 +242,28 @@ def test_a_lora_runs_plan_costs_no_gradient_traffic(tmp_path):
     cm, _, _ = cost_model_for_trainer(lazy, 16)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert cm.grad_bytes == [0] * 4 and cm.num_params == [0] * 4 and cm.meta["adapter_params"] == adapters
+    assert cm.meta["frozen_embed"] and cm.embed_optim_params == 0  # PEFT freezes the (tied) embedding and head
+
+
+@pytest.mark.parametrize("resident", ["gpu", "host_embedding", "host"])
+def test_a_frozen_embedding_and_head_cost_their_weights_only(resident):
+    """LoRA's base embedding / LM head: 2 bytes per parameter wherever placed, no optimizer work, and the head's
+    backward computes the hidden-state gradient only (a third less head compute)."""
+    from lazytrain_hf.profiling.analytic import analytic_cost_model
+
+    config = load_model("qwen3-tiny-untied", "float32").config
+    budgets = dict(gpu_bytes=2**30, host_bytes=2**32, resident=resident)
+    full = analytic_cost_model(config, 4, 64, **budgets)
+    frozen = analytic_cost_model(config, 4, 64, **budgets, frozen_embed=True, frozen_head=True)
+    E, V, H = config.vocab_size * config.hidden_size, config.vocab_size, config.hidden_size
+    trained_b = 2 + 2 + 8 + 4  # the plan's bf16 training: weight, gradient, fp32 moments, fp32 master
+    saved = (full.resident_bytes - frozen.resident_bytes) + (full.host_fixed_bytes - frozen.host_fixed_bytes)
+    assert saved == pytest.approx(2 * E * (trained_b - 2), rel=1e-6)  # embedding + head: 2 bytes each remain
+    assert frozen.embed_optim_params == 0 and frozen.head_optim_params == full.head_optim_params - E
+    assert frozen.head_ms == pytest.approx(full.head_ms * 4 / 6)
+    assert frozen.resident_cpu_params == 0
+    assert frozen.embed_grad_bytes == 0 and frozen.head_grad_bytes == 0
+    assert V * H == E
 
 
 @pytest.mark.parametrize("policy", ["fixed", "milp"])
