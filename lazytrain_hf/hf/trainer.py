@@ -24,10 +24,11 @@ from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
-from . import recovery
+from . import checkpoint, preflight, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
+from .longrun import LongRunCallback
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
@@ -62,6 +63,8 @@ class LazyTrainerMixin:
         #: out-of-memory errors recovered from by re-planning (hf/recovery.py); also in the logged metrics
         self.oom_recoveries: int = 0
         self._window = Window()  # this accumulation window's micro-batches, to run them again after an abort
+        #: the signal (SIGTERM / SIGINT) that stopped the last `train` at a step boundary, None when it ran out
+        self.interrupted: int | None = None
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -75,7 +78,9 @@ class LazyTrainerMixin:
                 raise ValueError("the model has gradient checkpointing enabled; call "
                                  "model.gradient_checkpointing_disable() (the executor owns recomputation)")
         super().__init__(model, args, *pos, **kwargs)
+        self.longrun = LongRunCallback(self)
         if cfg.policy == "none":
+            self.add_callback(self.longrun)
             if cfg.resident_placement != "auto":
                 logger.warning("lazytrain_config.resident_placement=%r has no effect with policy 'none' (the stock "
                                "Trainer path keeps the whole model where the Trainer puts it)", cfg.resident_placement)
@@ -95,6 +100,7 @@ class LazyTrainerMixin:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_budget / total), device)
         # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
+        preflight.check_host_before_pinning(self)  # the executor page-locks weights, gradients, then states
         self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         dp = self.executor.dp
@@ -107,6 +113,27 @@ class LazyTrainerMixin:
         n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
         self.meter = StepMeter(n_params, device)
         self.add_callback(LazyTrainCallback(self))
+        self.add_callback(self.longrun)  # after the plan: its train-begin checks read it
+
+    # ---- training, checkpoints (hf/checkpoint.py, hf/longrun.py) ------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *pos: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, resuming only from a complete checkpoint (True: the newest complete one, incomplete ones
+        skipped with a warning) and stopping at a step boundary with a checkpoint on SIGTERM / SIGINT
+        (`interrupted` is then the signal)."""
+        resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        with self.longrun.handling_signals():
+            return super().train(resume, *pos, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        checkpoint.save_atomically(self, super()._save_checkpoint, model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        with checkpoint.naming_load_errors(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, ckpt: str | None) -> None:
+        with checkpoint.naming_load_errors(str(ckpt)):
+            super()._load_optimizer_and_scheduler(ckpt)
 
     # ---- planning ------------------------------------------------------------------------------------------
     def plan_schedule(self) -> Schedule:
