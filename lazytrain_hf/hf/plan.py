@@ -62,9 +62,9 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
     """The run's `PlanRequest` (`planning.request.resolve_request`): the micro-batch (`per_device_train_batch_size`
     x the longest sequence, `run_shape`), the budgets (`gpu_memory_budget` less `gpu_memory_margin`, default: the
     device's free memory now, 80 GiB on CPU runs; `host_memory_budget`, default: 90% of the process's memory limit /
-    data-parallel ranks on this host; `nvme_budget` when `nvme_dir` is set, default its free space / ranks), the hardware rates (the cached or
-    fresh probe on CUDA, the H200 defaults elsewhere), `plan_buckets` sequence-length buckets (policy "milp") and
-    the fixed policy's knobs. Its fingerprint names policy "milp" whatever `lazytrain_config.policy` is, as the
+    data-parallel ranks on this host; `nvme_budget` when `nvme_dir` is set, default its free space / ranks), the
+    hardware rates (the cached or fresh probe on CUDA, the H200 defaults elsewhere), `plan_buckets` sequence-length
+    buckets (policy "milp") and the fixed policy's knobs. Its fingerprint names policy "milp" whatever `lazytrain_config.policy` is, as the
     Trainer's plans always have (`lazytrain-hf plan --policy milp` schedules match it)."""
     cfg = trainer.lazy_config
     B, T = run_shape(trainer)
