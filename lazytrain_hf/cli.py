@@ -28,14 +28,17 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe value, e.g. --set training.max_steps=20 (repeatable)")
     p.add_argument("--resume", default=None,
-                   help="resume from a checkpoint directory, or 'last' for the newest in output_dir")
+                   help="resume from a checkpoint directory, or 'last' for the newest complete one in output_dir "
+                        "(incomplete ones are skipped with a warning)")
 
 
 def train(args: argparse.Namespace) -> int:
     """Fine-tune per recipe, save a HF checkpoint to <output_dir>/final, evaluate exact match, write metrics.json.
 
     Every input problem (recipe keys, data files, schema, architecture, conflicting flags) is raised before the
-    model loads or training starts.
+    model loads or training starts. On SIGTERM / SIGINT training stops at the next optimizer step with a complete
+    checkpoint-N (hf/longrun.py) and this returns 128 + the signal number (143 for SIGTERM, 130 for SIGINT)
+    without writing final/ or evaluating; ``--resume last`` continues the run exactly.
     """
     from .recipe import load_recipe
 
@@ -69,13 +72,24 @@ def train(args: argparse.Namespace) -> int:
                           data_collator=make_collator(tokenizer, pad_to_multiple_of=8), processing_class=tokenizer)
     resume: Any = args.resume
     if resume == "last":
-        from transformers.trainer_utils import get_last_checkpoint
+        from .hf.checkpoint import last_complete_checkpoint
 
-        resume = get_last_checkpoint(targs.output_dir)  # _preflight saw one
+        resume = last_complete_checkpoint(targs.output_dir)  # _preflight saw one
+        if resume is None:
+            raise ValueError(f"--resume last: no complete checkpoint-N/ in {targs.output_dir!r} (every one there is "
+                             "incomplete: see the warnings); drop --resume to start a new run")
     if resume:
         logger.info("resuming from %s", resume)
     t0 = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume)
+    if trainer.interrupted is not None:
+        from .hf.longrun import exit_status
+
+        status = exit_status(trainer.interrupted)
+        logger.warning("training stopped by signal %d at step %d (checkpoint-%d saved); exiting with status %d; "
+                       "continue with --resume last", trainer.interrupted, trainer.state.global_step,
+                       trainer.state.global_step, status)
+        return status
     out = Path(targs.output_dir)
     final = out / "final"
     trainer.save_model(str(final))  # the Trainer writes on the main process only

@@ -94,6 +94,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("LAZYTRAIN_CACHE_DIR", Path, None, "a directory path",
            "profiling.hardware.cache_dir",
            "Directory of cached hardware probes. Unset: ~/.cache/lazytrain_hf."),
+    EnvVar("LAZYTRAIN_CGROUP_ROOT", Path, None, "a directory path",
+           "profiling.limits.cgroup_root (the host-memory limit, when a LazyTrainer is built and at each plan)",
+           "Where the cgroup filesystem is mounted (cgroup v2 memory.max, v1 memory/memory.limit_in_bytes are read "
+           "there for this process's cgroup from /proc/self/cgroup and its parents). Unset: /sys/fs/cgroup."),
     EnvVar("LAZYTRAIN_GSM8K_DIR", Path, None, "a directory path",
            "benchmarks.common.gsm8k_dir (benchmarks, GSM8K tests)",
            "The GSM8K folder (train.jsonl). Unset: <repo>/../shared/data/gsm8k."),

@@ -150,3 +150,33 @@ def test_probe_command_defaults_and_bad_device(capsys, monkeypatch):
     for bad in ("banana", "mps"):
         assert cli.main(["probe", "--device", bad]) == 2
         assert "--device must be cuda, cuda:N, cpu or auto" in capsys.readouterr().err
+
+
+@requires_gsm8k
+def test_sigterm_exits_143_with_a_checkpoint_and_resume_last_continues_exactly(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    from lazytrain_hf.hf.checkpoint import checkpoint_problems
+    from lazytrain_hf.hf.longrun import LongRunCallback
+
+    common = ["train", "--config", str(RECIPE), "--set", f"data.source={GSM8K_DIR}", "--set", "training.max_steps=4",
+              "--set", "data.train_limit=24", "--set", "data.test_limit=2", "--set", "eval.max_new_tokens=4",
+              "--set", "training.save_steps=100", "--set", "training.logging_steps=1"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert cli.main([*common, "--set", f"training.output_dir={ref}"]) == 0
+    want = {h["step"]: h["loss"] for h in json.loads((ref / "metrics.json").read_text())["log_history"] if "loss" in h}
+
+    def term_at_step_2(self, args, state, control, **kw):
+        if state.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as m:
+        m.setattr(LongRunCallback, "on_step_begin", term_at_step_2, raising=False)
+        assert cli.main([*common, "--set", f"training.output_dir={out}"]) == 143
+    assert not (out / "final").exists() and not checkpoint_problems(str(out / "checkpoint-2"))
+    assert cli.main([*common, "--set", f"training.output_dir={out}", "--resume", "last"]) == 0
+    got = {h["step"]: h["loss"] for h in json.loads((out / "metrics.json").read_text())["log_history"]
+           if "loss" in h and h["step"] > 2}
+    assert sorted(got) == [3, 4]
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-6)

@@ -18,6 +18,7 @@ from ..planning.schedule import Schedule, input_hashes, plan_fingerprint
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
+from ..profiling.limits import disk_free, host_memory_limit
 from . import peft_support
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
@@ -40,9 +41,10 @@ def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
 
 def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:
     """(hardware profile, the machine's side of `planning.request.resolve_budgets`) for this trainer: on CUDA the
-    probe and the free GPU memory now, elsewhere the H200 defaults and an 80 GiB GPU; the host's RAM and the
-    processes sharing it (data parallel: every rank on this host keeps its own host store and stash,
-    streaming/comm.py); 256 GiB of NVMe."""
+    probe and the free GPU memory now, elsewhere the H200 defaults and an 80 GiB GPU; the host memory this process
+    may use (`profiling.limits.host_memory_limit`: cgroup limits, available RAM) and the processes sharing it (data
+    parallel: every rank on this host keeps its own host store and stash, streaming/comm.py); the free space of
+    `nvme_dir` (256 GiB without one)."""
     cfg = trainer.lazy_config
     ex = trainer.executor
     if ex.device.type == "cuda":
@@ -51,22 +53,19 @@ def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:
     else:
         hardware, gpu = H200_DEFAULTS, 80 * GIB
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    if cfg.host_memory_budget:
-        host = 0
-    else:
-        import psutil
-
-        host = int(psutil.virtual_memory().total)
-    return hardware, dict(gpu_available=int(gpu), host_total=host, nvme_available=256 * GIB, ranks_per_host=local)
+    # the limit the process really has (cgroup, memory other processes use), not the host's RAM
+    host = 0 if cfg.host_memory_budget else host_memory_limit().bytes
+    nvme = disk_free(cfg.nvme_dir).bytes if cfg.nvme_dir and not cfg.nvme_budget else 256 * GIB
+    return hardware, dict(gpu_available=int(gpu), host_total=host, nvme_available=nvme, ranks_per_host=local)
 
 
 def request_for_trainer(trainer: Any) -> PlanRequest:
     """The run's `PlanRequest` (`planning.request.resolve_request`): the micro-batch (`per_device_train_batch_size`
     x the longest sequence, `run_shape`), the budgets (`gpu_memory_budget` less `gpu_memory_margin`, default: the
-    device's free memory now, 80 GiB on CPU runs; `host_memory_budget`, default: 90% of RAM / data-parallel ranks on
-    this host; `nvme_budget` when `nvme_dir` is set, default 256 GiB / ranks), the hardware rates (the cached or
-    fresh probe on CUDA, the H200 defaults elsewhere), `plan_buckets` sequence-length buckets (policy "milp") and
-    the fixed policy's knobs. Its fingerprint names policy "milp" whatever `lazytrain_config.policy` is, as the
+    device's free memory now, 80 GiB on CPU runs; `host_memory_budget`, default: 90% of the process's memory limit /
+    data-parallel ranks on this host; `nvme_budget` when `nvme_dir` is set, default its free space / ranks), the
+    hardware rates (the cached or fresh probe on CUDA, the H200 defaults elsewhere), `plan_buckets` sequence-length
+    buckets (policy "milp") and the fixed policy's knobs. Its fingerprint names policy "milp" whatever `lazytrain_config.policy` is, as the
     Trainer's plans always have (`lazytrain-hf plan --policy milp` schedules match it)."""
     cfg = trainer.lazy_config
     B, T = run_shape(trainer)

@@ -24,10 +24,11 @@ from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
-from . import peft_support, recovery
+from . import checkpoint, peft_support, preflight, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
+from .longrun import LongRunCallback
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
@@ -67,6 +68,8 @@ class LazyTrainerMixin:
         #: out-of-memory errors recovered from by re-planning (hf/recovery.py); also in the logged metrics
         self.oom_recoveries: int = 0
         self._window = Window()  # this accumulation window's micro-batches, to run them again after an abort
+        #: the signal (SIGTERM / SIGINT) that stopped the last `train` at a step boundary, None when it ran out
+        self.interrupted: int | None = None
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -77,7 +80,9 @@ class LazyTrainerMixin:
             # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
             # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
         super().__init__(model, args, *pos, **kwargs)
+        self.longrun = LongRunCallback(self)
         if cfg.policy == "none":
+            self.add_callback(self.longrun)
             if cfg.resident_placement != "auto":
                 logger.warning("lazytrain_config.resident_placement=%r has no effect with policy 'none' (the stock "
                                "Trainer path keeps the whole model where the Trainer puts it)", cfg.resident_placement)
@@ -97,6 +102,7 @@ class LazyTrainerMixin:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_budget / total), device)
         # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
+        preflight.check_host_before_pinning(self)  # the executor page-locks weights, gradients, then states
         self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         peft_support.check_optimizer(self.executor, args)
@@ -111,6 +117,27 @@ class LazyTrainerMixin:
         self.meter = StepMeter(sum(p.numel() for p in params if p.requires_grad), device,
                                frozen_params=sum(p.numel() for p in params if not p.requires_grad))
         self.add_callback(LazyTrainCallback(self))
+        self.add_callback(self.longrun)  # after the plan: its train-begin checks read it
+
+    # ---- training, checkpoints (hf/checkpoint.py, hf/longrun.py) ------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *pos: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, resuming only from a complete checkpoint (True: the newest complete one, incomplete ones
+        skipped with a warning) and stopping at a step boundary with a checkpoint on SIGTERM / SIGINT
+        (`interrupted` is then the signal)."""
+        resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        with self.longrun.handling_signals():
+            return super().train(resume, *pos, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        checkpoint.save_atomically(self, super()._save_checkpoint, model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        with checkpoint.naming_load_errors(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, ckpt: str | None) -> None:
+        with checkpoint.naming_load_errors(str(ckpt)):
+            super()._load_optimizer_and_scheduler(ckpt)
 
     # ---- planning ------------------------------------------------------------------------------------------
     def plan_schedule(self) -> Schedule:

@@ -49,8 +49,9 @@ def resolve_budgets(gpu_memory_budget: int | None, host_memory_budget: int | Non
                     nvme: bool, margin: float, gpu_available: int, host_total: int, nvme_available: int,
                     ranks_per_host: int = 1, reduction_bytes: int = 0) -> Budgets:
     """The budgets to plan with. Defaults: the GPU `gpu_available` (the profile's GPU memory for the CLI, the free
-    GPU memory for the Trainer), the host 90% of `host_total` shared by the `ranks_per_host` processes on this host,
-    NVMe (`nvme` set) `nvme_available` shared likewise."""
+    GPU memory for the Trainer), the host 90% of `host_total` (the process's memory limit for the Trainer,
+    `profiling.limits.host_memory_limit`; the profile's RAM for the CLI) shared by the `ranks_per_host` processes on
+    this host, NVMe (`nvme` set) `nvme_available` shared likewise."""
     ranks = max(1, int(ranks_per_host))
     return Budgets(gpu_asked=gpu_memory_budget, host_asked=host_memory_budget,
                    nvme_asked=nvme_budget if nvme else 0, gpu_total=int(gpu_memory_budget or gpu_available),

@@ -1,0 +1,169 @@
+"""Checks of a LazyTrainer run against the limits the process really has (profiling/limits.py), each raising one
+error naming the need, the limit and where it came from, and the fix, before the resource is taken:
+
+- `check_host_before_pinning`: when the trainer is built, before the executor page-locks the weights, gradients and
+  optimizer states: those bytes (the plan's fixed host bytes) against the host-memory limit (cgroup, available RAM)
+  shared by the ranks on this host; an explicit `host_memory_budget` above the limit is refused too.
+- `check_plan`: at train begin, the plan's host bytes against the limit, its NVMe bytes against the free space of
+  `nvme_dir`.
+- `check_checkpoint_space`: at train begin (when checkpoints are saved) and before each save, a checkpoint's size
+  (`checkpoint_bytes`: parameters and optimizer states) against the free space of the output directory.
+
+RLIMIT_MEMLOCK bounds mlock() only: the executor page-locks through the CUDA driver (cudaHostRegister, pinned
+copies), which that limit does not bound, so it is reported (`memlock_note`) and not enforced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..config import format_bytes
+from ..profiling.limits import Limit, check_need, disk_free, host_memory_limit, memlock_limit
+
+__all__ = ["host_limit_per_rank", "fixed_host_bytes", "check_host_before_pinning", "check_plan", "checkpoint_bytes",
+           "check_checkpoint_space", "memlock_note", "ranks_per_host"]
+
+logger = logging.getLogger(__name__)
+
+#: bytes of a checkpoint beyond parameters and optimizer states (configs, scheduler, RNG, trainer state, schedule)
+CHECKPOINT_OVERHEAD_BYTES = 16 << 20
+
+
+def ranks_per_host() -> int:
+    """Processes of this run on this host (LOCAL_WORLD_SIZE; 1 without data parallelism)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+
+
+def host_limit_per_rank(ranks: int | None = None) -> Limit:
+    """This rank's share of the host-memory limit (`profiling.limits.host_memory_limit` / ranks on this host)."""
+    lim = host_memory_limit()
+    n = ranks or ranks_per_host()
+    if n == 1:
+        return lim
+    return Limit(lim.bytes // n, f"{lim.source}, shared by {n} ranks on this host", lim.detail)
+
+
+def _host_fixes(cfg: Any, plan_part: bool) -> str:
+    fixes = []
+    if plan_part:
+        fixes += ["a smaller per_device_train_batch_size (fewer activations kept on the host)",
+                  "the NVMe tier (lazytrain_config.nvme_dir on a fast disk, activation_tier 'nvme')"]
+    if cfg.master_weights in ("fp32", "auto"):
+        fixes.append("lazytrain_config.master_weights='kahan' (2 bytes per parameter instead of 4)")
+    if cfg.state_dtype == "fp32":
+        fixes.append("lazytrain_config.state_dtype='8bit' (2 bytes per parameter of moments instead of 8)")
+    if ranks_per_host() > 1:
+        fixes.append(f"fewer ranks per host (now {ranks_per_host()}, each holds its own host copy)")
+    fixes.append("a larger memory limit (docker --memory, the Kubernetes memory limit) or a machine with more RAM")
+    return ", or ".join(fixes)
+
+
+def fixed_host_bytes(trainer: Any) -> int:
+    """Host bytes the run takes whatever the plan: weights, gradients, optimizer states and master weights of the
+    streamed layers (the analytic cost model's `host_fixed_bytes` with the embedding and LM head on the GPU, the
+    placement taking the least host memory unless one is configured)."""
+    from ..profiling.analytic import analytic_cost_model
+    from .plan import run_shape
+
+    cfg = trainer.lazy_config
+    B, T = run_shape(trainer)
+    resident = cfg.resident_placement if cfg.resident_placement != "auto" else "gpu"
+    if resident == "host_embedding" and getattr(trainer.model.config, "tie_word_embeddings", False):
+        resident = "gpu"
+    cm = analytic_cost_model(trainer.model.config, B, T, gpu_bytes=1, host_bytes=1,
+                             state_dtype=cfg.state_dtype,
+                             master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
+                             block_size=cfg.block_size, resident=resident)
+    return int(cm.host_fixed_bytes)
+
+
+def check_host_before_pinning(trainer: Any) -> Limit:
+    """Before the executor is built (it page-locks the layers' weights and gradients, then the optimizer states):
+    `fixed_host_bytes` against this rank's share of the host-memory limit, and an explicit `host_memory_budget`
+    against it. Returns the limit.
+
+    Raises:
+        ResourceLimitError: the run's host memory is above the limit (need, limit and its source, fix).
+    """
+    cfg = trainer.lazy_config
+    lim = host_limit_per_rank()
+    check_need(fixed_host_bytes(trainer), lim, "the model's weights, gradients and optimizer states on the host",
+               _host_fixes(cfg, plan_part=False))
+    if cfg.host_memory_budget and cfg.host_memory_budget > lim.bytes:
+        check_need(int(cfg.host_memory_budget), lim, f"lazytrain_config.host_memory_budget="
+                   f"'{format_bytes(cfg.host_memory_budget)}'",
+                   f"set host_memory_budget to at most '{int(0.9 * lim.bytes) >> 20}MiB' or leave it unset (the "
+                   "default is 90% of this limit)")
+    return lim
+
+
+def check_plan(trainer: Any, schedule: Any) -> None:
+    """At train begin: the plan's predicted host bytes against the host-memory limit and its NVMe bytes against the
+    free space of `nvme_dir` (plans without predictions, e.g. a loaded schedule, are not checked).
+
+    Raises:
+        ResourceLimitError: the plan needs more than the limit or the free space.
+    """
+    cfg = trainer.lazy_config
+    p = getattr(schedule, "predicted", None) or {}
+    host = int(p.get("pinned_host_bytes") or 0)
+    if host:
+        check_need(host, host_limit_per_rank(), f"the plan ({schedule.policy}) on the host",
+                   _host_fixes(cfg, plan_part=True))
+    nvme = int(p.get("nvme_bytes") or 0)
+    if nvme and cfg.nvme_dir:
+        check_need(nvme, disk_free(cfg.nvme_dir), f"the plan's NVMe tier in {cfg.nvme_dir!r}",
+                   "free space there, point lazytrain_config.nvme_dir at a disk with room, or set a smaller "
+                   "lazytrain_config.nvme_budget")
+
+
+def checkpoint_bytes(trainer: Any) -> int:
+    """A checkpoint's size: the model's parameters (each tensor once, as saved) and the optimizer's states (from
+    its `state_specs` where it has them, else its current states, else two fp32 moments per trainable parameter),
+    plus a small allowance for the other files."""
+    params = {id(p): p for p in trainer.model.parameters()}.values()
+    model = sum(p.numel() * p.element_size() for p in params)
+    opt = getattr(trainer, "optimizer", None)
+    inner = getattr(opt, "optimizer", opt)
+    states = 0
+    specs = getattr(inner, "state_specs", None)
+    if specs is not None:
+        import torch
+
+        states = sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+                     for _p, shape, dt in specs())
+    elif inner is not None and getattr(inner, "state", None):
+        import torch
+
+        states = sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor))
+    else:
+        states = 8 * sum(p.numel() for p in params if p.requires_grad)
+    if getattr(trainer.args, "save_only_model", False):
+        states = 0
+    return int(model + states + CHECKPOINT_OVERHEAD_BYTES)
+
+
+def check_checkpoint_space(trainer: Any, directory: str, need: int | None = None) -> None:
+    """A checkpoint (`checkpoint_bytes`, or `need`) against the free space of `directory` (the output directory;
+    a checkpoint is written whole before the previous one is rotated out).
+
+    Raises:
+        ResourceLimitError: not enough free space (the need, the free bytes, the fix).
+    """
+    need = checkpoint_bytes(trainer) if need is None else int(need)
+    check_need(need, disk_free(directory), f"a checkpoint in {directory!r}",
+               "free space there, set TrainingArguments.save_total_limit (fewer checkpoints kept), point output_dir "
+               "at a larger disk, or save_only_model=True (no optimizer states: no exact resume)")
+
+
+def memlock_note(pin: bool) -> str | None:
+    """A line about RLIMIT_MEMLOCK when it is finite and the run page-locks host memory (the CUDA driver's
+    page-locking is not bounded by it: nothing to enforce), else None."""
+    lim = memlock_limit()
+    if lim is None or not pin:
+        return None
+    return (f"RLIMIT_MEMLOCK is {format_bytes(lim.bytes)}; the executor page-locks host memory through the CUDA "
+            "driver (cudaHostRegister, pinned copies), which that limit does not bound")
