@@ -53,9 +53,6 @@ class LazyTrainingArguments(TrainingArguments):
                 problems.append(f"optim={self.optim!r} cannot update parameters streamed from host memory; use "
                                 f"optim='{OPTIM_NAME}' (lazytrain_config.state_dtype='fp32' gives plain fp32 AdamW "
                                 "states) or lazytrain_config.policy='none'.")
-            if self.label_smoothing_factor:
-                problems.append("label_smoothing_factor > 0 is not supported by the executor's chunked loss; set "
-                                "it to 0 or lazytrain_config.policy='none'.")
         if str(getattr(self.optim, "value", self.optim)) == OPTIM_NAME and self.optim_args:
             # here, not when train() creates the optimizer: by then the executor has copied the model to host memory
             problems.extend(_optim_args_problems(self.optim_args))
