@@ -139,6 +139,8 @@ class LazyTrainerMixin:
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self.executor is None:
             return super()._wrap_model(model, training, dataloader)
+        if not training and self.user_loss_model is not None:
+            return self.user_loss_model  # evaluation's compute_loss: the HF model's name, loss and logits, no grad
         return self.streaming_model
 
     @staticmethod

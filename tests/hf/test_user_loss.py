@@ -77,7 +77,8 @@ class LazyReference(ReferenceLoss, LazyTrainer):
     pass
 
 
-def _pair(tmp_path, stock_cls=Trainer, lazy_cls=LazyTrainer, arch="qwen3-tiny", trainer_kw=None, **kw):
+def _pair(tmp_path, stock_cls=Trainer, lazy_cls=LazyTrainer, arch="qwen3-tiny", trainer_kw=None, lazy_cfg=None,
+          **kw):
     model = load_model(arch, "float32", seed=3)
     ds = _dataset(model.config.vocab_size)
     stock = stock_cls(model=copy.deepcopy(model), args=TrainingArguments(**_common(tmp_path, "stock",
@@ -85,7 +86,7 @@ def _pair(tmp_path, stock_cls=Trainer, lazy_cls=LazyTrainer, arch="qwen3-tiny", 
                       train_dataset=ds, data_collator=_collate, **(trainer_kw or {}))
     stock.train()
     lazy = lazy_cls(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy", **kw),
-                                                            lazytrain_config=dict(EXACT)),
+                                                            lazytrain_config={**EXACT, **(lazy_cfg or {})}),
                     train_dataset=ds, data_collator=_collate, **(trainer_kw or {}))
     lazy.train()
     return stock, lazy
@@ -103,9 +104,13 @@ def _assert_equal_runs(stock, lazy):
             assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
 
 
-@pytest.mark.parametrize("arch", ["qwen3-tiny", "qwen3-tiny-untied"])
-def test_a_compute_loss_override_trains_as_with_the_stock_trainer(tmp_path, arch):
-    stock, lazy = _pair(tmp_path, StockWeighted, LazyWeighted, arch=arch)
+@pytest.mark.parametrize("arch, placement", [("qwen3-tiny", "gpu"), ("qwen3-tiny-untied", "host_embedding"),
+                                             ("qwen3-tiny", "host")])
+def test_a_compute_loss_override_trains_as_with_the_stock_trainer(tmp_path, arch, placement):
+    """Every placement of the embedding / LM head: the head's gradient reaches a host head after the loss's
+    backward, the embedding's after the layers'."""
+    stock, lazy = _pair(tmp_path, StockWeighted, LazyWeighted, arch=arch, lazy_cfg={"resident_placement": placement})
+    assert lazy.executor.resident.placement == placement
     assert lazy.user_loss == ["compute_loss of WeightedLoss"]
     assert lazy.calls == stock.calls == 6  # 3 steps x 2 micro-batches
     _assert_equal_runs(stock, lazy)
@@ -117,9 +122,18 @@ def test_a_compute_loss_with_a_no_grad_reference_forward_trains_as_with_the_stoc
 
 
 def test_compute_loss_func_trains_as_with_the_stock_trainer(tmp_path):
-    stock, lazy = _pair(tmp_path, trainer_kw={"compute_loss_func": z_loss_func})
+    stock, lazy = _pair(tmp_path, trainer_kw={"compute_loss_func": z_loss_func}, include_num_input_tokens_seen="all")
     assert lazy.user_loss == ["compute_loss_func"]
     _assert_equal_runs(stock, lazy)
+    assert lazy.state.num_input_tokens_seen == stock.state.num_input_tokens_seen > 0
+
+
+def test_neftune_noise_trains_as_with_the_stock_trainer(tmp_path):
+    """NEFTune's forward hook on the embedding runs in the executor's embedding lookup, once per micro-batch."""
+    stock, lazy = _pair(tmp_path, neftune_noise_alpha=5.0)
+    _assert_equal_runs(stock, lazy)
+    plain = [h["loss"] for h in _pair(tmp_path / "plain")[0].state.log_history if "loss" in h]
+    assert not math.isclose(plain[0], _logs(stock, "loss")[0], rel_tol=1e-5)  # the noise changes the loss
 
 
 def test_label_smoothing_trains_as_with_the_stock_trainer(tmp_path):
@@ -141,6 +155,19 @@ def test_the_default_loss_stays_the_executors_chunked_loss(tmp_path, monkeypatch
     assert lazy.user_loss == [] and lazy.user_loss_model is None
     lazy.train()
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("stock_cls, lazy_cls, kw", [(StockWeighted, LazyWeighted, {}),
+                                                     (Trainer, LazyTrainer, {"label_smoothing_factor": 0.1})])
+def test_evaluation_computes_the_users_loss(tmp_path, stock_cls, lazy_cls, kw):
+    model = load_model("qwen3-tiny", "float32", seed=9)
+    ds = _dataset(model.config.vocab_size, n=6)
+    ref = stock_cls(model=copy.deepcopy(model), args=TrainingArguments(**_common(tmp_path, "ref", **kw)),
+                    eval_dataset=ds, data_collator=_collate).evaluate()
+    lazy = lazy_cls(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy", **kw),
+                                                            lazytrain_config=dict(EXACT)),
+                    eval_dataset=ds, data_collator=_collate).evaluate()
+    assert math.isclose(lazy["eval_loss"], ref["eval_loss"], rel_tol=1e-5)
 
 
 class NoModelCall:
