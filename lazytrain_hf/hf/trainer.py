@@ -81,11 +81,11 @@ class LazyTrainerMixin:
             #: the Gated DeltaNet kernels the model runs ("fla", "torch"; None: no linear-attention layers)
             self.linear_attention_kernel = select_linear_attention(self.model, self.args.device)
             return
-        if (self.args.bf16 or self.args.fp16) and any(p.dtype == torch.float32 for p in self.model.parameters()):
-            logger.warning("bf16/fp16=True does not autocast inside the LazyTrain executor: it computes in the "
-                           "model's own dtype (float32 here). Load the model in bfloat16 (from_pretrained(..., "
-                           "dtype=torch.bfloat16) or lazytrain_hf.models.load_model(name, 'bfloat16')) for bf16 "
-                           "training, or set bf16=False to silence this.")
+        fp32_weights = any(p.dtype == torch.float32 for p in self.model.parameters())
+        if self.args.fp16 and fp32_weights:
+            logger.warning("fp16=True does not autocast inside the LazyTrain executor (no gradient scaler): it "
+                           "computes in the model's own dtype (float32 here). Use bf16=True for 16-bit compute over "
+                           "fp32 weights, load the model in float16, or set fp16=False to silence this.")
         device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
         if device.type == self.args.device.type and device.index is None:
             device = self.args.device  # "cuda" means this rank's GPU (cuda:LOCAL_RANK under accelerate / torchrun)
@@ -96,6 +96,11 @@ class LazyTrainerMixin:
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
         self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
+        if self.args.bf16 and fp32_weights:  # as the stock Trainer's autocast: fp32 master weights, bf16 matmuls
+            self.executor.autocast_dtype = torch.bfloat16
+            logger.info("LazyTrain: bf16=True over float32 weights: the decoder layers compute under bfloat16 "
+                        "autocast, the weights and their updates stay float32; the executor's chunked LM head and "
+                        "loss compute in float32")
         dp = self.executor.dp
         mode = "sharded" if self.executor.shard is not None else "replicated"
         logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "

@@ -143,8 +143,10 @@ class StreamedCausalLM(nn.Module):
                                                        self.sync_gradients))
             anchor = torch.empty(0, device=ex.device, requires_grad=True)
             h = _StreamedStack.apply(anchor, self.pending)
-            hidden = ex.base.norm(h)
-            logits = ex.resident.head_module()(hidden[:, _keep(logits_to_keep, hidden.shape[1]), :])
+            dtype = ex.autocast_dtype
+            with torch.autocast(ex.device.type, dtype=dtype, enabled=dtype is not None):  # as the layers ran
+                hidden = ex.base.norm(h)
+                logits = ex.resident.head_module()(hidden[:, _keep(logits_to_keep, hidden.shape[1]), :])
         loss = None
         if labels is not None:
             loss = self.module.loss_function(logits=logits, labels=labels.to(logits.device),

@@ -220,6 +220,8 @@ class StreamingExecutor:
         self._flush_hook = None  # the optimizer's load_state_dict pre-hook that applies pending updates first
         self.device_updater = DeviceUpdater(self)  # GPU-side updates (optimizer_device "gpu")
         self.reuse_slots = True  # Note [slot reuse]: on unless switched off (tests compare both)
+        #: run the decoder layers under torch.autocast to this dtype (bf16 compute over fp32 weights); None: off
+        self.autocast_dtype: torch.dtype | None = None
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
                                                      self.config.activation_tier, self.config.prefetch_depth))
@@ -543,7 +545,9 @@ class StreamingExecutor:
         return sink[0][0], [(a, k) for _, a, k in sink]
 
     def _run(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
-        out = slot.module(x, *call[0], **call[1])
+        # forward, recompute and re-forward alike, so that a recomputed input equals the forward's
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out = slot.module(x, *call[0], **call[1])
         return out[0] if isinstance(out, tuple) else out
 
     def _row_chunks(self, B: int) -> list[tuple[int, int]]:
