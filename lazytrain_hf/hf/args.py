@@ -50,9 +50,6 @@ class LazyTrainingArguments(TrainingArguments):
                 problems.append("gradient_checkpointing=True conflicts with the LazyTrain executor, which owns "
                                 "recomputation (lazytrain_config.policy=" + repr(cfg.policy) + "). Set "
                                 "gradient_checkpointing=False, or lazytrain_config.policy='none' for the plain path.")
-            if self.label_smoothing_factor:
-                problems.append("label_smoothing_factor > 0 is not supported by the executor's chunked loss; set "
-                                "it to 0 or lazytrain_config.policy='none'.")
         if str(getattr(self.optim, "value", self.optim)) == OPTIM_NAME and self.optim_args:
             # here, not when train() creates the optimizer: by then the executor has copied the model to host memory
             problems.extend(_optim_args_problems(self.optim_args))

@@ -32,6 +32,7 @@ from .longrun import LongRunCallback
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
+from .user_loss import StreamedCausalLM, user_loss_reasons
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
 
@@ -74,9 +75,7 @@ class LazyTrainerMixin:
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
             check_supported(model.config)
-            if kwargs.get("compute_loss_func") is not None:
-                raise ValueError("compute_loss_func is not supported by the executor's chunked loss; remove it or "
-                                 "set lazytrain_config.policy='none'")
+            _refuse_forward_options(model, args)
             # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
             # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
         super().__init__(model, args, *pos, **kwargs)
@@ -89,11 +88,11 @@ class LazyTrainerMixin:
             #: the Gated DeltaNet kernels the model runs ("fla", "torch"; None: no linear-attention layers)
             self.linear_attention_kernel = select_linear_attention(self.model, self.args.device)
             return
-        if (self.args.bf16 or self.args.fp16) and any(p.dtype == torch.float32 for p in self.model.parameters()):
-            logger.warning("bf16/fp16=True does not autocast inside the LazyTrain executor: it computes in the "
-                           "model's own dtype (float32 here). Load the model in bfloat16 (from_pretrained(..., "
-                           "dtype=torch.bfloat16) or lazytrain_hf.models.load_model(name, 'bfloat16')) for bf16 "
-                           "training, or set bf16=False to silence this.")
+        fp32_weights = any(p.dtype == torch.float32 for p in self.model.parameters())
+        if self.args.fp16 and fp32_weights:
+            logger.warning("fp16=True does not autocast inside the LazyTrain executor (no gradient scaler): it "
+                           "computes in the model's own dtype (float32 here). Use bf16=True for 16-bit compute over "
+                           "fp32 weights, load the model in float16, or set fp16=False to silence this.")
         device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
         if device.type == self.args.device.type and device.index is None:
             device = self.args.device  # "cuda" means this rank's GPU (cuda:LOCAL_RANK under accelerate / torchrun)
@@ -106,12 +105,26 @@ class LazyTrainerMixin:
         self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         peft_support.check_optimizer(self.executor, args)
+        if self.args.bf16 and fp32_weights:  # as the stock Trainer's autocast: fp32 master weights, bf16 matmuls
+            self.executor.autocast_dtype = torch.bfloat16
+            logger.info("LazyTrain: bf16=True over float32 weights: the decoder layers compute under bfloat16 "
+                        "autocast, the weights and their updates stay float32; the executor's chunked LM head and "
+                        "loss compute in float32")
         dp = self.executor.dp
         mode = "sharded" if self.executor.shard is not None else "replicated"
         logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "
                     f"({dp.backend}), {mode} optimizer updates" if dp is not None
                     else "one process (no data parallelism)")
         self.streaming_model = StreamingModel(self.executor)
+        #: what defines the loss when it is not the executor's chunked cross-entropy (hf/user_loss.py)
+        self.user_loss: list[str] = user_loss_reasons(self, Trainer.compute_loss)
+        #: the model `compute_loss` receives in training when `user_loss` is not empty
+        self.user_loss_model: StreamedCausalLM | None = None
+        if self.user_loss:
+            self.user_loss_model = StreamedCausalLM(self.executor)
+            logger.info("LazyTrain: the loss is the user's (%s): the streamed layers run behind compute_loss with "
+                        "full [B, T, V] logits instead of the executor's chunked cross-entropy",
+                        ", ".join(self.user_loss))
         self.plans = RunPlans(self)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.meter = StepMeter(sum(p.numel() for p in params if p.requires_grad), device,
@@ -162,6 +175,8 @@ class LazyTrainerMixin:
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self.executor is None:
             return super()._wrap_model(model, training, dataloader)
+        if not training and self.user_loss_model is not None:
+            return self.user_loss_model  # evaluation's compute_loss: the HF model's name, loss and logits, no grad
         return self.streaming_model
 
     @staticmethod
@@ -232,24 +247,28 @@ class LazyTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
         unknown = set(inputs) - _SUPPORTED_INPUTS
-        if unknown:
+        if self.user_loss_model is not None:  # compute_loss takes the batch, the model forward checks what it gets
+            pass
+        elif unknown:
             raise ValueError(f"the LazyTrain executor takes {sorted(_SUPPORTED_INPUTS)} but the batch also has "
                              f"{sorted(unknown)}; drop those columns (remove_unused_columns=True) or use "
                              "lazytrain_config.policy='none'")
-        if "labels" not in inputs:
+        if "labels" not in inputs and self.user_loss_model is None:
             raise ValueError("the batch has no `labels`; the executor trains causal LMs with a labels column "
                              "(-100 = ignored), e.g. from DataCollatorForLanguageModeling(mlm=False)")
         inputs = self._prepare_inputs(inputs)
-        labels = inputs["labels"]
         # Ranks' gradients are SUMMED (streaming/comm.py), so the denominator is global: DDP's average of the
         # ranks' losses (each x world when the token count is already global, as Trainer.compute_loss does).
         world = self.executor.dp.world if self.executor.dp is not None else 1
-        if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+        if self.user_loss_model is not None:
+            denominator = num_items_in_batch  # compute_loss's own argument; it normalizes its loss itself
+        elif num_items_in_batch is not None and self.model_accepts_loss_kwargs:
             denominator = num_items_in_batch  # token-weighted over the whole accumulation window, as HF
             if not self.args.average_tokens_across_devices:
                 denominator = denominator * world  # a per-rank count: the ranks' losses are averaged
         else:  # per-micro-batch mean, scaled for accumulation as the Trainer does
-            denominator = shift_labels(labels).ne(-100).sum().clamp(min=1) * self.current_gradient_accumulation_steps
+            denominator = shift_labels(inputs["labels"]).ne(-100).sum().clamp(min=1) * \
+                self.current_gradient_accumulation_steps
             denominator = denominator * world
         sync = self.accelerator.sync_gradients
         window = self._window
@@ -275,19 +294,57 @@ class LazyTrainerMixin:
             self._recover(miss)  # outside the handler: the failed pass's frames (and tensors) are gone
         window.items.append((inputs, denominator, sync))
         self.meter.add_tokens(inputs["input_ids"].numel())  # this rank's tokens: per-GPU tokens/s and TFLOPS
-        return loss.detach().to(self.args.device) * world  # the logged loss: the mean over ranks, as HF logs it
+        return loss.detach().to(self.args.device)
 
     def _microbatch(self, inputs: dict[str, Any], denominator: Any, sync: bool) -> torch.Tensor:
-        """One micro-batch's forward and backward under the plan of its sequence-length bucket."""
-        labels = inputs["labels"]
-        self.plans.for_batch(labels.shape[1])
-        loss = self.executor.forward_backward(inputs["input_ids"], labels, inputs.get("attention_mask"),
-                                              inputs.get("position_ids"), denominator=denominator,
-                                              sync_gradients=sync)
+        """One micro-batch's forward and backward under the plan of its sequence-length bucket; returns the loss
+        to log (this rank's; the Trainer averages the ranks')."""
+        self.plans.for_batch(inputs["input_ids"].shape[1])
+        world = self.executor.dp.world if self.executor.dp is not None else 1
+        if self.user_loss_model is not None:
+            loss = self._user_loss_microbatch(inputs, denominator, sync, world)
+        else:
+            loss = self.executor.forward_backward(inputs["input_ids"], inputs["labels"], inputs.get("attention_mask"),
+                                                  inputs.get("position_ids"), denominator=denominator,
+                                                  sync_gradients=sync) * world  # the mean over ranks, as HF logs it
         x = self.executor.stats.extra
         skipped = getattr(self._inner_optimizer(self.optimizer), "last_step_skipped", False)
         self.plans.microbatch_done(x.get("cpu_update_ms"), x.get("cpu_update_params"), skipped)
         return loss
+
+    def _user_loss_microbatch(self, inputs: dict[str, Any], num_items_in_batch: Any, sync: bool,
+                              world: int) -> torch.Tensor:
+        """The stock `training_step`'s loss and backward, with `compute_loss` given the streamed model."""
+        facade = self.user_loss_model
+        facade.sync_gradients = sync
+        facade.train(self.model.training)
+        facade.pending = None
+        try:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(facade, dict(inputs), num_items_in_batch=num_items_in_batch)
+            run = facade.pending
+            if run is None:
+                raise RuntimeError(f"{type(self).__name__}.compute_loss never called the model with gradients "
+                                   "enabled; the LazyTrain executor trains through that call")
+            scaled = getattr(self, "loss_is_scaled_for_ga", None)
+            if scaled is None:  # as the stock Trainer decides it
+                scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                    self.compute_loss_func is not None
+            if not scaled:
+                loss = loss / self.current_gradient_accumulation_steps
+            if not loss.requires_grad:
+                raise RuntimeError(f"the loss {type(self).__name__}.compute_loss returned does not require grad")
+            # ranks' gradients are summed (streaming/comm.py); DDP averages them
+            (loss / world if world > 1 else loss).backward()
+            if run.state != "backward":
+                raise RuntimeError(f"the loss {type(self).__name__}.compute_loss returned does not depend on the "
+                                   "model's output (its backward never reached the decoder layers)")
+            run.finish(self.executor)
+        finally:
+            if facade.pending is not None and facade.pending.state != "done":
+                facade.pending.close()  # an exception: the executor is cleaned up by abort_microbatch
+            facade.pending = None
+        return loss.detach()
 
     # ---- out-of-memory recovery (hf/recovery.py) -----------------------------------------------------------
     def _recover(self, miss: Any) -> None:
@@ -362,6 +419,29 @@ class LazyTrainerMixin:
         if self.executor is not None and "loss" in logs and self.meter.last:
             logs = {**logs, **self.meter.last}
         super().log(logs, *args, **kwargs)
+
+
+def _refuse_forward_options(model: nn.Module, args: Any) -> None:
+    """Options acting on a forward the executor never calls: refused when the trainer is built.
+
+    Raises:
+        ValueError: naming the option and the fix.
+    """
+    fix = "or train with lazytrain_config policy 'none' (the stock Trainer path)"
+    if getattr(args, "torch_compile", False):
+        raise ValueError("torch_compile=True compiles the model's forward, which the LazyTrain executor never calls "
+                         f"(it streams the decoder layers itself); set torch_compile=False, {fix}")
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError("use_liger_kernel=True patches the model's modules and its fused loss into the model's "
+                         f"forward, which the LazyTrain executor does not run; set use_liger_kernel=False, {fix}")
+    hooked = [n for n, hooks in (("forward hooks", model._forward_hooks), ("forward pre-hooks",
+              model._forward_pre_hooks)) if hooks]
+    if "forward" in vars(model):
+        hooked.append("an instance-level forward")
+    if hooked:
+        raise ValueError(f"the model has {' and '.join(hooked)} on {type(model).__name__}: the LazyTrain executor "
+                         "runs the embedding, decoder layers and head itself and never calls the model's forward. "
+                         "Move that logic into compute_loss (it runs, with the streamed model), remove it, " + fix)
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:

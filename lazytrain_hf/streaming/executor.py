@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -234,6 +235,8 @@ class StreamingExecutor:
         self._flush_hook = None  # the optimizer's load_state_dict pre-hook that applies pending updates first
         self.device_updater = DeviceUpdater(self)  # GPU-side updates (optimizer_device "gpu")
         self.reuse_slots = True  # Note [slot reuse]: on unless switched off (tests compare both)
+        #: run the decoder layers under torch.autocast to this dtype (bf16 compute over fp32 weights); None: off
+        self.autocast_dtype: torch.dtype | None = None
         self.schedule: Schedule = None  # type: ignore[assignment]
         self.set_schedule(schedule or fixed_schedule(self.num_layers, self.config.checkpoint_every,
                                                      self.config.activation_tier, self.config.prefetch_depth))
@@ -564,7 +567,10 @@ class StreamingExecutor:
 
     def _run(self, slot: Slot, x: torch.Tensor, call: tuple[tuple, dict], key: tuple[int, int] | None = None
              ) -> torch.Tensor:
-        with self._rng.replay(key, self.model.training):
+        # forward, recompute and re-forward alike (the same autocast, the same dropout masks), so that a recomputed
+        # input equals the forward's
+        with self._rng.replay(key, self.model.training), \
+                torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = slot.module(x, *call[0], **call[1])
         return out[0] if isinstance(out, tuple) else out
 
@@ -628,6 +634,32 @@ class StreamingExecutor:
         Returns:
             The micro-batch loss, an fp32 scalar on the compute device (detached).
         """
+        targets = shift_labels(labels.to(self.device))
+        if denominator is None:
+            denominator = targets.ne(-100).sum().clamp(min=1)
+        run = self.stream_pass(input_ids, attention_mask, position_ids, sync_gradients)
+        h = next(run)
+        loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
+                                  denominator, self.config.loss_chunk_tokens)
+        self.resident.head_backward_done()
+        del h
+        run.send(g)
+        next(run, None)
+        return loss
+
+    def stream_pass(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None, sync_gradients: bool = True,
+                    ) -> Generator[torch.Tensor | None, torch.Tensor | None, None]:
+        """One micro-batch's streamed forward and backward with the head left to the caller, as a generator.
+
+        Protocol (`forward_backward` drives it with the chunked loss; hf/user_loss.py with any autograd loss):
+        ``h = next(run)``: the forward; `h` is the last decoder layer's output [B, T, H] (before the final norm),
+        detached, on the compute device. ``run.send(g)`` with g = dL/dh: the layers' backward (parameter gradients
+        added to the host accumulators); it returns before the embedding's backward. The caller then finishes the
+        head's backward (its autograd, then `resident.head_backward_done()`) and calls ``next(run, None)``: the
+        embedding's backward, the resident gradients' reduction, the gradient flush and `stats`. A run closed early
+        (an exception) leaves work to `abort_microbatch`.
+        """
         if self.shard is not None and self.updater is None:
             raise RuntimeError("sharded data-parallel updates (lazytrain_config.dp_updates 'sharded', or 'auto' "
                                "with overlap_optimizer) need the optimizer attached (attach_optimizer; LazyTrainer "
@@ -635,9 +667,6 @@ class StreamingExecutor:
                                "the updates. Attach it, or set dp_updates='replicated'")
         t0 = time.perf_counter()
         lay = self.schedule.layers
-        targets = shift_labels(labels.to(self.device))
-        if denominator is None:
-            denominator = targets.ne(-100).sum().clamp(min=1)
         train = self.model.training
         for s in self.streamer.slots:
             s.module.train(train)
@@ -677,9 +706,7 @@ class StreamingExecutor:
                 self.streamer.release(slot)
                 if i == self.num_layers - 1:
                     self.device_updater.release_staging()  # every GPU-side update ran at its layer's forward load
-                    loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
-                                              denominator, self.config.loss_chunk_tokens)
-                    self.resident.head_backward_done()
+                    g = yield h  # the caller's head: dL/dh
                     del h
             elif op == "load":
                 inputs = {i: self.stash.get(i)}
@@ -719,6 +746,7 @@ class StreamingExecutor:
                 if not self.frozen[i]:  # a frozen layer's adapter gradients went to the resident parameters' .grad
                     self.grads.push(grad_slot, i)
                 self.streamer.release(slot)
+        yield None  # the caller finishes the head's backward
         if h0.requires_grad:  # embedding gradient (and anything else before layer 0); none if those are frozen
             h0.backward(g)
         self.resident.finish(g if self.resident.embed_on_host and self.resident.embed.weight.requires_grad else None)
@@ -732,7 +760,6 @@ class StreamingExecutor:
             d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
             weight_loads=self.streamer.loads - loads0, recomputed_layers=recomputed,
             seconds=time.perf_counter() - t0, extra=extra)
-        return loss
 
     @contextlib.contextmanager
     def _weight_refs(self, slot: Slot):

@@ -1,0 +1,161 @@
+"""The user's loss over the streamed model: `compute_loss` overrides, `compute_loss_func`, label smoothing.
+
+`StreamedCausalLM` is the model a `compute_loss` receives. Its forward runs the executor's streamed decoder stack
+as one autograd node (`_StreamedStack`): the forward streams the layers without grad (keeping only the plan's
+checkpoints and retained layers), then the final norm and the LM head run under ordinary autograd and return a
+`CausalLMOutputWithPast` with the full logits, as the HF model does. The backward of whatever loss the caller
+computed reaches the node with dL/d(last hidden state), and the node streams the layers backward from it
+(`StreamingExecutor.stream_pass`). The embedding's backward and the gradient flush run when the trainer finishes
+the pass after `loss.backward()` (`UserLossPass.finish`).
+
+Memory: the logits are materialized whole, [B, T, V] in the head's dtype, plus whatever fp32 copies the loss makes
+(HF's cross-entropy upcasts: 4 more bytes per logit, and its gradient as much again): at B x T = 16k tokens and a
+152k vocabulary that is 10 GB in bf16 before the loss. The executor's own chunked loss (no `compute_loss`
+override) never holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+__all__ = ["StreamedCausalLM", "UserLossPass", "user_loss_reasons"]
+
+#: keyword arguments of an HF causal LM's forward that change nothing here
+_IGNORED_KWARGS = {"use_cache", "return_dict", "output_attentions", "cache_position"}
+
+
+def user_loss_reasons(trainer: Any, stock_compute_loss: Any) -> list[str]:
+    """What makes the loss the user's rather than the executor's cross-entropy: a `compute_loss` other than the
+    stock Trainer's, `compute_loss_func`, `label_smoothing_factor` > 0. Empty: the executor's chunked loss runs."""
+    out = []
+    method = type(trainer).compute_loss
+    if method is not stock_compute_loss:
+        out.append(f"compute_loss of {method.__qualname__.rsplit('.', 1)[0]}")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        out.append("compute_loss_func")
+    if getattr(trainer, "label_smoother", None) is not None:
+        out.append(f"label_smoothing_factor={trainer.args.label_smoothing_factor}")
+    return out
+
+
+class UserLossPass:
+    """One streamed pass in flight: the generator of `StreamingExecutor.stream_pass` and where it stands
+    ("forward": waiting for dL/dh; "backward": layers done, head and embedding to finish)."""
+
+    def __init__(self, run: Generator) -> None:
+        self.run = run
+        self.state = "start"
+
+    def forward(self) -> torch.Tensor:
+        h = next(self.run)
+        self.state = "forward"
+        return h
+
+    def backward(self, grad: torch.Tensor) -> None:
+        self.run.send(grad.contiguous())
+        self.state = "backward"
+
+    def finish(self, executor: Any) -> None:
+        """After the loss's backward: the head's gradient to where it lives, then the embedding's backward."""
+        executor.resident.head_backward_done()
+        next(self.run, None)
+        self.state = "done"
+
+    def close(self) -> None:
+        self.run.close()
+        self.state = "done"
+
+
+class _StreamedStack(torch.autograd.Function):
+    """Decoder stack as one autograd node: forward streams the layers, backward streams them backward from dL/dh.
+    `anchor` is a fresh leaf requiring grad, so that the node is in the graph (the layers' parameters are not
+    autograd inputs: their gradients go to the executor's host accumulators)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, run: UserLossPass) -> torch.Tensor:
+        ctx.run = run
+        return run.forward()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.run.backward(grad)
+        return None, None
+
+
+class StreamedCausalLM(nn.Module):
+    """The HF causal LM as `compute_loss` sees it while the executor trains it: `model(**inputs)` returns what the
+    HF model returns (`loss` when given `labels`, full `logits`), and the loss's backward streams the layers.
+
+    One forward with grad per micro-batch (the executor streams one pass at a time); forwards under
+    `torch.no_grad()` (e.g. a reference model's log-probabilities) run before it, or after the trainer finished it.
+
+    Args:
+        executor: the StreamingExecutor over `executor.model`.
+    """
+
+    def __init__(self, executor: Any) -> None:
+        super().__init__()
+        self.module = executor.model
+        self.executor = executor
+        self.pending: UserLossPass | None = None
+        #: all-reduce the resident gradients after the pass (data parallel; the trainer sets it per micro-batch)
+        self.sync_gradients = True
+
+    @property
+    def config(self) -> Any:
+        return self.module.config
+
+    def _get_name(self) -> str:  # the Trainer's label smoother shifts labels for causal-LM class names
+        return self.module._get_name()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.module.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.module.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
+        loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels")
+                       if k in kwargs}
+        unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None
+                         and not (k == "output_hidden_states" and v is False))
+        if unknown:
+            raise ValueError(f"the LazyTrain executor's model forward takes input_ids, attention_mask, position_ids, "
+                             f"labels and logits_to_keep, but compute_loss passed {unknown}; drop them or train with "
+                             "lazytrain_config policy 'none' (the stock Trainer path)")
+        if self.pending is not None and self.pending.state != "done":
+            raise RuntimeError("compute_loss ran the model a second time while its first forward's backward is still "
+                               "to come: the executor streams one pass per micro-batch. Run the other forwards (e.g. "
+                               "reference log-probabilities) under torch.no_grad(), before the forward with grad")
+        ex = self.executor
+        if not torch.is_grad_enabled():
+            _, logits = ex.forward_inference(input_ids, attention_mask, None, position_ids)
+            logits = logits[:, _keep(logits_to_keep, logits.shape[1]), :]
+        else:
+            self.pending = UserLossPass(ex.stream_pass(input_ids, attention_mask, position_ids,
+                                                       self.sync_gradients))
+            anchor = torch.empty(0, device=ex.device, requires_grad=True)
+            h = _StreamedStack.apply(anchor, self.pending)
+            dtype = ex.autocast_dtype
+            with torch.autocast(ex.device.type, dtype=dtype, enabled=dtype is not None):  # as the layers ran
+                hidden = ex.base.norm(h)
+                logits = ex.resident.head_module()(hidden[:, _keep(logits_to_keep, hidden.shape[1]), :])
+        loss = None
+        if labels is not None:
+            loss = self.module.loss_function(logits=logits, labels=labels.to(logits.device),
+                                             vocab_size=self.config.vocab_size, **loss_kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _keep(logits_to_keep: int | torch.Tensor, T: int) -> slice | torch.Tensor:
+    """HF's `logits_to_keep`: an int keeps the last n positions (0: all), a tensor the given positions."""
+    if isinstance(logits_to_keep, int):
+        return slice(-logits_to_keep, None) if logits_to_keep else slice(0, T)
+    return logits_to_keep
