@@ -186,8 +186,8 @@ def test_the_schedules_rows_per_pass_is_what_the_executor_runs(monkeypatch):
     ex = StreamingExecutor(model, LazyTrainConfig(max_rows_per_pass=2), "cpu", sched)
     rows = []
     run = StreamingExecutor._run
-    monkeypatch.setattr(StreamingExecutor, "_run", lambda self, slot, x, call: rows.append(x.shape[0]) or
-                        run(self, slot, x, call))
+    monkeypatch.setattr(StreamingExecutor, "_run", lambda self, slot, x, call, key=None: rows.append(x.shape[0]) or
+                        run(self, slot, x, call, key))
     loss = ex.forward_backward(ids, labels, mask)
     assert set(rows) == {1}
     assert rel_err(loss, ref_loss) < 1e-6
