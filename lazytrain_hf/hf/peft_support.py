@@ -16,7 +16,7 @@ import torch
 from ..streaming.executor import StreamingExecutor
 from .register import OPTIM_NAME
 
-__all__ = ["is_hybrid8", "check_optimizer", "clip_resident", "frozen_costs"]
+__all__ = ["is_hybrid8", "check_optimizer", "clip_resident", "frozen_costs", "frozen_layout"]
 
 
 def is_hybrid8(optimizer: Any) -> bool:
@@ -61,3 +61,12 @@ def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
         return {}
     adapters = {id(p): p.numel() for b in store.buffers for _, p in b.resident}
     return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values())}
+
+
+def frozen_layout(executor: StreamingExecutor) -> dict[str, Any] | None:
+    """The frozen layout a plan depends on (`planning.schedule.plan_inputs`' `frozen`): the frozen decoder layers'
+    indices and the trainable parameters they keep resident, or None when every layer trains."""
+    costs = frozen_costs(executor)
+    if not any(costs.get("frozen", ())):
+        return None
+    return {"layers": [i for i, f in enumerate(costs["frozen"]) if f], "adapter_params": int(costs["adapter_params"])}
