@@ -98,6 +98,7 @@ class LazyTrainerMixin:
         # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
         self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
+        peft_support.check_quantized(self.model)
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         peft_support.check_optimizer(self.executor, args)
         dp = self.executor.dp
