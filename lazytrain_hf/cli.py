@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "train", "COMMANDS"]
+__all__ = ["main", "train", "COMMANDS", "lora_config", "merged_model"]
 
 logger = logging.getLogger("lazytrain_hf")
 
@@ -34,6 +34,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 def train(args: argparse.Namespace) -> int:
     """Fine-tune per recipe, save a HF checkpoint to <output_dir>/final, evaluate exact match, write metrics.json.
+
+    A recipe with a peft section trains LoRA adapters (`get_peft_model` around the loaded model): <output_dir>/final
+    then holds the adapter as PEFT writes it, and with peft.merge_on_save <output_dir>/merged the merged plain model.
 
     Every input problem (recipe keys, data files, schema, architecture, conflicting flags) is raised before the
     model loads or training starts. On SIGTERM / SIGINT training stops at the next optimizer step with a complete
@@ -66,8 +69,19 @@ def train(args: argparse.Namespace) -> int:
                          f"vocab_size={config.vocab_size}; pick a model whose vocabulary covers the tokenizer "
                          "(e.g. qwen3-tiny-vocab with the qwen-offline tokenizer)")
     train_ds = tokenize_for_sft(train_raw, tokenizer, d.max_length)
+    lora = lora_config(recipe.peft) if recipe.peft is not None else None
 
     model = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed)
+    if lora is not None:
+        from peft import get_peft_model
+
+        try:
+            model = get_peft_model(model, lora)
+        except (ValueError, TypeError, KeyError) as e:  # e.g. target_modules naming no module of this model
+            raise ValueError(f"peft: cannot wrap {recipe.model.name_or_path!r} with this LoraConfig: "
+                             f"{str(e).splitlines()[0]}") from e
+        trainable, total = model.get_nb_trainable_parameters()
+        logger.info("LoRA: %d trainable parameters of %d (%.3f%%)", trainable, total, 100 * trainable / max(total, 1))
     trainer = LazyTrainer(model=model, args=targs, train_dataset=train_ds,
                           data_collator=make_collator(tokenizer, pad_to_multiple_of=8), processing_class=tokenizer)
     resume: Any = args.resume
@@ -96,12 +110,20 @@ def train(args: argparse.Namespace) -> int:
     if not trainer.is_world_process_zero():  # data parallel: the other ranks are done (rank 0 evaluates, reports)
         return 0
     tokenizer.save_pretrained(str(final))
+    merged = None
+    if lora is not None and recipe.merge_on_save:
+        model = merged_model(trainer, model)
+        merged = out / "merged"
+        model.save_pretrained(str(merged))
+        tokenizer.save_pretrained(str(merged))
     metrics: dict[str, Any] = {
         "recipe": recipe.path, "model": recipe.model.name_or_path, "train": result.metrics,
         "train_wall_s": round(time.perf_counter() - t0, 2), "checkpoint": str(final),
         "log_history": trainer.state.log_history,
         "lazytrain_config": targs.lazytrain_config,
     }
+    if merged is not None:
+        metrics["merged_checkpoint"] = str(merged)
     if test_raw is not None:
         eval_model, device = _model_for_generation(trainer, model)
         metrics["eval"] = evaluate_exact_match(eval_model, tokenizer, test_raw, recipe.eval.max_new_tokens,
@@ -112,6 +134,30 @@ def train(args: argparse.Namespace) -> int:
     print(json.dumps({"checkpoint": str(final), "metrics": str(path), "train_loss": result.metrics.get("train_loss"),
                       "exact_match": metrics.get("eval", {}).get("exact_match")}))
     return 0
+
+
+def lora_config(values: dict[str, Any]) -> Any:
+    """The `peft.LoraConfig` of a recipe's peft section (`Recipe.peft`).
+
+    Raises:
+        ValueError: PEFT refuses the combination of values (its message, named as the recipe's peft section).
+    """
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**values)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"peft: {str(e).splitlines()[0]}") from e
+
+
+def merged_model(trainer: Any, model: Any) -> Any:
+    """The trained PEFT model with its LoRA weights merged into the base (`merge_and_unload`): a plain transformers
+    model, on the CPU, whose `save_pretrained` output `from_pretrained` loads. The executor is closed first (its
+    host copies are the model's parameters)."""
+    ex = getattr(trainer, "executor", None)
+    if ex is not None:
+        ex.close()
+    return model.to("cpu").merge_and_unload()
 
 
 def _preflight(recipe: Any, resume: str | None) -> None:

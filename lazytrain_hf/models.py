@@ -67,6 +67,22 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                          tie_word_embeddings=False)),
 }
 
+#: Large shapes for adapter training (LoRA / QLoRA benchmarks), from the public configs of Qwen/Qwen2.5-32B and
+#: meta-llama/Meta-Llama-3-70B.
+ARCHITECTURES.update({
+    "qwen2.5-32b": ("qwen2", dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                                  num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "llama3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                 max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                 hidden_act="silu", attention_bias=False, mlp_bias=False,
+                                 bos_token_id=128000, eos_token_id=128001,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "llama-tiny": ("llama", dict(_TINY, tie_word_embeddings=False)),
+})
+
 
 def resolve_config(name_or_path: str, **overrides: Any):
     """A transformers `PretrainedConfig` for a registry name, a Hub id or a local path.

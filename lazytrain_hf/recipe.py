@@ -8,6 +8,8 @@ Sections (unknown keys anywhere are an error, listed all at once before any mode
     eval:      {enabled, max_new_tokens, batch_size, limit}
     training:  any transformers TrainingArguments field (output_dir, learning_rate, ...)
     lazytrain: LazyTrainConfig groups (planning: {policy, ...}, memory: {...}, ...) or their keys alone (policy, ...)
+    peft:      PEFT `LoraConfig` fields (r, lora_alpha, lora_dropout, target_modules, modules_to_save, task_type
+               (default CAUSAL_LM), ...) and merge_on_save; present: the model is wrapped with `get_peft_model`
 
 `--set section.key=value` overrides on the command line (values parsed as YAML scalars); a lazytrain key may be
 grouped or flat (`--set lazytrain.planning.policy=milp`, `--set lazytrain.policy=milp`) and replaces the recipe's
@@ -30,7 +32,7 @@ import yaml
 
 from .config import FLAT_KEYS, GROUPS, SIZE_FIELDS, LazyTrainConfig, config_fields, did_you_mean
 
-__all__ = ["Recipe", "load_recipe", "training_argument_fields"]
+__all__ = ["Recipe", "load_recipe", "training_argument_fields", "lora_config_fields"]
 
 
 @dataclass
@@ -84,6 +86,10 @@ class Recipe:
     eval: EvalSection = field(default_factory=EvalSection)
     training: dict[str, Any] = field(default_factory=dict)
     lazytrain: dict[str, Any] = field(default_factory=dict)
+    #: `LoraConfig` keyword arguments (task_type filled in), or None: no PEFT section, the whole model trains
+    peft: dict[str, Any] | None = None
+    #: after training, also write the LoRA-merged plain model (`merge_and_unload`) to <output_dir>/merged
+    merge_on_save: bool = False
     path: str | None = None
 
     @property
@@ -182,6 +188,101 @@ def training_argument_annotations() -> dict[str, str]:
             for f in dataclasses.fields(TrainingArguments)}
 
 
+def _peft_source_classes() -> dict[str, Any] | None:
+    """{class name: ast.ClassDef} of PEFT's config classes, read from its source without importing it (importing
+    peft costs seconds with torch and transformers), or None when the source cannot be read."""
+    try:
+        spec = importlib.util.find_spec("peft")
+        root = Path(next(iter(spec.submodule_search_locations)))
+        classes = {}
+        for rel in ("tuners/lora/config.py", "config.py", "utils/peft_types.py"):
+            classes.update({n.name: n for n in ast.parse((root / rel).read_text()).body if isinstance(n, ast.ClassDef)})
+        return classes
+    except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, TypeError, ValueError):
+        return None
+
+
+#: LoraConfig fields PEFT sets itself (a recipe may not)
+_PEFT_INTERNAL = frozenset({"peft_type", "auto_mapping", "peft_version"})
+
+
+def lora_config_fields() -> set[str]:
+    """The `peft.LoraConfig` fields a recipe's peft section may set (those PEFT sets itself left out)."""
+    classes = _peft_source_classes()
+    names: set[str] = set()
+    if classes is not None:
+        for cls in ("LoraConfig", "PeftConfig", "PeftConfigMixin"):
+            if cls not in classes:
+                names = set()
+                break
+            names |= {n.target.id for n in classes[cls].body
+                      if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    if not names:
+        from peft import LoraConfig
+
+        names = {f.name for f in dataclasses.fields(LoraConfig)}
+    return names - _PEFT_INTERNAL
+
+
+def _peft_task_types() -> list[str]:
+    """`peft.TaskType`'s values (from its source, else imported)."""
+    classes = _peft_source_classes()
+    if classes is not None and "TaskType" in classes:
+        values = [n.value.value for n in classes["TaskType"].body if isinstance(n, ast.Assign)
+                  and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
+        if values:
+            return values
+    from peft import TaskType
+
+    return [t.value for t in TaskType]
+
+
+def _is_names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _check_peft(values: Any, problems: list[str]) -> tuple[dict[str, Any] | None, bool]:
+    """The peft section as `LoraConfig` keyword arguments (task_type defaulting to CAUSAL_LM) and merge_on_save;
+    every problem appended to `problems`."""
+    if values is None:
+        return None, False
+    if not isinstance(values, dict):
+        problems.append(f"the peft section must be a mapping of LoraConfig fields, but got {values!r}")
+        return None, False
+    values = dict(values)
+    merge = values.pop("merge_on_save", False)
+    if not isinstance(merge, bool):
+        merge = _YAML11_BOOLS.get(str(merge).strip().lower(), merge)
+        if not isinstance(merge, bool):
+            problems.append(f"peft.merge_on_save must be true or false, but got {merge!r}")
+    known = lora_config_fields()
+    bad = sorted(set(values) - known)
+    if bad:
+        problems.append(f"unknown key(s) {[f'peft.{k}' for k in bad]}: not peft.LoraConfig fields; valid: "
+                        f"{sorted(known | {'merge_on_save'})}" + did_you_mean(bad, known | {"merge_on_save"}, "peft"))
+    values = {k: v for k, v in values.items() if k in known}
+    values = _read_bool_words(values, {"use_rslora", "use_dora", "inference_mode", "fan_in_fan_out"})
+    checks = {
+        "r": (lambda v: _number(v, True) and v >= 1, "a positive integer"),
+        "lora_alpha": (lambda v: _number(v, False) and v > 0, "a positive number"),
+        "lora_dropout": (lambda v: _number(v, False) and 0 <= v < 1, "a number in [0, 1)"),
+        "target_modules": (lambda v: v is None or isinstance(v, str) or _is_names(v),
+                           'a list of module names, a regex, or "all-linear"'),
+        "modules_to_save": (lambda v: v is None or _is_names(v), "a list of module names (e.g. [lm_head])"),
+    }
+    for k, (ok, wanted) in checks.items():
+        if k in values and not ok(values[k]):
+            problems.append(f"peft.{k} must be {wanted}, but got {values[k]!r}")
+    values.setdefault("task_type", "CAUSAL_LM")
+    tasks = _peft_task_types()
+    if isinstance(values["task_type"], str) and values["task_type"].upper() in tasks:
+        values["task_type"] = values["task_type"].upper()
+    if values["task_type"] not in tasks:
+        problems.append(f"peft.task_type must be one of {tasks}, but got {values['task_type']!r}"
+                        + did_you_mean([str(values["task_type"])], tasks, "peft.task_type"))
+    return values, merge is True
+
+
 _LAZY_BOOLS = {f.name for _, f in config_fields() if f.type == "bool"}
 
 
@@ -244,7 +345,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         node[keys[-1]] = value
 
     problems: list[str] = []
-    allowed_sections = set(_SECTIONS) | {"training", "lazytrain"}
+    allowed_sections = set(_SECTIONS) | {"training", "lazytrain", "peft"}
     for sec in sorted(set(raw) - allowed_sections):
         problems.append(f"unknown section {sec!r}; allowed: {sorted(allowed_sections)}")
     parts: dict[str, Any] = {}
@@ -298,6 +399,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     except (ValueError, FileNotFoundError) as e:  # named as the recipe names them: lazytrain.<key>
         text = str(e).replace("lazytrain_config.", "lazytrain.").replace("lazytrain_config key", "lazytrain key")
         problems.append(text.replace("\n", "\n    "))
+    peft, merge_on_save = _check_peft(raw.get("peft"), problems)
     if problems:
         raise ValueError(f"Invalid recipe {p}:\n  - " + "\n  - ".join(problems))
-    return Recipe(training=training, lazytrain=lazy, path=str(p), **parts)
+    return Recipe(training=training, lazytrain=lazy, peft=peft, merge_on_save=merge_on_save, path=str(p), **parts)

@@ -16,12 +16,33 @@ import torch
 from ..streaming.executor import StreamingExecutor
 from .register import OPTIM_NAME
 
-__all__ = ["is_hybrid8", "check_optimizer", "clip_resident", "frozen_costs"]
+__all__ = ["is_hybrid8", "check_quantized", "check_optimizer", "clip_resident", "frozen_costs", "frozen_layout"]
 
 
 def is_hybrid8(optimizer: Any) -> bool:
     """Whether `optimizer` reads the executor's gradient buffers (`Hybrid8bitOptimizer`)."""
     return callable(getattr(optimizer, "set_grad_source", None))
+
+
+#: bitsandbytes' quantized parameter classes: packed weights whose quantization state (absmax, code, SCB) is an
+#: attribute of the parameter object, not a tensor the layer streaming moves
+_QUANTIZED_PARAMS = ("Params4bit", "Int8Params")
+
+
+def check_quantized(model: torch.nn.Module) -> None:
+    """Refuse, before training, a base quantized with bitsandbytes (`BitsAndBytesConfig(load_in_4bit=True)` or
+    8-bit): the executor's slots would run every layer with the quantization state of the layer they were built
+    from.
+
+    Raises:
+        ValueError: naming the first quantized parameter and the fixes.
+    """
+    for name, p in model.named_parameters():
+        if type(p).__name__ in _QUANTIZED_PARAMS:
+            raise ValueError(f"the layer-streaming executor cannot stream bitsandbytes-quantized weights yet ({name} "
+                             f"is {type(p).__name__}): load the base in bfloat16 for LoRA through LazyTrainer, or "
+                             "set lazytrain_config.policy='none' to train the quantized model on the stock path "
+                             "(the whole model on the GPU).")
 
 
 def check_optimizer(executor: StreamingExecutor, args: Any) -> None:
@@ -64,3 +85,14 @@ def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
     parts = executor.resident
     return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
             "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}
+
+
+def frozen_layout(executor: StreamingExecutor) -> dict[str, Any] | None:
+    """The frozen layout a plan depends on (`planning.schedule.plan_inputs`' `frozen`): the frozen decoder layers'
+    indices, the trainable parameters they keep resident and a frozen embedding / LM head, or None when everything
+    trains."""
+    costs = frozen_costs(executor)
+    if not any(costs.get("frozen", ())):
+        return None
+    return {"layers": [i for i, f in enumerate(costs["frozen"]) if f], "adapter_params": int(costs["adapter_params"]),
+            "embed": bool(costs["frozen_embed"]), "head": bool(costs["frozen_head"])}

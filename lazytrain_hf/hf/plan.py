@@ -80,7 +80,8 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
         keep_gpu_grads=cfg.keep_gpu_grads, gradient_accumulation_steps=trainer.args.gradient_accumulation_steps,
         loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype, master_weights=cfg.master_weights,
         block_size=cfg.block_size, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
-        max_buckets=cfg.plan_buckets if cfg.policy == "milp" else 1)
+        max_buckets=cfg.plan_buckets if cfg.policy == "milp" else 1,
+        frozen=peft_support.frozen_layout(trainer.executor))
     if machine["ranks_per_host"] > 1 and not cfg.host_memory_budget:
         logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)",
                     request.budgets.host_bytes / GIB, machine["ranks_per_host"])

@@ -103,6 +103,7 @@ class LazyTrainerMixin:
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
         preflight.check_host_before_pinning(self)  # the executor page-locks weights, gradients, then states
         self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
+        peft_support.check_quantized(self.model)
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         peft_support.check_optimizer(self.executor, args)
         if self.args.bf16 and fp32_weights:  # as the stock Trainer's autocast: fp32 master weights, bf16 matmuls

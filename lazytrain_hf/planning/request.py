@@ -77,6 +77,8 @@ class PlanRequest:
         loss_chunk_tokens, state_dtype, master_weights, block_size: the optimizer and loss layout.
         time_limit_s, mip_rel_gap: the MILP's limits.
         name: the model's name in cost models.
+        frozen: the frozen layout (`plan_inputs`' `frozen`: frozen layer indices, resident adapter parameters), or
+            None when every decoder layer trains.
     """
 
     model_config: Mapping[str, Any]
@@ -99,6 +101,7 @@ class PlanRequest:
     time_limit_s: float = 10.0
     mip_rel_gap: float = 0.01
     name: str = ""
+    frozen: Mapping[str, Any] | None = None
 
     def inputs(self, seq_len: int | None = None) -> dict[str, Any]:
         """`planning.schedule.plan_inputs` for `seq_len` (default: the longest): budgets as asked."""
@@ -109,7 +112,7 @@ class PlanRequest:
                            loss_chunk_tokens=self.loss_chunk_tokens, state_dtype=self.state_dtype,
                            master_weights=self.master_weights, block_size=self.block_size,
                            gpu_memory_margin=b.margin, fixed=dict(self.fixed), kept_grads=self.kept_grads,
-                           resident=self.resident)
+                           resident=self.resident, frozen=None if self.frozen is None else dict(self.frozen))
 
     def fingerprint(self, seq_len: int | None = None) -> str:
         """The fingerprint of `inputs(seq_len)`."""
@@ -138,7 +141,7 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                     keep_gpu_grads: bool = True, gradient_accumulation_steps: int = 1, loss_chunk_tokens: int = 2048,
                     state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                     time_limit_s: float = 10.0, mip_rel_gap: float = 0.01, max_buckets: int = 1,
-                    name: str = "") -> PlanRequest:
+                    name: str = "", frozen: Mapping[str, Any] | None = None) -> PlanRequest:
     """The `PlanRequest` for a run, with every default resolved: budgets (`resolve_budgets`), master weights "auto"
     planned as fp32, kept gradients only with one micro-batch per optimizer step (accumulated gradients are summed on
     the host), the fixed knobs' defaults, and `max_buckets` sequence-length buckets (powers of two up to `seq_len`,
@@ -154,7 +157,7 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                        kept_grads=bool(keep_gpu_grads) and gradient_accumulation_steps == 1,
                        loss_chunk_tokens=loss_chunk_tokens, state_dtype=state_dtype,
                        master_weights="fp32" if master_weights == "auto" else master_weights, block_size=block_size,
-                       time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap, name=name)
+                       time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap, name=name, frozen=frozen)
 
 
 def same_tokens_batch(batch_size: int, accumulation: int, fits: int) -> tuple[int, int]:

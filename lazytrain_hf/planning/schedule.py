@@ -186,18 +186,20 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
                 gpu_optimizer: bool = True, loss_chunk_tokens: int = 2048, state_dtype: str = "8bit",
                 master_weights: str = "fp32", block_size: int = 256, gpu_memory_margin: float = 0.12,
                 fixed: dict[str, Any] | None = None, kept_grads: bool = True,
-                resident: str = "auto") -> dict[str, Any]:
+                resident: str = "auto", frozen: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a plan depends on, by name: the one definition of a schedule's fingerprint, shared by the
     `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the user asked for them (before the GPU
     margin), None where the default was taken: the defaults are resolved differently by the CLI (the profile's
     total memory, free disk) and the Trainer (free GPU memory at plan time), so a plan made with `lazytrain-hf plan`
     and defaults matches the Trainer's run with the same defaults. `hardware`: `HardwareProfile.to_dict()`;
     `fixed`: the fixed policy's knobs (policy "fixed" only); `resident`: the embedding / LM head placement asked
-    for ("auto": the planner's choice)."""
+    for ("auto": the planner's choice); `frozen`: the frozen layout of a run with frozen decoder layers (LoRA:
+    {"layers": frozen layer indices, "adapter_params": trainable parameters kept resident by them}), None when every
+    layer trains (an input only then, so full-training fingerprints do not depend on it)."""
     def size(b: int | None) -> int | None:
         return None if b is None else int(b)
 
-    return {
+    inputs = {
         "model": _model_identity(model_config), "batch_size": batch_size, "seq_len": seq_len,
         "gpu_bytes": size(gpu_bytes), "host_bytes": size(host_bytes), "nvme_bytes": size(nvme_bytes),
         "hardware": {k: v for k, v in hardware.items() if k not in _HARDWARE_TEXT},
@@ -206,6 +208,9 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
         "master_weights": master_weights, "block_size": block_size, "gpu_memory_margin": float(gpu_memory_margin),
         "kept_grads": bool(kept_grads), "resident": resident,
     }
+    if frozen is not None:
+        inputs["frozen"] = dict(frozen)
+    return inputs
 
 
 def _model_identity(config: dict[str, Any]) -> dict[str, Any]:

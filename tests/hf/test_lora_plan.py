@@ -1,0 +1,69 @@
+"""A plan's fingerprint includes the frozen layout: a schedule planned for full training, loaded into a LoRA run with
+`schedule_path`, is used with a warning naming the frozen layout (and the reverse); full-training fingerprints do not
+depend on it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lazytrain_hf import LazyTrainer, LazyTrainingArguments
+from lazytrain_hf.models import load_model
+from lazytrain_hf.planning.schedule import differing_inputs, input_hashes, plan_fingerprint, plan_inputs
+
+from .test_lora import _lora
+from .test_trainer import EXACT, _collate, _common
+from .tiny_data import tiny_dataset
+
+peft = pytest.importorskip("peft")
+
+
+def test_the_frozen_layout_is_a_plan_input_only_when_layers_are_frozen():
+    args = (dict(model_type="qwen2", hidden_size=64), 2, 64, None, None, None, {"h2d_gbps": 50.0})
+    full = plan_inputs(*args)
+    assert "frozen" not in full and plan_inputs(*args, frozen=None) == full
+    lora = plan_inputs(*args, frozen={"layers": [0, 1, 2, 3], "adapter_params": 1000})
+    assert plan_fingerprint(lora) != plan_fingerprint(full)
+    assert differing_inputs(input_hashes(full), lora) == ["frozen"]
+    other = plan_inputs(*args, frozen={"layers": [0, 1, 2, 3], "adapter_params": 2000})  # another rank r
+    assert differing_inputs(input_hashes(lora), other) == ["frozen"]
+
+
+def _trainer(tmp_path, name, model, **lazy):
+    return LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, name, max_steps=1),
+                                                               lazytrain_config={**EXACT, **lazy}),
+                       train_dataset=tiny_dataset(model.config.vocab_size), data_collator=_collate)
+
+
+def _schedule_of(tmp_path, name, model):
+    tr = _trainer(tmp_path, name, model, policy="milp")
+    tr.train()
+    path = tmp_path / f"{name}.json"
+    tr.executor.schedule.to_json(path)
+    return tr, path
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "planned for another run"
+            in r.getMessage()]
+
+
+def test_a_full_training_schedule_loaded_into_a_lora_run_warns_naming_the_frozen_layout(tmp_path, caplog):
+    full, full_path = _schedule_of(tmp_path, "full", load_model("qwen2-tiny", "float32", seed=3))
+    lora, lora_path = _schedule_of(tmp_path, "lora", _lora("qwen2-tiny"))
+    layout = lora.plans.request.frozen
+    adapters = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
+    assert layout == {"layers": [0, 1, 2, 3], "adapter_params": adapters} and full.plans.request.frozen is None
+
+    cases = [(_lora("qwen2-tiny"), full_path, True), (_lora("qwen2-tiny"), lora_path, False),
+             (load_model("qwen2-tiny", "float32", seed=3), lora_path, True),
+             (load_model("qwen2-tiny", "float32", seed=3), full_path, False)]
+    for i, (model, path, warns) in enumerate(cases):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lazytrain_hf.hf.plans"):
+            _trainer(tmp_path, f"run{i}", model, schedule_path=str(path)).train()
+        got = _warnings(caplog)
+        assert len(got) == int(warns), (i, got)
+        if warns:
+            assert "these inputs differ: frozen" in got[0], got[0]
