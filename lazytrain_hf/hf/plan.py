@@ -26,15 +26,21 @@ logger = logging.getLogger(__name__)
 
 
 def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
-    """(micro-batch size, longest sequence rounded up to `multiple`) of the trainer's training data."""
+    """(micro-batch size, longest sequence rounded up to `multiple`) of the trainer's training data; with
+    `DataCollatorWithFlattening` (one packed row per micro-batch) 1 row of the longest packing of
+    `per_device_train_batch_size` sequences."""
+    from ..streaming.packing import is_flattening_collator, packed_row_tokens
+
     B = trainer.args.per_device_train_batch_size
+    packed = is_flattening_collator(trainer.data_collator)
     ds = trainer.train_dataset
-    T = 1024
+    T = 1024 * (B if packed else 1)
     try:
-        T = max(len(x) for x in ds["input_ids"])
+        lengths = [len(x) for x in ds["input_ids"]]
+        T = packed_row_tokens(lengths, B) if packed else max(lengths)
     except (TypeError, KeyError, ValueError):
         logger.warning("cannot read input_ids lengths from the training data; planning for seq_len=%d", T)
-    return B, -(-T // multiple) * multiple
+    return (1 if packed else B), -(-T // multiple) * multiple
 
 
 def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:

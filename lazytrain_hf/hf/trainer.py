@@ -24,6 +24,7 @@ from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
+from ..streaming.packing import check_collator, prepare_batch
 from . import recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
@@ -66,6 +67,7 @@ class LazyTrainerMixin:
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
             check_supported(model.config)
+            check_collator(model.config, kwargs.get("data_collator", pos[0] if pos else None))
             if kwargs.get("compute_loss_func") is not None:
                 raise ValueError("compute_loss_func is not supported by the executor's chunked loss; remove it or "
                                  "set lazytrain_config.policy='none'")
@@ -198,6 +200,7 @@ class LazyTrainerMixin:
         if self.executor is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        inputs = prepare_batch(inputs, self.model.config)  # packed rows: boundary keys checked and dropped
         unknown = set(inputs) - _SUPPORTED_INPUTS
         if unknown:
             raise ValueError(f"the LazyTrain executor takes {sorted(_SUPPORTED_INPUTS)} but the batch also has "
