@@ -53,6 +53,10 @@ def train(args: argparse.Namespace) -> int:
     if targs.lazy_config.policy != "none":
         check_supported(config)
     d = recipe.data
+    if d.packing:
+        from .streaming.packing import check_packing_model
+
+        check_packing_model(config, "data.packing: true")
     train_raw = load_math_dataset(d.source, d.train_split, limit=d.train_limit, seed=d.seed, name=d.hub_config)
     test_raw = None
     if recipe.eval_split:
@@ -66,7 +70,8 @@ def train(args: argparse.Namespace) -> int:
 
     model = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed)
     trainer = LazyTrainer(model=model, args=targs, train_dataset=train_ds,
-                          data_collator=make_collator(tokenizer, pad_to_multiple_of=8), processing_class=tokenizer)
+                          data_collator=make_collator(tokenizer, pad_to_multiple_of=8, packing=d.packing),
+                          processing_class=tokenizer)
     resume: Any = args.resume
     if resume == "last":
         from transformers.trainer_utils import get_last_checkpoint

@@ -81,7 +81,6 @@ def test_packed_batch_equals_the_padded_batch(arch, attn, tmp_path):
     assert rel_err(ex.forward_backward(batch["input_ids"], batch["labels"], None, whole), ref_loss) > 1e-3
 
 
-
 def test_a_packed_batch_of_a_linear_attention_model_is_refused_with_the_fix(tmp_path):
     model = load_model("qwen3.5-tiny", "float32", seed=1)
     features = _features(model.config.vocab_size)
