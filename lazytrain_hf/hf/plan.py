@@ -95,7 +95,7 @@ def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
     from ..streaming.packing import is_flattening_collator, packed_row_tokens
 
     B = trainer.args.per_device_train_batch_size
-    packed = is_flattening_collator(trainer.data_collator)
+    packed = is_flattening_collator(getattr(trainer, "data_collator", None))
     ds = trainer.train_dataset
     T = 1024 * (B if packed else 1)
     try:
