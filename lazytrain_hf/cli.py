@@ -59,6 +59,10 @@ def train(args: argparse.Namespace) -> int:
     if targs.lazy_config.policy != "none":
         check_supported(config)
     d = recipe.data
+    if d.packing:
+        from .streaming.packing import check_packing_model
+
+        check_packing_model(config, "data.packing: true")
     train_raw = load_math_dataset(d.source, d.train_split, limit=d.train_limit, seed=d.seed, name=d.hub_config)
     test_raw = None
     if recipe.eval_split:
@@ -83,7 +87,8 @@ def train(args: argparse.Namespace) -> int:
         trainable, total = model.get_nb_trainable_parameters()
         logger.info("LoRA: %d trainable parameters of %d (%.3f%%)", trainable, total, 100 * trainable / max(total, 1))
     trainer = LazyTrainer(model=model, args=targs, train_dataset=train_ds,
-                          data_collator=make_collator(tokenizer, pad_to_multiple_of=8), processing_class=tokenizer)
+                          data_collator=make_collator(tokenizer, pad_to_multiple_of=8, packing=d.packing),
+                          processing_class=tokenizer)
     resume: Any = args.resume
     if resume == "last":
         from .hf.checkpoint import last_complete_checkpoint

@@ -48,6 +48,16 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # The 14B shapes, from the published config.json of Qwen/Qwen2.5-14B and Qwen/Qwen3-14B (as vendored in
+    # citsjtu2020/LLM-Prof sglang/Model_Config.md): Qwen2.5-14B keeps rms_norm_eps 1e-5, unlike the smaller Qwen2.5.
+    "qwen2.5-14b": ("qwen2", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                                  num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                                  max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-14b": ("qwen3", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                                num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # The Qwen3.5 / Qwen3.6 hybrid family (Gated DeltaNet linear attention, every 4th layer full attention with
     # an output gate), text configs as published on the Hub (Qwen/Qwen3.5-0.8B, -4B, -9B, Qwen/Qwen3.6-27B, whose
     # text shape is Qwen3.5-27B's). Unset fields are transformers' Qwen3_5TextConfig defaults, equal to the

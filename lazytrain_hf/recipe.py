@@ -4,7 +4,7 @@ Sections (unknown keys anywhere are an error, listed all at once before any mode
 
     model:     {name_or_path, dtype}
     tokenizer: {name_or_path}
-    data:      {source, hub_config, train_split, test_split, train_limit, test_limit, max_length, seed}
+    data:      {source, hub_config, train_split, test_split, train_limit, test_limit, max_length, packing, seed}
     eval:      {enabled, max_new_tokens, batch_size, limit}
     training:  any transformers TrainingArguments field (output_dir, learning_rate, ...)
     lazytrain: LazyTrainConfig groups (planning: {policy, ...}, memory: {...}, ...) or their keys alone (policy, ...)
@@ -56,7 +56,9 @@ class DataSection:
     """source: directory with {split}.jsonl, a JSONL file, or a Hub id (e.g. "openai/gsm8k" with
     hub_config "main", or "meta-math/MetaMathQA"). GSM8K (question/answer) or MetaMathQA (query/response).
     max_length: tokens per example (prompt + answer), truncated on the right.
-    train_limit / test_limit: rows to use (None: all); test_limit 0 skips the test-set evaluation."""
+    train_limit / test_limit: rows to use (None: all); test_limit 0 skips the test-set evaluation.
+    packing: concatenate each micro-batch's examples into one row without padding (transformers'
+    DataCollatorWithFlattening; attention and positions restart per example); not for Gated DeltaNet models."""
 
     source: str = "../shared/data/gsm8k"
     hub_config: str | None = None
@@ -65,6 +67,7 @@ class DataSection:
     train_limit: int | None = None
     test_limit: int | None = 100
     max_length: int = 512
+    packing: bool = False
     seed: int = 0
 
 

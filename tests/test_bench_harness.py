@@ -476,3 +476,40 @@ def test_budget_counts_from_the_given_start(tmp_path, monkeypatch, capsys):
     run.main(["--suite", "smoke", "--systems", "stock_trainer", "--budget-s", "60", "--data-dir", str(data),
               "--out", str(tmp_path / "b.json")], started=time.time() - 100)
     assert "budget: not starting stock_trainer" in capsys.readouterr().out
+
+
+def test_paper_suite_definition():
+    """The paper suite: the dense 3B-14B registry shapes under 24 and 80 GiB, LazyTrain (product defaults) and the
+    stock Trainer, the largest batch under 24 GiB searched, batch 32 (32k tokens per step) at every cap."""
+    from benchmarks import run, systems
+    from lazytrain_hf.models import ARCHITECTURES, resolve_config
+
+    suite = run.SUITES["paper"]
+    assert suite["models"] == ["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "qwen2.5-14b", "qwen3-14b"]
+    assert all(m in ARCHITECTURES and resolve_config(m).model_type in ("qwen2", "qwen3") for m in suite["models"])
+    assert suite["caps"] == [24, 80] and suite["max_batch_caps"] == [24] and suite["device"] == "cuda"
+    assert suite["systems"] == ["lazytrain_milp", "lazytrain_fixed", "stock_trainer"]
+    assert run._configuration(suite) == systems.PRODUCT_DEFAULTS
+    for cap in suite["caps"]:
+        assert set(suite["batch"][cap]) == set(suite["systems"]) == set(suite["timeout"])
+        assert all(32 in suite["batch"][cap][s] for s in suite["systems"])
+        assert suite["row_s"][cap] < min(suite["timeout"][s] for s in run.LT)
+
+
+@requires_gsm8k
+def test_paper_suite_cpu_smoke(tmp_path):
+    """The paper suite's machinery on a tiny dense shape: its three systems only, LazyTrain rows with the product's
+    defaults (lazytrain_config: the policy and the GPU budget), the stock Trainer beside them."""
+    from benchmarks import run
+
+    out = tmp_path / "paper.json"
+    run.main(["--suite", "paper", "--device", "cpu", "--models", "qwen3-tiny", "--caps", "none", "--seq-len", "32",
+              "--steps", "1", "--warmup", "1", "--batch-sizes", "2", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    rows = {r["system"]: r for r in doc["rows"]}
+    assert doc["suite"] == "paper" and set(rows) == {"lazytrain_milp", "lazytrain_fixed", "stock_trainer"}
+    for s, r in rows.items():
+        assert r["status"] == "ok", (s, r["reason"])
+    for s in run.LT:
+        assert rows[s]["extra"]["configuration"] == "product defaults"
+        assert rows[s]["extra"]["lazytrain_config"] == {"policy": s.split("_")[1]}

@@ -96,6 +96,24 @@ def test_data_with_neither_schema(tmp_path, capsys, no_model_load):
     assert "question" in err and "query" in err, err
 
 
+@requires_gsm8k
+def test_a_packed_recipe_trains(tmp_path):
+    small = _small(tmp_path) + ["--set", "data.packing=true", "--set", "data.test_limit=0",
+                                "--set", "training.save_strategy=no"]
+    assert cli.main(["train", "--config", str(RECIPE), *small]) == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    losses = [h["loss"] for h in metrics["log_history"] if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@requires_gsm8k
+def test_packing_a_linear_attention_model_is_refused_before_the_model_loads(tmp_path, capsys, no_model_load):
+    recipe = _write_recipe(tmp_path, model__name_or_path="qwen3.5-tiny", data__packing=True)
+    assert cli.main(["train", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "data.packing: true" in err and "Gated DeltaNet" in err and "data.packing: false" in err, err
+
+
 def test_unsupported_architecture_before_training(tmp_path, capsys, no_model_load, monkeypatch):
     from transformers import GPT2Config
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
 from ..sources import SCHEMA_HELP, SCHEMAS, local_data_file, match_schema
 
@@ -471,21 +471,25 @@ def tokenize_for_sft(
 def make_collator(
     tokenizer: PreTrainedTokenizerBase,
     pad_to_multiple_of: int | None = None,
-) -> DataCollatorForSeq2Seq:
+    packing: bool = False,
+) -> DataCollatorForSeq2Seq | DataCollatorWithFlattening:
     """Build the batch collator for :func:`tokenize_for_sft` output (transformers' ``DataCollatorForSeq2Seq``).
 
     Pads ``input_ids`` with the pad token, ``attention_mask`` with 0 and ``labels`` with -100, on the right,
     to the longest example in the batch (rounded up to ``pad_to_multiple_of``), and returns torch tensors of
-    shape ``[B, T]``.
+    shape ``[B, T]``. With ``packing``: transformers' ``DataCollatorWithFlattening`` instead, the batch's examples
+    concatenated into one row ``[1, N]`` without padding, ``position_ids`` restarting at each example and label
+    -100 at each example's first token (the models restrict attention to each example from the positions).
 
     Args:
         tokenizer (PreTrainedTokenizerBase): needs a pad token and ``padding_side == "right"`` (as
             :func:`load_tokenizer` returns it).
         pad_to_multiple_of (int | None, defaults to None): round the padded length up to a multiple of this
-            (8 or 64 suit tensor cores); None pads to the longest example only.
+            (8 or 64 suit tensor cores); None pads to the longest example only. Unused with ``packing``.
+        packing (bool, defaults to False): pack instead of padding.
 
     Returns:
-        DataCollatorForSeq2Seq: a callable ``list[dict] -> dict[str, torch.Tensor]``.
+        DataCollatorForSeq2Seq | DataCollatorWithFlattening: a callable ``list[dict] -> dict[str, torch.Tensor]``.
 
     Raises:
         ValueError: no pad token; left padding; or ``pad_to_multiple_of`` < 1.
@@ -502,6 +506,8 @@ def make_collator(
         )
     if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
         raise ValueError(f"make_collator: pad_to_multiple_of must be >= 1 or None, but got {pad_to_multiple_of}.")
+    if packing:
+        return DataCollatorWithFlattening(separator_id=IGNORE_INDEX, return_tensors="pt")
     return DataCollatorForSeq2Seq(
         tokenizer,
         padding=True,

@@ -22,21 +22,90 @@ from ..profiling.limits import disk_free, host_memory_limit
 from . import peft_support
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
-           "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError"]
+           "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError",
+           "plan_line", "bound_by", "optimizer_bound", "optimizer_bound_line", "EXPOSED_SHARE"]
 
 logger = logging.getLogger(__name__)
 
+#: the share of a step that exposed transfers or CPU optimizer updates may take before a plan is called bound by them
+EXPOSED_SHARE = 0.10
+
+
+def bound_by(predicted: dict[str, Any], gradient_accumulation_steps: int = 1) -> str:
+    """What a plan's optimizer step waits on: "CPU update" or "transfer" when that exposed part (the larger share)
+    exceeds `EXPOSED_SHARE`, else "compute". The CPU update is exposed once per optimizer step (`optimizer_bound`),
+    transfers in every micro-batch."""
+    step = float(predicted.get("step_ms") or 0.0)
+    opt = float(predicted.get("exposed_optimizer_ms") or 0.0)
+    k = max(1, int(gradient_accumulation_steps))
+    shares = {"CPU update": opt / (k * (step - opt) + opt) if step > 0 else 0.0,
+              "transfer": float(predicted.get("exposed_transfer_ms") or 0.0) / step if step > 0 else 0.0}
+    what, share = max(shares.items(), key=lambda kv: kv[1])
+    return what if share > EXPOSED_SHARE else "compute"
+
+
+def plan_line(schedule: Schedule, batch_size: int, seq_len: int, gradient_accumulation_steps: int = 1) -> str:
+    """One short line a person reads for a plan: sequence bucket, batch, predicted (micro-batch) step and tokens/s,
+    peak GPU and pinned host memory, and what bounds the optimizer step (`bound_by`; an exposed part in ms)."""
+    p = schedule.predicted
+    bound = bound_by(p, gradient_accumulation_steps)
+    key = {"CPU update": "exposed_optimizer_ms", "transfer": "exposed_transfer_ms"}.get(bound)
+    detail = f" ({p[key]:.0f} ms exposed)" if key else ""
+    return (f"LazyTrain plan seq {seq_len} x batch {batch_size}: step {p.get('step_ms', float('nan')):.1f} ms, "
+            f"{p.get('tokens_per_s', 0.0):,.0f} tokens/s, peak GPU {p.get('peak_gpu_bytes', 0) / GIB:.2f} GiB, "
+            f"host {p.get('pinned_host_bytes', 0) / GIB:.2f} GiB, bound by {bound}{detail}")
+
+
+def optimizer_bound(predicted: dict[str, Any], gradient_accumulation_steps: int,
+                    share: float = EXPOSED_SHARE) -> tuple[float, int] | None:
+    """(exposed share of the optimizer step, smallest gradient_accumulation_steps that brings it under `share`)
+    when the plan's exposed CPU optimizer update takes more than `share` of the optimizer step, else None.
+
+    The deferred CPU update of a step overlaps the next step's first micro-batch only, so it is exposed once per
+    optimizer step: with k micro-batches of c = step_ms - exposed_optimizer_ms each, the step takes k * c + e and the
+    share is e / (k * c + e); it is under `share` from k > e * (1 - share) / (share * c) on. A larger micro-batch
+    with the same sequences per step hides at least as much (more compute overlaps the same update)."""
+    e = float(predicted.get("exposed_optimizer_ms") or 0.0)
+    c = float(predicted.get("step_ms") or 0.0) - e
+    k = max(1, int(gradient_accumulation_steps))
+    if e <= 0 or c <= 0 or e <= share * (k * c + e):
+        return None
+    return e / (k * c + e), int(e * (1 - share) / (share * c)) + 1
+
+
+def optimizer_bound_line(predicted: dict[str, Any], per_device_batch: int, gradient_accumulation_steps: int,
+                         share: float = EXPOSED_SHARE) -> str | None:
+    """The log line for an optimizer-bound plan (`optimizer_bound`), or None when it is not: the exposed update per
+    optimizer step and the accumulation / sequences per optimizer step that would hide it."""
+    found = optimizer_bound(predicted, gradient_accumulation_steps, share)
+    if found is None:
+        return None
+    frac, k = found
+    e = float(predicted["exposed_optimizer_ms"])
+    ga = max(1, int(gradient_accumulation_steps))
+    step = ga * (float(predicted["step_ms"]) - e) + e
+    return (f"LazyTrain: optimizer-bound: the CPU optimizer update is predicted to stall {e:.0f} ms of each "
+            f"{step:.0f} ms optimizer step ({100 * frac:.0f}%); gradient_accumulation_steps={k} (now {ga}), or "
+            f"per_device_train_batch_size x gradient_accumulation_steps >= {per_device_batch * k} sequences per "
+            f"optimizer step (now {per_device_batch * ga}), hides it under {100 * share:.0f}%")
+
 
 def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
-    """(micro-batch size, longest sequence rounded up to `multiple`) of the trainer's training data."""
+    """(micro-batch size, longest sequence rounded up to `multiple`) of the trainer's training data; with
+    `DataCollatorWithFlattening` (one packed row per micro-batch) 1 row of the longest packing of
+    `per_device_train_batch_size` sequences."""
+    from ..streaming.packing import is_flattening_collator, packed_row_tokens
+
     B = trainer.args.per_device_train_batch_size
+    packed = is_flattening_collator(getattr(trainer, "data_collator", None))
     ds = trainer.train_dataset
-    T = 1024
+    T = 1024 * (B if packed else 1)
     try:
-        T = max(len(x) for x in ds["input_ids"])
+        lengths = [len(x) for x in ds["input_ids"]]
+        T = packed_row_tokens(lengths, B) if packed else max(lengths)
     except (TypeError, KeyError, ValueError):
         logger.warning("cannot read input_ids lengths from the training data; planning for seq_len=%d", T)
-    return B, -(-T // multiple) * multiple
+    return (1 if packed else B), -(-T // multiple) * multiple
 
 
 def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:
@@ -186,13 +255,9 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
                            gpu_budget_bytes=int(cm.gpu_bytes),
                            cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
                            fingerprint_inputs=input_hashes(inputs))
-    p = schedule.predicted
-    logger.info("MILP plan for batch %d x %d (%s rows per pass, embedding / LM head: %s): predicted step %.1f ms, "
-                "peak GPU %.2f GiB, solved in %.0f ms (gap %.2f%%)", request.batch_size, T,
-                rows or "all", resident,
-                p.get("step_ms", float("nan")), p.get("peak_gpu_bytes", 0) / GIB,
-                schedule.solver.get("solve_ms") or 0.0, 100 * (schedule.solver.get("mip_gap") or 0.0))
-    logger.debug("MILP plan details: solver %s, predicted %s", schedule.solver, schedule.predicted)
+    logger.debug("%s; %s rows per pass, embedding / LM head %s; solver %s, predicted %s",
+                 plan_line(schedule, request.batch_size, T), rows or "all", resident, schedule.solver,
+                 schedule.predicted)
     return schedule
 
 
@@ -226,7 +291,7 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
             return cm, "analytic"
         if cache is not None:
             cache[key] = measured
-        logger.info("measured layer costs at %d x %d: %s", r, T,
+        logger.debug("measured layer costs at %d x %d: %s", r, T,
                     {k: f"fwd {m.fwd_ms:.1f} ms, bwd {m.bwd_ms:.1f} ms, saved {(m.saved_bytes or 0) / GIB:.2f} GiB"
                      for k, m in measured.items()})
         break
@@ -290,12 +355,15 @@ def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
     except InfeasiblePlanError as e:
         raise trainer_error(trainer, e, placements[-1]) from None
     if len(tried) > 1:
-        logger.info("LazyTrain: planned %s; running %d rows per pass, embedding / LM head %s, for every "
-                    "sequence-length bucket", "; ".join(tried), longest.rows_per_pass, longest.resident)
+        logger.info("LazyTrain: %s rows per pass, embedding / LM head %s, for every sequence-length bucket (the "
+                    "fastest of %d tried)", longest.rows_per_pass or "all", longest.resident, len(tried))
+        logger.debug("LazyTrain: planned %s", "; ".join(tried))
     rates.update(resident=longest.resident, rows=longest.rows_per_pass)
     plans = {buckets[-1]: longest}
     for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is
         plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,), **rates)
+    for b in buckets:
+        logger.info(plan_line(plans[b], B, b, trainer.args.gradient_accumulation_steps))
     return BucketSchedules(plans)
 
 

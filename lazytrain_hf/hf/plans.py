@@ -121,6 +121,10 @@ class RunPlans:
                     sum(lp.retain for lp in s.layers), s.prefetch_depth,
                     s.rows_per_pass or cfg.max_rows_per_pass or "all", s.resident,
                     f", predicted step {predicted:.1f} ms" if predicted else "")
+        bound = plan.optimizer_bound_line(s.predicted, tr.args.per_device_train_batch_size,
+                                          tr.args.gradient_accumulation_steps)
+        if bound:
+            logger.warning(bound)
         return s
 
     def check_fingerprint(self, schedule: Schedule, path: str) -> None:

@@ -24,6 +24,7 @@ from ..planning.schedule import Schedule
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
+from ..streaming.packing import check_collator, prepare_batch
 from . import checkpoint, peft_support, preflight, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
@@ -75,6 +76,7 @@ class LazyTrainerMixin:
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
             check_supported(model.config)
+            check_collator(model.config, kwargs.get("data_collator", pos[0] if pos else None))
             _refuse_forward_options(model, args)
             # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
             # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
@@ -247,6 +249,7 @@ class LazyTrainerMixin:
         if self.executor is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        inputs = prepare_batch(inputs, self.model.config)  # packed rows: boundary keys checked and dropped
         unknown = set(inputs) - _SUPPORTED_INPUTS
         if self.user_loss_model is not None:  # compute_loss takes the batch, the model forward checks what it gets
             pass

@@ -52,6 +52,7 @@ from .device_updates import DeviceUpdater
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
+from .packing import check_packed
 from .resident import ResidentParts, initial_placement
 from .rng import LayerRng
 from .shard import ShardedUpdates
@@ -544,6 +545,7 @@ class StreamingExecutor:
     # ---- one micro-batch ---------------------------------------------------------------------------------
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        check_packed(self.model.config, attention_mask, position_ids)  # packed rows: streaming/packing.py
         sink: list = []
         attr_names = ("attention_type", "layer_idx", "layer_type")
         stubs = nn.ModuleList(

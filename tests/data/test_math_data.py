@@ -325,3 +325,14 @@ def test_map_cache_fingerprint_follows_arguments(gsm8k_sample, qwen_tokenizer):
     assert other_template[0]["input_ids"] != full[0]["input_ids"]
     assert len({full._fingerprint, short._fingerprint, other_template._fingerprint}) == 3
     assert tokenize_for_sft(ds, qwen_tokenizer, max_length=1024)._fingerprint == full._fingerprint
+
+
+def test_packing_collator_concatenates_without_padding(gsm8k_sample, qwen_tokenizer):
+    tokenized = tokenize_for_sft(gsm8k_sample.select(range(3)), qwen_tokenizer, max_length=1024)
+    features = [tokenized[i] for i in range(3)]
+    batch = make_collator(qwen_tokenizer, packing=True)(features)
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert batch["input_ids"][0].tolist() == [t for f in features for t in f["input_ids"]]
+    # the prompt is masked, so the labels are the examples' own: nothing of one example is trained from another
+    assert batch["labels"][0].tolist() == [t for f in features for t in f["labels"]]
+    assert batch["position_ids"][0].tolist() == [i for f in features for i in range(len(f["input_ids"]))]

@@ -1,0 +1,96 @@
+"""Plan logs a person reads: one short line per bucket plan, and one line when the run is optimizer-bound that
+names the accumulation / sequences per optimizer step that would hide the CPU update."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+from lazytrain_hf.hf import LazyTrainer, LazyTrainingArguments, plan
+from lazytrain_hf.models import load_model
+from lazytrain_hf.planning.fixed import fixed_schedule
+
+from .test_trainer import EXACT, _collate, _common, _dataset
+
+GIB = 1024**3
+
+
+def _predicted(step: float, opt: float, transfer: float = 0.0) -> dict:
+    return {"step_ms": step, "exposed_optimizer_ms": opt, "exposed_transfer_ms": transfer, "tokens_per_s": 4321.0,
+            "peak_gpu_bytes": int(21.3 * GIB), "pinned_host_bytes": int(80.5 * GIB)}
+
+
+def _share(p: dict, k: int) -> float:
+    """The exposed update's share of an optimizer step of k micro-batches (it is exposed once per step)."""
+    e = p["exposed_optimizer_ms"]
+    return e / (k * (p["step_ms"] - e) + e)
+
+
+def test_the_accumulation_named_is_the_smallest_that_hides_the_update():
+    for step, opt, ga in [(2000.0, 1270.0, 1), (2697.0, 303.0, 1), (400.0, 390.0, 3), (1000.0, 150.0, 1)]:
+        p = _predicted(step, opt)
+        share, k = plan.optimizer_bound(p, ga)
+        assert share == _share(p, ga) > plan.EXPOSED_SHARE
+        assert _share(p, k) < plan.EXPOSED_SHARE <= _share(p, k - 1), (step, opt, k)
+        assert k > ga
+
+
+def test_no_line_when_the_update_hides():
+    assert plan.optimizer_bound(_predicted(2000.0, 150.0), 1) is None  # 7.5% of the step
+    p = _predicted(2000.0, 1270.0)
+    _, k = plan.optimizer_bound(p, 1)
+    assert plan.optimizer_bound(p, k) is None and plan.optimizer_bound_line(p, 16, k) is None
+    assert plan.optimizer_bound(_predicted(2000.0, 0.0), 1) is None
+
+
+def test_the_optimizer_bound_line_says_what_to_change():
+    p = _predicted(2000.0, 1270.0)
+    share, k = plan.optimizer_bound(p, 2)
+    line = plan.optimizer_bound_line(p, 16, 2)
+    step = 2 * (2000.0 - 1270.0) + 1270.0
+    assert line.startswith("LazyTrain: optimizer-bound: ") and "\n" not in line and len(line) < 300, line
+    assert f"stall 1270 ms of each {step:.0f} ms optimizer step ({100 * share:.0f}%)" in line, line
+    assert f"gradient_accumulation_steps={k} (now 2)" in line, line
+    assert f">= {16 * k} sequences per optimizer step (now 32)" in line and "under 10%" in line, line
+
+
+def test_one_short_plan_line_names_what_bounds_the_step():
+    sched = fixed_schedule(4, 2, "gpu", 1)
+    sched.predicted = _predicted(2012.3, 1270.0, 40.0)
+    line = plan.plan_line(sched, 16, 512)
+    assert line == ("LazyTrain plan seq 512 x batch 16: step 2012.3 ms, 4,321 tokens/s, peak GPU 21.30 GiB, "
+                    "host 80.50 GiB, bound by CPU update (1270 ms exposed)")
+    sched.predicted = _predicted(1000.0, 20.0, 300.0)
+    assert plan.plan_line(sched, 16, 512).endswith("bound by transfer (300 ms exposed)")
+    sched.predicted = _predicted(1000.0, 60.0, 90.0)  # both under 10% of the step
+    assert plan.plan_line(sched, 16, 512).endswith("bound by compute")
+    sched.predicted = p = _predicted(2000.0, 1270.0)
+    _, k = plan.optimizer_bound(p, 1)  # the update is exposed once per optimizer step: enough accumulation hides it
+    assert plan.plan_line(sched, 16, 512, k - 1).endswith("bound by CPU update (1270 ms exposed)")
+    assert plan.plan_line(sched, 16, 512, k).endswith("bound by compute")
+
+
+def test_the_trainer_logs_one_line_per_bucket_and_the_optimizer_bound_fix(tmp_path, monkeypatch, caplog):
+    """A CPU optimizer far slower than the compute: the plans are optimizer-bound and the run says so once, with the
+    accumulation that the plan's own figures say hides the update; every INFO line of the planner is short."""
+    slow = dataclasses.replace(plan.H200_DEFAULTS, cpu_optim_params_per_s=2e6)
+    monkeypatch.setattr(plan, "H200_DEFAULTS", slow)
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    args = LazyTrainingArguments(**_common(tmp_path, "slow", max_steps=1, per_device_train_batch_size=4,
+                                           gradient_accumulation_steps=1),
+                                 lazytrain_config={**EXACT, "policy": "milp"})
+    t = LazyTrainer(model=model, args=args, train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
+    with caplog.at_level(logging.INFO, logger="lazytrain_hf"):
+        t.train()
+    records = [r for r in caplog.records if r.name.startswith("lazytrain_hf.hf.plan")]
+    info = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    buckets = t.plans.bucket_plans.buckets
+    lines = [m for m in info if m.startswith("LazyTrain plan seq ")]
+    assert [int(re.match(r"LazyTrain plan seq (\d+) x batch 4:", m).group(1)) for m in lines] == buckets, info
+    assert all("bound by CPU update" in m for m in lines), lines
+    assert all(len(m) < 200 and "{" not in m for m in info), info
+    bound = [r.getMessage() for r in records if "optimizer-bound" in r.getMessage()]
+    assert len(bound) == 1 and all(r.levelno == logging.WARNING for r in records if "optimizer-bound" in r.getMessage())
+    _, k = plan.optimizer_bound(t.plans.current.predicted, 1)
+    assert f"gradient_accumulation_steps={k} (now 1)" in bound[0], bound
