@@ -119,7 +119,8 @@ SUITES["lora"] = dict(device="cuda", models=[_LORA_MODEL], caps=[24, None], seq_
                       row_s={24: 240, None: 180})
 SUITES["lora-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                             systems=list(LORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
-                            batch={None: {s: [2] for s in LORA}}, timeout={s: 180 for s in LORA})
+                            batch={None: {**{s: [2] for s in LORA}, "lazytrain_lora": [1, 2]}},
+                            timeout={s: 240 for s in LORA})
 SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
                       batch={**SUITES["7b"]["batch"],
                              None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
