@@ -116,7 +116,7 @@ SUITES["lora"] = dict(device="cuda", models=[_LORA_MODEL], caps=[24, None], seq_
                       max_batch_caps=[None], max_batch_systems=["stock_trainer_lora"], max_batch_limit=32,
                       measure_max_batch=True,
                       timeout={"lazytrain_lora": 540, "stock_trainer_lora": 420, "fsdp2_cpu_offload_lora": 540},
-                      row_s={24: 240, None: 180})
+                      row_s={24: 300, None: 240})
 SUITES["lora-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                             systems=list(LORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
                             batch={None: {**{s: [2] for s in LORA}, "lazytrain_lora": [1, 2]}},
