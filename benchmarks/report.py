@@ -13,6 +13,11 @@ measured in the same results file, per batch 8-64, with the most recent file's p
 of the step; host bytes per parameter; pinned memory locked vs planned; MegaTrain's 152 TFLOPS at batch 32 as a
 reference). PNG (default benchmarks/results/<stem>.png): TFLOPS 6ND vs batch size per system, one panel per cap (a row
 of panels per model), out-of-memory batches marked x.
+
+LoRA rows (systems *_lora, suites lora / lora-smoke) get their own table (micro-batches per step, tokens per step,
+TFLOPS executed and model, host bytes per base parameter) and targets: LazyTrain-LoRA at 24 GiB >= 0.85x the tokens/s
+of the uncapped stock Trainer + PEFT (its best row, >= 32k tokens per optimizer step), the stock Trainer + PEFT out of
+memory at 24 GiB, host bytes per base parameter <= 2.1 (bf16 base).
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from typing import Any
 REF = "lazytrain_milp"
 ORDER = ("lazytrain_milp", "lazytrain_fixed", "stock_trainer", "stock_trainer_bnb8", "fsdp2_cpu_offload",
          "zero_offload")
+
+
+LORA_ORDER = ("lazytrain_lora", "stock_trainer_lora", "fsdp2_cpu_offload_lora")
+ORDER = (*ORDER, *LORA_ORDER)
 
 
 def _cap(c: Any) -> str:
@@ -128,6 +137,93 @@ def hybrid_table(rows: list[dict[str, Any]]) -> list[str]:
                    f"{_f(r['peak_gpu_gib'])} | {shown} | {err} | {extra.get('linear_attention_kernel') or '-'} | "
                    f"{ratio} | {_note(r, full)} |")
     return out + _notes_in_full(full)
+
+
+def lora_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The LoRA rows of one (model, cap): micro-batches per optimizer step, its tokens, tokens/s, TFLOPS executed
+    and model (worker.py's definitions), peak memory, host bytes per base parameter, trainable / total parameters."""
+    out = ["| system | batch | micro-batches / step | tokens / step | status | step s (p10-p90) | tokens/s | "
+           "TFLOPS exec | TFLOPS model | peak GPU GiB | peak RSS GiB | host B / base param | trainable / total params "
+           "| note |",
+           "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    full: dict[str, int] = {}
+    for r in rows:
+        e = r.get("extra") or {}
+        params = (f"{e['trainable_params']:,} / {e['total_params']:,}"
+                  if e.get("trainable_params") and e.get("total_params") else "-")
+        out.append(f"| {r['system']} | {r['batch_size']} | {e.get('gradient_accumulation_steps') or '-'} | "
+                   f"{e.get('tokens_per_step') or '-'} | {r['status']} | {_step(r)} | {_f(r['tokens_per_s'], 0)} | "
+                   f"{_f(r['tflops_executed'])} | {_f(e.get('tflops_model'))} | {_f(r['peak_gpu_gib'])} | "
+                   f"{_f(r['peak_host_rss_gib'])} | {_f(e.get('host_bytes_per_base_param'), 2)} | {params} | "
+                   f"{_note(r, full)} |")
+    return out + _notes_in_full(full)
+
+
+#: LoRA targets: LazyTrain-LoRA at this cap vs the uncapped stock Trainer + PEFT (tokens/s), at >= this many tokens
+#: per optimizer step; host bytes per base parameter of a bf16 base
+LORA_CAP, LORA_MIN_TOKENS, LORA_VS_STOCK, LORA_HOST_BYTES = 24, 32768, 0.85, 2.1
+
+
+def lora_targets(doc: dict[str, Any], model: str) -> list[str]:
+    """LoRA goals for `model`, each met / not met / not measured: lazytrain_lora at 24 GiB >= 0.85x the tokens/s of
+    the uncapped stock_trainer_lora (best ok rows with >= 32k tokens per optimizer step), stock_trainer_lora out of
+    memory at 24 GiB, and host bytes per base parameter <= 2.1 on every lazytrain_lora row (the largest decides)."""
+    rows = [r for r in doc["rows"] if r["model"] == model]
+
+    def best(system: str, cap: Any) -> dict[str, Any] | None:
+        ok = [r for r in rows if (r["system"], r["gpu_cap_gib"], r["status"]) == (system, cap, "ok")
+              and r["tokens_per_s"] and ((r.get("extra") or {}).get("tokens_per_step") or 0) >= LORA_MIN_TOKENS]
+        return max(ok, key=lambda r: r["tokens_per_s"], default=None)
+
+    def where(r: dict[str, Any]) -> str:
+        e = r.get("extra") or {}
+        return (f"B={r['batch_size']} x {e.get('gradient_accumulation_steps')}, {e.get('tokens_per_step')} tokens/step"
+                + (f", {r['source']}" if r.get("source") else ""))
+
+    out = [f"| target ({model}, LoRA) | measured | verdict |", "| --- | --- | --- |"]
+    lt, st = best("lazytrain_lora", LORA_CAP), best("stock_trainer_lora", None)
+    name = (f"{LORA_CAP} GiB: lazytrain_lora >= {LORA_VS_STOCK}x the uncapped stock_trainer_lora tokens/s "
+            f"(>= {LORA_MIN_TOKENS // 1024}k tokens per optimizer step)")
+    if lt and st:
+        v = lt["tokens_per_s"] / st["tokens_per_s"]
+        out.append(f"| {name} | {v:.2f}x ({lt['tokens_per_s']:,.0f} at {where(lt)} vs {st['tokens_per_s']:,.0f} at "
+                   f"{where(st)}) | {'met' if v >= LORA_VS_STOCK else 'not met'} |")
+    else:
+        out.append(f"| {name} | - | not measured |")
+    capped = [r for r in rows if (r["system"], r["gpu_cap_gib"]) == ("stock_trainer_lora", LORA_CAP)]
+    name = f"{LORA_CAP} GiB: stock_trainer_lora runs out of memory"
+    if capped:
+        oom = all(r["status"] == "oom" for r in capped)
+        shown = ", ".join(f"B={r['batch_size']}: {r['status']}" for r in sorted(capped, key=lambda r: r["batch_size"]))
+        out.append(f"| {name} | {shown} | {'met' if oom else 'not met'} |")
+    else:
+        out.append(f"| {name} | - | not measured |")
+    vals = [(e["host_bytes_per_base_param"], r) for r in rows if r["system"] == "lazytrain_lora" and r["status"] == "ok"
+            and (e := r.get("extra") or {}).get("host_bytes_per_base_param") is not None]
+    name = (f"host bytes per base parameter <= {LORA_HOST_BYTES} (lazytrain_lora, bf16 base; peak RSS less the CPU "
+            "tier's activation buffers)")
+    if vals:
+        v, r = max(vals, key=lambda x: x[0])
+        out.append(f"| {name} | {v:.2f} (largest: {_cap(r['gpu_cap_gib'])}, {where(r)}) | "
+                   f"{'met' if v <= LORA_HOST_BYTES else 'not met'} |")
+    else:
+        out.append(f"| {name} | - | not measured |")
+    return out
+
+
+#: how the LoRA rows count FLOPs (benchmarks/worker.py, systems.lora_flops)
+LORA_FLOPS_TEXT = (
+    "LoRA rows (`*_lora`: PEFT adapters on a frozen bf16 base; extra.lora holds the LoraConfig) train "
+    "`tokens / step` tokens per optimizer step (batch x micro-batches per step x sequence length; gradient "
+    "accumulation); a step is timed over all its micro-batches and tokens/s counts all its tokens. `TFLOPS 6ND` does "
+    "not apply (6 FLOPs per parameter per token count weight gradients a frozen base does not compute). `TFLOPS exec` "
+    "counts what ran: per decoder layer, every forward pass (the forward and each recompute) 2 x N_layer x tokens "
+    "(N_layer: the layer's base and adapter parameters), the backward's input gradients 2 x N_layer x tokens, the "
+    "adapters' weight gradients 2 x N_trainable x tokens, causal attention 2 x tokens x seq_len x heads x head_dim "
+    "per forward and twice that in the backward; the frozen LM head 4 x N_head x tokens (forward and input "
+    "gradient); the embedding lookup none. `TFLOPS model` = (4 x N_frozen + 6 x N_trainable) x tokens / step time, "
+    "LazyTrainer's logged figure. Host bytes per base parameter = (peak RSS - the CPU activation tier's host buffers) "
+    "/ base parameters.")
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[str]:
@@ -372,6 +468,9 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
              "these rows have none); `TFLOPS exec` counts what ran (recompute forwards and causal attention included). "
              "Caps: torch.cuda.set_per_process_memory_fraction. LazyTrain's optimizer ms is the exposed part only "
              "(layer updates overlap the next forward); DeepSpeed steps inside backward.", ""]
+    lora_rows = [r for r in doc["rows"] if r["system"] in LORA_ORDER]
+    if lora_rows:
+        lines += [LORA_FLOPS_TEXT, ""]
     if doc.get("notes"):
         lines += [f"Notes: {doc['notes']}", ""]
     if png:
@@ -385,12 +484,16 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
     for (model, cap), rows in _groups(doc["rows"]).items():
         if doc["suite"] == "hybrid":
             lines += [f"## {model}, GPU cap {_cap(cap)}", "", *hybrid_table(rows), ""]
+        elif all(r["system"] in LORA_ORDER for r in rows):
+            lines += [f"## {model}, GPU cap {_cap(cap)} (LoRA)", "", *lora_table(rows), ""]
         else:
             lines += [f"## {model}, GPU cap {_cap(cap)}", "", *table(rows), "", *ratios(rows), ""]
     if doc.get("max_batch"):
         lines += ["## Largest feasible batch (doubling, then bisection; 1 warm-up + 1 timed step per probe)", "",
                   *max_batch_table(doc["max_batch"]), ""]
-    if any(r["model"] == "qwen2.5-7b" for r in doc["rows"]):
+    for model in sorted({r["model"] for r in lora_rows}):
+        lines += [f"## Targets: LoRA on {model}", "", *lora_targets(doc, model), ""]
+    if any(r["model"] == "qwen2.5-7b" and r["system"] not in LORA_ORDER for r in doc["rows"]):
         lines += ["## Targets: LazyTrain vs the offloading systems", "", *targets(doc), ""]
         lines += ["## Targets: 24 GiB vs the uncapped stock Trainer", "", *targets_vs_stock(doc, docs), ""]
     return "\n".join(lines)

@@ -23,6 +23,13 @@ decoder layers (num_hidden_layers and a per-layer `layer_types` list cut alike; 
 keep the string as given in `model` and record extra.num_hidden_layers. The hybrid and paper suites run LazyTrain
 with the product's defaults (extra.configuration "product defaults": lazytrain_config holds only the policy and the
 GPU budget, the stock LazyTrainer); the 7b and full suites keep the harness's settings (benchmarks/systems.py).
+
+    python -m benchmarks.run --suite lora --out benchmarks/results/lora-YYYYMMDD.json --budget-s 540
+
+The lora suite (LoRA r 16 on every linear layer of a frozen base; systems lazytrain_lora, stock_trainer_lora,
+fsdp2_cpu_offload_lora) runs tokens_per_step tokens per optimizer step (gradient accumulation per batch size,
+recorded per row), searches the uncapped stock PEFT run's largest batch (up to tokens_per_step / seq_len sequences)
+and measures it there; lora-smoke is its CPU shape (tests).
 """
 
 from __future__ import annotations
@@ -45,7 +52,16 @@ from typing import Any
 from lazytrain_hf.config import LazyTrainConfig
 
 from .common import depth_overrides, git_commit, gsm8k_dir, parse_model, row
-from .systems import HARNESS_SETTINGS, ONE_BATCH_PER_PROCESS, PRODUCT_DEFAULTS, SYSTEMS, unsupported_reason
+from .systems import (
+    HARNESS_SETTINGS,
+    LORA_BASE,
+    LORA_DEFAULTS,
+    LORA_SYSTEMS,
+    ONE_BATCH_PER_PROCESS,
+    PRODUCT_DEFAULTS,
+    SYSTEMS,
+    unsupported_reason,
+)
 from .worker import fmt_row
 
 FINAL = ("ok", "oom", "unsupported")
@@ -53,12 +69,17 @@ LT = ("lazytrain_milp", "lazytrain_fixed")
 STOCK = ("stock_trainer", "stock_trainer_bnb8")
 OFFLOAD = ("fsdp2_cpu_offload", "zero_offload")
 ORDER = (*LT, *STOCK, *OFFLOAD)
+#: run only where a suite (or --systems) names them
+LORA = LORA_SYSTEMS
 
 #: name -> settings. batch[cap][system]: batch sizes per GPU cap (None = uncapped). timeout[system]: seconds.
 #: Optional: systems (default all), lazytrain (PRODUCT_DEFAULTS: LazyTrain rows as a user runs them; default the
 #: harness's settings), max_batch_caps (caps whose largest batch is searched without --find-max-batch), row_s[cap]
 #: (seconds a row takes: no row starts with less budget left, so a call's last minutes are not spent on a row the
-#: deadline kills).
+#: deadline kills), tokens_per_step (gradient accumulation: benchmarks/worker.py), lora (LoraConfig fields of the
+#: LoRA systems; default systems.LORA_DEFAULTS), max_batch_systems (the systems searched at max_batch_caps; default
+#: all), max_batch_limit (the search's largest batch; --max-batch-limit overrides), measure_max_batch (measure each
+#: completed search's largest batch as a row too). A system a cap's batch dict gives [] does not run at that cap.
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                   batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
@@ -91,6 +112,25 @@ SUITES["paper"] = dict(device="cuda", models=["qwen2.5-3b", "qwen2.5-7b", "qwen3
                        batch={24: {**{s: [8, 16, 32] for s in LT}, "stock_trainer": [8, 16, 32]},
                               80: {**{s: [32, 64] for s in LT}, "stock_trainer": [8, 16, 32]}},
                        timeout={**{s: 540 for s in LT}, "stock_trainer": 300}, row_s={24: 150, 80: 240})
+# LoRA r 16 on every linear layer of a Qwen2.5-32B shape at 32k tokens per optimizer step: LazyTrain under 24 GiB
+# (B 32: one micro-batch per step, the base streamed once per step; the plan splits it into row passes), the uncapped
+# stock Trainer + PEFT at its largest batch up to 32 (a max-batch search after B 32, then that batch measured, with
+# accumulation up to 32k tokens), the stock Trainer at 24 GiB (out of memory: the bf16 base alone is 61 GiB), and
+# FSDP2 CPU offload + PEFT at 24 GiB. warmup 5: the MILP calibrates on steps 3-5 (2 unused steps, then 3 measured:
+# hf/plans.py) and re-plans after step 5, so the timed steps run one plan; adapters update on the GPU, so the step after
+# the re-plan waits on no CPU update (the hybrid suite's sixth warm-up step is not needed).
+SUITES["lora"] = dict(device="cuda", models=["qwen2.5-32b"], caps=[24, None], seq_len=1024, steps=5, warmup=5,
+                      systems=list(LORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=32768, lora=LORA_DEFAULTS,
+                      batch={24: {"lazytrain_lora": [32], "stock_trainer_lora": [1], "fsdp2_cpu_offload_lora": [8]},
+                             None: {"lazytrain_lora": [], "stock_trainer_lora": [32], "fsdp2_cpu_offload_lora": []}},
+                      max_batch_caps=[None], max_batch_systems=["stock_trainer_lora"], max_batch_limit=32,
+                      measure_max_batch=True,
+                      timeout={"lazytrain_lora": 540, "stock_trainer_lora": 420, "fsdp2_cpu_offload_lora": 540},
+                      row_s={24: 300, None: 240})
+SUITES["lora-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
+                            systems=list(LORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
+                            batch={None: {**{s: [2] for s in LORA}, "lazytrain_lora": [1, 2]}},
+                            timeout={s: 240 for s in LORA})
 SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
                       batch={**SUITES["7b"]["batch"],
                              None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
@@ -222,7 +262,7 @@ def run_process(spec: dict[str, Any], timeout_s: float, deadline: float, workdir
     # trains on per_device_train_batch_size x n_gpu rows (the stock rows of a 2-GPU host once did)
     visible = env.get("CUDA_VISIBLE_DEVICES")
     env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]
-    if spec["system"] in OFFLOAD:
+    if LORA_BASE.get(spec["system"], spec["system"]) in OFFLOAD:
         env.update(distributed_env(_free_port()))
     log = workdir / f"{tag}.log"
     limit = min(timeout_s, deadline - time.time())
@@ -282,6 +322,10 @@ def _spec(args: argparse.Namespace, suite: dict[str, Any], system: str, model: s
                 steps=args.steps if steps is None else steps, warmup=args.warmup if warmup is None else warmup,
                 device=args.device, data_dir=args.data_dir, zero_stage=args.zero_stage,
                 configuration=_configuration(suite))
+    if suite.get("tokens_per_step"):
+        spec["tokens_per_step"] = suite["tokens_per_step"]
+    if system in LORA_BASE:
+        spec["lora"] = dict(suite.get("lora", LORA_DEFAULTS))
     if spec["configuration"] == HARNESS_SETTINGS:  # the LazyTrain knobs of the 7b / full suites
         spec.update(rows_per_pass=args.rows_per_pass, checkpoint_every=4, master_weights="kahan",
                     loss_chunk_tokens=2048, embedding_states=args.embedding_states,
@@ -298,9 +342,15 @@ def _min_start(args: argparse.Namespace, suite: dict[str, Any], cap: float | Non
     return max(args.min_start_s, suite.get("row_s", {}).get(cap, 0))
 
 
+def _sizes(args: argparse.Namespace, suite: dict[str, Any], system: str, cap: float | None) -> list[int]:
+    """The batch sizes to measure: --batch-sizes, else the suite's for (cap, system) ([] there: none), else [8]."""
+    return args.batch_sizes or suite["batch"].get(cap, {}).get(system, [8])
+
+
 def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, system: str, model: str,
-            cap: float | None, deadline: float, workdir: Path) -> None:
-    sizes = args.batch_sizes or suite["batch"].get(cap, {}).get(system) or [8]
+            cap: float | None, deadline: float, workdir: Path, sizes: list[int] | None = None) -> None:
+    """Rows of `system` at `cap` for `sizes` (default `_sizes`), each (system, model, cap, batch) done once."""
+    sizes = _sizes(args, suite, system, cap) if sizes is None else sizes
     todo = [B for B in sorted(sizes) if not res.done((system, model, cap, B))]
     if not todo:
         return
@@ -414,6 +464,13 @@ def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results
     save(lo, hi, complete)
 
 
+def searched_max_batch(res: Results, system: str, model: str, cap: float | None) -> int | None:
+    """The largest feasible batch of a completed search in `res` (None: no search, unfinished, or none feasible)."""
+    e = next((x for x in res.doc["max_batch"] if (x["system"], x["model"], x["gpu_cap_gib"]) == (system, model, cap)),
+             None)
+    return e["max_batch"] if e is not None and e.get("complete") else None
+
+
 def _parse_caps(s: str) -> list[float | None]:
     return [None if c.strip().lower() in ("none", "uncapped", "0") else float(c) if "." in c else int(c)
             for c in s.split(",")]
@@ -439,7 +496,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--find-max-batch", action="store_true")
     p.add_argument("--skip-max-batch", action="store_true",
                    help="measure the suite's batch sizes only, not its largest-batch searches (max_batch_caps)")
-    p.add_argument("--max-batch-limit", type=int, default=512)
+    p.add_argument("--max-batch-limit", type=int, default=None, help="default: the suite's, else 512")
     p.add_argument("--max-batch-resolution", type=float, default=0.0,
                    help="bisection stops at hi-lo <= max(1, lo x this); default 0: adjacent batch sizes")
     p.add_argument("--steps", type=int, default=None, help="timed steps (suite default)")
@@ -476,6 +533,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"suite {args.suite} runs LazyTrain with the product's defaults; {', '.join(given)} would change "
                     "them: leave it out (the 7b and full suites take it)")
     args.rows_per_pass = 8 if args.rows_per_pass is None else args.rows_per_pass
+    if args.max_batch_limit is None:
+        args.max_batch_limit = suite.get("max_batch_limit", 512)
     args.embedding_states = args.embedding_states or "8bit"
     for k in ("steps", "warmup", "seq_len", "device"):
         if getattr(args, k) is None:
@@ -588,7 +647,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
         if other:  # the same reason, for LazyTrain rows
             raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows with {key}={other}, not {flag}: "
                              "pass another --out, or the same setting to resume it")
-    systems = [s for s in ORDER if s in (args.systems or suite.get("systems") or ORDER)]
+    systems = [s for s in (*ORDER, *LORA) if s in (args.systems or suite.get("systems") or ORDER)]
     searched = []
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         if args.log_dir:
@@ -598,12 +657,18 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
             for cap in suite["caps"] if args.caps is None else args.caps:
                 for system in systems:
                     measure(args, suite, res, system, model, cap, deadline, Path(tmp))
-                    if args.find_max_batch or (cap in suite.get("max_batch_caps", ()) and not args.skip_max_batch):
+                    if args.find_max_batch or (cap in suite.get("max_batch_caps", ()) and not args.skip_max_batch
+                                               and system in suite.get("max_batch_systems", systems)):
                         find_max_batch(args, suite, res, system, model, cap, deadline, Path(tmp))
                         searched.append((system, model, cap))
+                        top = searched_max_batch(res, system, model, cap) if suite.get("measure_max_batch") else None
+                        if top is not None:
+                            measure(args, suite, res, system, model, cap, deadline, Path(tmp), sizes=[top])
     planned = [(s, m, c, B) for m in args.models or suite["models"]
                for c in (suite["caps"] if args.caps is None else args.caps) for s in systems
-               for B in args.batch_sizes or suite["batch"].get(c, {}).get(s) or [8]]
+               for B in _sizes(args, suite, s, c)]
+    if suite.get("measure_max_batch"):  # the searched largest batches, measured
+        planned += [(s, m, c, top) for s, m, c in searched if (top := searched_max_batch(res, s, m, c)) is not None]
     left = [k for k in planned if not res.done(k)]
     left += [k for k in searched if not any((x["system"], x["model"], x["gpu_cap_gib"]) == k and x.get("complete")
                                             for x in res.doc["max_batch"])]

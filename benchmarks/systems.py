@@ -10,12 +10,21 @@ constant LR), the same GSM8K token rows, warm-up steps excluded from timing. Wha
 - zero_offload:       Trainer + DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU (DeepSpeedCPUAdam,
                       bf16 master weights / optimizer states), activation checkpointing.
 - lazytrain_fixed / lazytrain_milp: LazyTrainer with the fixed (MegaTrain-equivalent) or the MILP schedule.
+
+LoRA (PEFT adapters on a frozen base; the worker wraps the model with `peft.get_peft_model` and the suite's
+`LoraConfig` right after building it):
+
+- lazytrain_lora:         LazyTrainer with the product's defaults (lazytrain_config: the MILP policy and the GPU
+                          budget only; optim lazytrain_hybrid8), bf16.
+- stock_trainer_lora:     stock_trainer + PEFT: everything on the GPU, activation checkpointing, adamw_torch_fused.
+- fsdp2_cpu_offload_lora: fsdp2_cpu_offload + PEFT, one batch size per process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -31,6 +40,15 @@ SYSTEMS = ("stock_trainer", "stock_trainer_bnb8", "fsdp2_cpu_offload", "zero_off
            "lazytrain_milp")
 #: systems whose Trainer is rebuilt per batch size in a fresh process (the wrapped model cannot be re-prepared)
 ONE_BATCH_PER_PROCESS = ("fsdp2_cpu_offload", "zero_offload")
+#: LoRA system -> the system it runs with PEFT adapters on a frozen base (lazytrain_lora: with the product defaults)
+LORA_BASE = {"lazytrain_lora": "lazytrain_milp", "stock_trainer_lora": "stock_trainer",
+             "fsdp2_cpu_offload_lora": "fsdp2_cpu_offload"}
+LORA_SYSTEMS = tuple(LORA_BASE)
+SYSTEMS = (*SYSTEMS, *LORA_SYSTEMS)
+ONE_BATCH_PER_PROCESS = (*ONE_BATCH_PER_PROCESS, "fsdp2_cpu_offload_lora")
+#: the LoRA suites' adapters: `peft.LoraConfig(**LORA_DEFAULTS)` (rank 16 on every linear layer of the decoder)
+LORA_DEFAULTS: dict[str, Any] = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
+                                     task_type="CAUSAL_LM")
 #: identical optimizer hyper-parameters for every system (AdamW; LazyTrain's Hybrid8 takes the same ones)
 HPARAMS: dict[str, Any] = dict(learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                                weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0)
@@ -48,6 +66,13 @@ def unsupported_reason(system: str, device: str, check_imports: bool = True) -> 
     a system needs (the harness parent skips that and leaves it to the system's own process)."""
     if system not in SYSTEMS:
         return f"unknown system {system!r}; known: {', '.join(SYSTEMS)}"
+    if system in LORA_BASE:
+        if check_imports:
+            try:
+                import peft  # noqa: F401
+            except ImportError as e:
+                return f"PEFT not importable ({e}): pip install peft"
+        return unsupported_reason(LORA_BASE[system], device, check_imports)
     if device == "cpu" and system == "fsdp2_cpu_offload":
         return ("accelerate turns FSDP on only for a CUDA process group (distributed type MULTI_GPU); a CPU-only "
                 "process has nothing to offload to")
@@ -233,7 +258,14 @@ def deepspeed_config(stage: int = 3) -> dict[str, Any]:
 
 
 def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: int, output_dir: str | None = None):
-    """TrainingArguments for one system and batch size; the settings each system differs in and `extra` facts."""
+    """TrainingArguments for one system and batch size; the settings each system differs in and `extra` facts.
+    gradient_accumulation_steps: `accumulation(spec, batch_size)`."""
+    if system in LORA_BASE:
+        base = LORA_BASE[system]
+        if base.startswith("lazytrain"):  # adapters are run as a user runs them: the product's defaults
+            spec = dict(spec, configuration=PRODUCT_DEFAULTS)
+        args, extra = build_args(base, spec, batch_size, max_steps, output_dir)
+        return args, dict(extra, lora_of=base)
     device = spec["device"]
     cls = _training_args_cls(system)
     kw: dict[str, Any] = dict(HPARAMS, output_dir=output_dir or tempfile.mkdtemp(prefix=f"bench-{system}-"),
@@ -292,12 +324,20 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
         extra.update(configuration=HARNESS_SETTINGS, optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)",
                      lazytrain_config=cfg, embedding_states=spec.get("embedding_states", "8bit"),
                      gpu_update_kernel=_gpu_update_kernel())
+    kw["gradient_accumulation_steps"] = accumulation(spec, batch_size)
     return cls(**kw), extra
+
+
+def accumulation(spec: dict[str, Any], batch_size: int) -> int:
+    """Micro-batches per optimizer step: ceil(spec["tokens_per_step"] / (batch_size x seq_len)), 1 without a
+    tokens_per_step (every row of a step then has batch_size x seq_len tokens)."""
+    tokens = spec.get("tokens_per_step")
+    return max(1, math.ceil(tokens / (batch_size * spec["seq_len"]))) if tokens else 1
 
 
 def _gpu_update_kernel() -> str:
     """The GPU-side layer updates' kernel: "triton" unless forced otherwise or triton is missing."""
-    from lazytrain_hf.optim.functional import gpu_kernel_choice, triton_status
+    from lazytrain_hf.optim.kernel_select import gpu_kernel_choice, triton_status
 
     forced = gpu_kernel_choice()
     return forced if forced != "auto" else "triton" if triton_status()[0] else "bnb"
@@ -310,7 +350,7 @@ def build_trainer(system: str, spec: dict[str, Any], model: Any, args: Any, data
     common = dict(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
                   callbacks=[timer])
     if system.startswith("lazytrain"):
-        product = spec.get("configuration") == PRODUCT_DEFAULTS
+        product = spec.get("configuration") == PRODUCT_DEFAULTS or system in LORA_BASE
         trainer = _lazy_trainer_cls("fp32" if product else spec.get("embedding_states", "8bit"))(**common)
     else:
         trainer = Trainer(**common)
@@ -411,3 +451,26 @@ def executed_flops(config: Any, n_params: int, tokens: int, seq_len: int, fwd_pa
     per_layer_fwd = 2 * layer_params * tokens + 2 * tokens * seq_len * H
     rest = max(0.0, n_params - L * layer_params)
     return per_layer_fwd * (fwd_passes_per_layer + 2) * L + 6 * rest * tokens
+
+
+def lora_flops(config: Any, counts: dict[str, float], tokens: int, seq_len: int,
+               fwd_passes_per_layer: float) -> dict[str, float]:
+    """FLOPs of one optimizer step of adapter training on a frozen base (`tokens`: every token of the step).
+
+    "executed" counts what ran: per decoder layer, with N_layer its parameters (frozen base plus adapters) and
+    N_trainable its adapters, `fwd_passes_per_layer` forwards (forward + recomputes) of 2·N_layer·tokens, the
+    backward's input gradients 2·N_layer·tokens, the adapters' weight gradients 2·N_trainable·tokens, and causal
+    attention 2·tokens·T·(heads·head_dim) per forward and twice that in the backward; the LM head forward and input
+    gradient 4·N_head·tokens (6 when it trains); the embedding lookup none.
+    "model" is LazyTrainer's logged figure (hf/metrics.py): (4·N_frozen + 6·N_trainable)·tokens.
+
+    counts: layer_params, layer_trainable (per decoder layer, mean over layers), head_params, head_trainable (0/1),
+    frozen, trainable (whole model, each parameter once)."""
+    L = config.num_hidden_layers
+    heads = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attn = 2 * tokens * seq_len * heads * hd
+    n_layer, n_tr = counts["layer_params"], counts["layer_trainable"]
+    layer = fwd_passes_per_layer * (2 * n_layer * tokens + attn) + 2 * n_layer * tokens + 2 * n_tr * tokens + 2 * attn
+    head = (6 if counts["head_trainable"] else 4) * counts["head_params"] * tokens
+    return {"executed": L * layer + head, "model": (4 * counts["frozen"] + 6 * counts["trainable"]) * tokens}

@@ -10,6 +10,19 @@ Rows follow shared/RESULTS_FORMAT.md; every row records extra.num_hidden_layers,
 extra.oom_recoveries (all / timed steps) and extra.linear_attention_kernel.
 Out of memory (GPU) is caught and reported as status "oom"; batch sizes above one that ran out of memory are
 reported "oom" without being run.
+
+Optional SPEC keys: tokens_per_step (gradient accumulation: each batch size B runs ceil(tokens_per_step / (B x
+seq_len)) micro-batches per optimizer step, `systems.accumulation`; timings stay per optimizer step and tokens_per_s
+counts every token of the step; rows record extra.gradient_accumulation_steps and extra.tokens_per_step) and lora
+(LoRA systems: `peft.LoraConfig` fields; the model is wrapped with `peft.get_peft_model` once, right after it is
+built). LoRA rows record extra.lora, extra.trainable_params / total_params / base_params, and count FLOPs that ran
+(`systems.lora_flops`): tflops_executed = per decoder layer, forwards and recomputes 2·N_layer·tokens each, the
+backward's input gradients 2·N_layer·tokens and adapter weight gradients 2·N_trainable·tokens, causal attention
+(2·tokens·T·heads·head_dim per forward, twice that backward), plus the frozen LM head's forward and input gradient
+4·N_head·tokens; extra.tflops_model = (4·N_frozen + 6·N_trainable)·tokens / step (LazyTrainer's logged figure);
+tflops_6nd is null (6·N counts weight gradients a frozen base does not compute). LazyTrain LoRA rows also record
+extra.host_bytes_per_base_param = (peak RSS - the CPU activation tier's host buffers, executor.pinned_bytes
+["activations"]) / base parameters.
 """
 
 from __future__ import annotations
@@ -28,12 +41,15 @@ import torch
 
 from .common import GIB, fast_random_model, gsm8k_token_rows, percentiles, row
 from .systems import (
+    LORA_BASE,
     ONE_BATCH_PER_PROCESS,
     StepTimer,
+    accumulation,
     build_args,
     build_trainer,
     executed_flops,
     lazytrain_metrics,
+    lora_flops,
     unsupported_reason,
 )
 
@@ -68,7 +84,11 @@ def fmt_row(r: dict[str, Any]) -> str:
     head = f"{r['system']:18s} {r['model']} cap={r['gpu_cap_gib']} B={r['batch_size']:<4d}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['reason']}"
-    return (f"{head} step {r['step_s_median']:.3f}s tok/s {r['tokens_per_s']:.0f} TFLOPS6ND {r['tflops_6nd']:.1f} "
+    extra = r.get("extra") or {}
+    flops = (f"TFLOPS6ND {r['tflops_6nd']:.1f}" if r["tflops_6nd"] is not None else
+             f"TFLOPSexec {r['tflops_executed'] or 0:.1f} TFLOPSmodel {extra.get('tflops_model') or 0:.1f}")
+    accum = f" x{extra['gradient_accumulation_steps']}" if extra.get("gradient_accumulation_steps", 1) > 1 else ""
+    return (f"{head}{accum} step {r['step_s_median']:.3f}s tok/s {r['tokens_per_s']:.0f} {flops} "
             f"peakGPU {r['peak_gpu_gib'] or 0:.1f}GiB RSS {r['peak_host_rss_gib'] or 0:.1f}GiB "
             f"opt {r['optimizer_ms'] or 0:.0f}ms"
             + (f" pred {r['predicted_step_s']:.3f}s" if r.get("predicted_step_s") else "")
@@ -109,15 +129,18 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
     if not times:
         raise RuntimeError(f"no timed step: {len(timer.step_s)} steps ran, {warm} of them warm-up")
     med = statistics.median(times)
-    tokens = B * spec["seq_len"]
+    accum = accumulation(spec, B)
+    tokens = B * spec["seq_len"] * accum  # every micro-batch of the optimizer step
     n = facts["params"]
+    lora = system in LORA_BASE
     fields: dict[str, Any] = dict(percentiles(times), tokens_per_s=tokens / med,
-                                  tflops_6nd=6 * n * tokens / med / 1e12,
+                                  tflops_6nd=None if lora else 6 * n * tokens / med / 1e12,
                                   peak_host_rss_gib=timer.rss_peak / GIB if timer.rss_peak else None)
     if spec["device"] == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
     extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm,
-                             "rows_per_step": timer.rows, **recoveries(timer, warm)}
+                             "rows_per_step": timer.rows, "gradient_accumulation_steps": accum,
+                             "tokens_per_step": tokens, **recoveries(timer, warm)}
     if spec["device"] == "cuda":
         extra["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         c = timer.alloc_counts
@@ -147,8 +170,20 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         extra["optimizer_note"] = "exposed part only: streamed layers' updates overlap the next forward"
     else:
         fwd = 2.0  # forward + recompute in backward (checkpointing every layer)
-    fields["tflops_executed"] = executed_flops(model_config, n, tokens, spec["seq_len"], fwd,
-                                               facts["layer_params"]) / med / 1e12
+    if lora:
+        flops = lora_flops(model_config, facts, tokens, spec["seq_len"], fwd)
+        fields["tflops_executed"] = flops["executed"] / med / 1e12
+        extra.update(tflops_model=flops["model"] / med / 1e12, fwd_passes_per_layer=fwd, lora=spec["lora"],
+                     trainable_params=facts["trainable"], total_params=facts["params"],
+                     base_params=facts["base_params"])
+        ex = getattr(trainer, "executor", None)
+        if ex is not None and timer.rss_peak:
+            act = ex.pinned_bytes["activations"]
+            extra.update(cpu_tier_activation_gib=act / GIB,
+                         host_bytes_per_base_param=(timer.rss_peak - act) / facts["base_params"])
+    else:
+        fields["tflops_executed"] = executed_flops(model_config, n, tokens, spec["seq_len"], fwd,
+                                                   facts["layer_params"]) / med / 1e12
     fields["extra"] = extra
     return fields
 
@@ -170,12 +205,23 @@ def run(spec: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     model = fast_random_model(spec["model"], torch.bfloat16)
     model.config.use_cache = False
-    unique = {id(p): p for p in model.parameters()}.values()
     layers = model.model.layers
+    base_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    if system in LORA_BASE:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(**spec["lora"]))
+    unique = {id(p): p for p in model.parameters()}.values()
     facts = {"params": sum(p.numel() for p in unique),
              "layer_params": sum(p.numel() for p in layers.parameters()) / len(layers)}
-    ids = gsm8k_token_rows(spec["seq_len"], max(spec["batch_sizes"]) * (spec["steps"] + spec["warmup"]),
-                           spec.get("data_dir"))
+    if system in LORA_BASE:  # the counts of `lora_flops`
+        head = model.get_output_embeddings()
+        facts.update(base_params=base_params, trainable=sum(p.numel() for p in unique if p.requires_grad),
+                     layer_trainable=sum(p.numel() for p in layers.parameters() if p.requires_grad) / len(layers),
+                     head_params=head.weight.numel(), head_trainable=int(head.weight.requires_grad))
+        facts["frozen"] = facts["params"] - facts["trainable"]
+    rows_needed = max(B * accumulation(spec, B) for B in spec["batch_sizes"]) * (spec["steps"] + spec["warmup"])
+    ids = gsm8k_token_rows(spec["seq_len"], rows_needed, spec.get("data_dir"))
     folded = None
     if int(ids.max()) >= model.config.vocab_size:  # tiny test shapes: fold the real token ids into their vocabulary
         folded = model.config.vocab_size
@@ -209,6 +255,7 @@ def run(spec: dict[str, Any]) -> None:
             else:  # LazyTrain: same Trainer and executor, new batch size (the MILP replans at train begin)
                 trainer.args.per_device_train_batch_size = B
                 trainer._train_batch_size = B
+                trainer.args.gradient_accumulation_steps = accumulation(spec, B)
                 trainer.args.max_steps = steps
             trainer.train()
             fields = _measure(spec, system, B, trainer, timer, facts, model.config)
@@ -218,8 +265,9 @@ def run(spec: dict[str, Any]) -> None:
             wrong = sorted({n for n in timer.rows if n != B * trainer.args.gradient_accumulation_steps})
             rec = r["extra"]["oom_recoveries"]
             if wrong:  # the timings would be of another batch size
-                r.update(status="error", reason=f"steps trained on {wrong} rows, not batch {B}: the batch size did "
-                         "not take effect; timings not comparable" +
+                r.update(status="error", reason=f"steps trained on {wrong} rows, not batch {B} x "
+                         f"{trainer.args.gradient_accumulation_steps} micro-batches: the batch size did not take "
+                         "effect; timings not comparable" +
                          (f" ({rec} out-of-memory recoveries ran steps again)" if rec else ""))
             elif timer.skipped:  # a skipped update costs nothing: its timings would flatter a broken run
                 r.update(status="error", reason=f"non-finite gradient norm: {timer.skipped} optimizer steps "

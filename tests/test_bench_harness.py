@@ -513,3 +513,129 @@ def test_paper_suite_cpu_smoke(tmp_path):
     for s in run.LT:
         assert rows[s]["extra"]["configuration"] == "product defaults"
         assert rows[s]["extra"]["lazytrain_config"] == {"policy": s.split("_")[1]}
+
+
+def _tiny_lora_flops(config, lora: dict, tokens: int, seq_len: int, fwd: float) -> tuple[float, float, int, int]:
+    """(executed, model FLOPs, trainable, base parameters) of one step of LoRA on qwen3-tiny, from its config:
+    q / k / v / o, gate / up / down projections, two RMSNorms and Qwen3's q / k norms per layer; rank-r adapters on
+    every projection; tied embedding and LM head."""
+    H, inter, L, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    shapes = [(H, heads * hd), (H, kv * hd), (H, kv * hd), (heads * hd, H), (H, inter), (H, inter), (inter, H)]
+    base_layer = sum(i * o for i, o in shapes) + 2 * H + 2 * hd
+    adapters = sum(lora["r"] * (i + o) for i, o in shapes)
+    n_layer = base_layer + adapters
+    attn = 2 * tokens * seq_len * heads * hd
+    executed = L * (fwd * (2 * n_layer * tokens + attn) + 2 * n_layer * tokens + 2 * adapters * tokens + 2 * attn) \
+        + 4 * V * H * tokens
+    base = L * base_layer + V * H + H  # + the final norm
+    return executed, (4 * base + 6 * L * adapters) * tokens, L * adapters, base
+
+
+@requires_gsm8k
+def test_lora_smoke_suite_accumulates_and_counts_executed_flops(tmp_path, monkeypatch):
+    """The LoRA systems end to end on the CPU (qwen3-tiny, seq 32, 128 tokens per optimizer step): rows ok with the
+    accumulation that reaches the step's tokens (lazytrain_lora at batch 1 and 2 in one process, the Trainer reused),
+    every step trained on batch x accumulation rows, the FLOP fields equal to the count from the config, host bytes
+    per base parameter from peak RSS, and the report's LoRA table and targets."""
+    from benchmarks import report, run
+    from benchmarks.common import GIB
+    from benchmarks.systems import LORA_DEFAULTS
+    from lazytrain_hf.models import resolve_config
+
+    out = tmp_path / "lora.json"
+    run.main(["--suite", "lora-smoke", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    rows = {(r["system"], r["batch_size"]): r for r in doc["rows"]}
+    assert set(rows) == {("lazytrain_lora", 1), ("lazytrain_lora", 2), ("stock_trainer_lora", 2),
+                         ("fsdp2_cpu_offload_lora", 2)}
+    assert rows["fsdp2_cpu_offload_lora", 2]["status"] == "unsupported"
+    suite = run.SUITES["lora-smoke"]
+    config = resolve_config("qwen3-tiny")
+    for key in (("lazytrain_lora", 1), ("lazytrain_lora", 2), ("stock_trainer_lora", 2)):
+        r, B = rows[key], key[1]
+        e = r["extra"]
+        assert r["status"] == "ok", (key, r["reason"])
+        assert REQUIRED <= set(r)
+        accum = -(-suite["tokens_per_step"] // (B * suite["seq_len"]))
+        assert e["gradient_accumulation_steps"] == accum and accum > 1
+        assert e["tokens_per_step"] == B * accum * suite["seq_len"]
+        assert e["rows_per_step"] == [B * accum] * (suite["steps"] + suite["warmup"])
+        assert e["lora"] == LORA_DEFAULTS and r["tflops_6nd"] is None
+        assert r["tokens_per_s"] == pytest.approx(e["tokens_per_step"] / r["step_s_median"])
+        fwd = e["fwd_passes_per_layer"]
+        if key[0] == "stock_trainer_lora":
+            assert fwd == 2.0 and e["optimizer"] == "adamw_torch" and e["activation_checkpointing"] == "every layer"
+        else:
+            assert e["lazytrain_config"] == {"policy": "milp"} and e["configuration"] == "product defaults"
+            base_rss = r["peak_host_rss_gib"] * GIB - e["cpu_tier_activation_gib"] * GIB
+            assert e["host_bytes_per_base_param"] == pytest.approx(base_rss / e["base_params"])
+        executed, model_flops, trainable, base = _tiny_lora_flops(config, LORA_DEFAULTS, e["tokens_per_step"],
+                                                                   suite["seq_len"], fwd)
+        assert (e["trainable_params"], e["base_params"], e["total_params"]) == (trainable, base, base + trainable)
+        assert r["params"] == base + trainable
+        assert r["tflops_executed"] * 1e12 * r["step_s_median"] == pytest.approx(executed, rel=1e-9)
+        assert e["tflops_model"] * 1e12 * r["step_s_median"] == pytest.approx(model_flops, rel=1e-9)
+
+    md, _ = report.main([str(out), "--md", str(tmp_path / "B.md"), "--png", str(tmp_path / "p.png")])
+    text = md.read_text()
+    assert "| lazytrain_lora | 2 | 2 | 128 | ok |" in text and "`TFLOPS model` = (4 x N_frozen" in text
+    assert "| 24 GiB: stock_trainer_lora runs out of memory | - | not measured |" in text
+
+
+def test_lora_suite_settings(tmp_path):
+    """The lora suite's rows as the GPU runs them: 32k tokens per optimizer step through accumulation, LazyTrain with
+    only the policy and the GPU budget, the suite's LoraConfig, the stock run's largest-batch search up to 32 rows."""
+    from benchmarks import run
+    from benchmarks.systems import build_args
+
+    args = run.parse_args(["--suite", "lora", "--out", str(tmp_path / "x.json"), "--device", "cpu"])
+    suite = run.SUITES["lora"]
+    assert args.max_batch_limit == 32 and suite["tokens_per_step"] == 32768 and args.seq_len == 1024
+    model = suite["models"][0]
+    spec = run._spec(args, suite, "lazytrain_lora", model, 24, [32])
+    assert spec["lora"] == dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
+                                task_type="CAUSAL_LM")
+    for B, accum in ((32, 1), (8, 4), (3, 11)):
+        ta, extra = build_args("lazytrain_lora", spec, B, 10)
+        assert ta.gradient_accumulation_steps == accum
+    assert extra["lazytrain_config"] == {"policy": "milp", "gpu_memory_budget": "24GiB"} and ta.bf16
+    assert str(getattr(ta.optim, "value", ta.optim)) == "lazytrain_hybrid8" and extra["lora_of"] == "lazytrain_milp"
+    ta, extra = build_args("stock_trainer_lora", run._spec(args, suite, "stock_trainer_lora", model, None, [16]), 16, 10)
+    assert ta.gradient_accumulation_steps == 2 and extra["activation_checkpointing"] == "every layer" and ta.bf16
+    assert run._sizes(args, suite, "lazytrain_lora", None) == []  # not run uncapped
+    assert run._sizes(args, suite, "stock_trainer_lora", 24) == [1]  # the capped stock run: out of memory expected
+
+
+@requires_gsm8k
+def test_lora_suite_measures_the_stock_runs_searched_largest_batch(tmp_path, monkeypatch):
+    """Uncapped, the stock Trainer + PEFT is measured at batch 32, its largest batch up to 32 searched, and that
+    batch measured as a row; LazyTrain and FSDP2 do not run uncapped."""
+    from benchmarks import run
+    from benchmarks.common import row
+
+    fits = 20
+    ran: list[tuple] = []
+
+    def fake(spec, timeout_s, deadline, workdir, on_rows=None):
+        out = []
+        for B in spec["batch_sizes"]:
+            ran.append((spec["system"], spec["gpu_cap_gib"], B, spec["steps"]))
+            ok = spec["gpu_cap_gib"] == 24 and spec["system"] == "lazytrain_lora" or \
+                spec["gpu_cap_gib"] is None and B <= fits
+            out.append(row(system=spec["system"], model=spec["model"], gpu_cap_gib=spec["gpu_cap_gib"], batch_size=B,
+                           seq_len=spec["seq_len"], status="ok" if ok else "oom", step_s_median=1.0 if ok else None,
+                           reason=None if ok else "CUDA out of memory"))
+        return out
+
+    monkeypatch.setattr(run, "run_process", fake)
+    out = tmp_path / "lora.json"
+    res = run.main(["--suite", "lora", "--out", str(out), "--device", "cpu"])
+    (entry,) = res.doc["max_batch"]
+    assert (entry["system"], entry["gpu_cap_gib"], entry["max_batch"], entry["complete"]) == \
+        ("stock_trainer_lora", None, fits, True)
+    measured = [(s, c, B) for s, c, B, steps in ran if steps == run.SUITES["lora"]["steps"]]
+    assert measured == [("lazytrain_lora", 24, 32), ("stock_trainer_lora", 24, 1), ("stock_trainer_lora", None, 32),
+                        ("stock_trainer_lora", None, fits)]
+    assert res.get(("stock_trainer_lora", run.SUITES["lora"]["models"][0], None, fits))["status"] == "ok"
+    assert all(r["system"] != "lazytrain_lora" or r["gpu_cap_gib"] == 24 for r in res.doc["rows"])
