@@ -7,7 +7,7 @@ backward walks the segments in reverse, recomputes the inputs inside each segmen
 grad on its slot, backpropagates, and adds the layer's parameter gradients into fp32 host buffers.
 
 The per-layer keyword arguments (rotary cos/sin, attention masks, position ids) are captured by running the HF
-base model's own forward with stand-in layers (`_Capture`), so the executor follows each architecture's and
+base model's own forward with stand-in layers (`Capture`), so the executor follows each architecture's and
 each transformers version's own mask and position logic instead of re-implementing it.
 
 Note [slot reuse]: backward ends with its last layers (1, 0 at prefetch depth 1) in weight slots, and the next
@@ -52,6 +52,16 @@ from .device_updates import DeviceUpdater
 from .grads import GradSink
 from .head import chunked_lm_loss, chunked_logits, shift_labels
 from .host_store import HostParamStore, ParamSpec, PinnedArena, host_allocator_bytes, sq_norm, structure_key
+from .layer_calls import (
+    Capture,
+    StopCapture,
+    find_decoder,
+    plan_ops,
+    retained_output,
+    slice_rows,
+    take_over_recomputation,
+    unwrap_peft,
+)
 from .packing import check_packed
 from .resident import ResidentParts, initial_placement
 from .rng import LayerRng
@@ -64,95 +74,6 @@ from .weights import Slot, WeightStreamer
 __all__ = ["StreamingExecutor", "StepStats", "UPDATE_COUNTERS", "plan_ops", "find_decoder"]
 
 logger = logging.getLogger(__name__)
-
-
-class _StopCapture(Exception):
-    pass
-
-
-class _Capture(nn.Module):
-    """Stands in for decoder layer `index` during capture: records its call and passes hidden states through."""
-
-    def __init__(self, index: int, sink: list, last: bool, attrs: dict[str, Any]) -> None:
-        super().__init__()
-        self.index, self.sink, self.last = index, sink, last
-        for k, v in attrs.items():
-            setattr(self, k, v)  # e.g. attention_type, which some model forwards read from the layer
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.sink.append((hidden_states, args, kwargs))
-        if self.last:
-            raise _StopCapture
-        return hidden_states
-
-
-def _unwrap_peft(model: nn.Module) -> nn.Module:
-    """The HF causal LM inside a PEFT model (its adapter modules injected in place), or `model` itself."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
-
-
-def _take_over_recomputation(model: nn.Module) -> None:
-    """Turn the model's gradient checkpointing off (e.g. set by peft's `prepare_model_for_kbit_training`): the
-    schedule decides what is recomputed, and a checkpointed layer inside a streamed slot would recompute again."""
-    on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if not on:
-        return
-    if callable(getattr(model, "gradient_checkpointing_disable", None)):
-        model.gradient_checkpointing_disable()
-    for m in on:
-        m.gradient_checkpointing = False
-    logger.info("LazyTrain: the model had gradient checkpointing on; turned it off: the executor's schedule decides "
-                "what is recomputed")
-
-
-def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
-    """The base model holding `.layers`, `.norm`, `.embed_tokens`, and the parameter-name prefix of its layers.
-
-    Raises:
-        ValueError: the model has no `model.layers` decoder stack (unsupported architecture).
-    """
-    base = getattr(model, "model", None)
-    if base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList) or not hasattr(base, "norm"):
-        raise ValueError(f"{type(model).__name__} has no `model.layers` / `model.norm` decoder stack; the LazyTrain "
-                         "executor streams decoder-only causal LMs such as Qwen2/Qwen3/Qwen3.5")
-    return base, "model.layers."
-
-
-def _slice_rows(obj: Any, B: int, a: int, b: int) -> Any:
-    """Rows a:b of every batch-indexed tensor in a layer call's arguments (tensors of >= 2 dims whose first dim
-    is B: hidden states, rotary cos/sin [B, T, D], masks [B, 1, T, T] / [B, T]); anything else is shared."""
-    if torch.is_tensor(obj):
-        return obj[a:b] if obj.dim() >= 2 and obj.shape[0] == B else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_slice_rows(o, B, a, b) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _slice_rows(v, B, a, b) for k, v in obj.items()}
-    return obj
-
-
-def _retained_output(parts: list[tuple]) -> torch.Tensor:
-    """The detached [B, T, H] output of a retained layer from its per-row-chunk (input, output, rows) parts."""
-    return parts[0][1].detach() if len(parts) == 1 else torch.cat([y.detach() for _, y, _ in parts])
-
-
-def plan_ops(schedule: Schedule) -> list[tuple[str, int]]:
-    """The step as a list of ops, the single source of truth for the executor and its weight prefetcher.
-
-    Ops: ("fwd", i) layer i forward (stash boundary if checkpointed); ("recompute", j) no-grad forward of layer j
-    to rebuild layer j+1's input; ("bwd", j) layer j forward-with-grad (or retained graph) + backward;
-    ("load", s) fetch boundary s at the start of a segment's backward.
-    """
-    L = schedule.num_layers
-    lay = schedule.layers
-    ops: list[tuple[str, int]] = [("fwd", i) for i in range(L)]
-    for s, e in reversed(schedule.segments()):
-        ops.append(("load", s))
-        for j in range(s, e - 1):
-            if not lay[j].retain and not lay[j + 1].retain:
-                ops.append(("recompute", j))
-        ops.extend(("bwd", j) for j in range(e - 1, s - 1, -1))
-    return ops
 
 
 class StreamingExecutor:
@@ -181,9 +102,9 @@ class StreamingExecutor:
                  host_grad_dtype: str = "fp32", data_parallel: DataParallel | str | None = "auto") -> None:
         self.config = config or LazyTrainConfig()
         check_supported(model.config)
-        model = _unwrap_peft(model)
+        model = unwrap_peft(model)
         self.base, self.layer_prefix = find_decoder(model)
-        _take_over_recomputation(model)
+        take_over_recomputation(model)
         self.model = model
         self.device = torch.device(device or self.config.resolved_device())
         self.linear_attention_kernel = select_linear_attention(model, self.device)  # before layers are copied
@@ -549,7 +470,7 @@ class StreamingExecutor:
         sink: list = []
         attr_names = ("attention_type", "layer_idx", "layer_type")
         stubs = nn.ModuleList(
-            _Capture(i, sink, i == self.num_layers - 1,
+            Capture(i, sink, i == self.num_layers - 1,
                      {a: getattr(layer, a) for a in attr_names if hasattr(layer, a)})
             for i, layer in enumerate(self.layers))
         layers = self.base.layers
@@ -558,7 +479,7 @@ class StreamingExecutor:
         ids = dict(input_ids=input_ids) if embeds is None else dict(inputs_embeds=embeds)
         try:
             self.base(**ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        except _StopCapture:
+        except StopCapture:
             pass
         finally:
             self.base.layers = layers
@@ -587,7 +508,7 @@ class StreamingExecutor:
         chunks = self._row_chunks(B)
         if len(chunks) == 1:
             return self._run(slot, x, call, None if layer is None else (layer, 0))
-        return torch.cat([self._run(slot, x[a:b], _slice_rows(call, B, a, b), None if layer is None else (layer, a))
+        return torch.cat([self._run(slot, x[a:b], slice_rows(call, B, a, b), None if layer is None else (layer, a))
                           for a, b in chunks])
 
     def _forward_retained(self, slot: Slot, h: torch.Tensor, call: tuple[tuple, dict], layer: int) -> list[tuple]:
@@ -597,7 +518,7 @@ class StreamingExecutor:
         for a, b in self._row_chunks(B):
             x = h[a:b].detach().requires_grad_()
             with torch.enable_grad(), self._weight_refs(slot):
-                y = self._run(slot, x, _slice_rows(call, B, a, b), (layer, a))
+                y = self._run(slot, x, slice_rows(call, B, a, b), (layer, a))
             out.append((x, y, (a, b)))
         return out
 
@@ -611,7 +532,7 @@ class StreamingExecutor:
         for a, b in chunks:
             x = x_full[a:b].detach().requires_grad_()
             with torch.enable_grad():
-                y = self._run(slot, x, _slice_rows(call, B, a, b), (layer, a))
+                y = self._run(slot, x, slice_rows(call, B, a, b), (layer, a))
             torch.autograd.backward(y, g[a:b])
             if gx is None:
                 return x.grad
@@ -701,7 +622,7 @@ class StreamingExecutor:
                 if lay[i].retain:
                     parts = self._forward_retained(slot, h, calls[i], i)
                     retained[i] = (parts, slot)
-                    h = _retained_output(parts)
+                    h = retained_output(parts)
                 else:
                     with torch.no_grad():
                         h = self._forward(slot, h, calls[i], i)
@@ -714,7 +635,7 @@ class StreamingExecutor:
                 inputs = {i: self.stash.get(i)}
                 for j in range(i, self._segment_end[i] - 1):  # retained layers hand their outputs over for free
                     if lay[j].retain:
-                        inputs[j + 1] = _retained_output(retained[j][0])
+                        inputs[j + 1] = retained_output(retained[j][0])
             elif op == "recompute":
                 slot = self.streamer.acquire(i)
                 with torch.no_grad():
