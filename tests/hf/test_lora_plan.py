@@ -54,7 +54,8 @@ def test_a_full_training_schedule_loaded_into_a_lora_run_warns_naming_the_frozen
     lora, lora_path = _schedule_of(tmp_path, "lora", _lora("qwen2-tiny"))
     layout = lora.plans.request.frozen
     adapters = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
-    assert layout == {"layers": [0, 1, 2, 3], "adapter_params": adapters} and full.plans.request.frozen is None
+    assert layout == {"layers": [0, 1, 2, 3], "adapter_params": adapters, "embed": True, "head": True}
+    assert full.plans.request.frozen is None
 
     cases = [(_lora("qwen2-tiny"), full_path, True), (_lora("qwen2-tiny"), lora_path, False),
              (load_model("qwen2-tiny", "float32", seed=3), lora_path, True),

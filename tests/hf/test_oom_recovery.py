@@ -98,10 +98,10 @@ class _Fault:
             self.calls += 1
             return fb(ex, *a, **k)
 
-        def forward(ex, slot, x, call):
+        def forward(ex, slot, x, call, *rest):
             if point == "forward" and slot.layer == layer:
                 self._maybe()
-            return fwd(ex, slot, x, call)
+            return fwd(ex, slot, x, call, *rest)
 
         fault_layer = layer
 
