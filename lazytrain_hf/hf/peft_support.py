@@ -24,25 +24,20 @@ def is_hybrid8(optimizer: Any) -> bool:
     return callable(getattr(optimizer, "set_grad_source", None))
 
 
-#: bitsandbytes' quantized parameter classes: packed weights whose quantization state (absmax, code, SCB) is an
-#: attribute of the parameter object, not a tensor the layer streaming moves
-_QUANTIZED_PARAMS = ("Params4bit", "Int8Params")
-
-
 def check_quantized(model: torch.nn.Module) -> None:
-    """Refuse, before training, a base quantized with bitsandbytes (`BitsAndBytesConfig(load_in_4bit=True)` or
-    8-bit): the executor's slots would run every layer with the quantization state of the layer they were built
-    from.
+    """Refuse, before training, a base quantized with bitsandbytes to 8 bits (`load_in_8bit`): its `Int8Params`
+    keep their scales (SCB) as attributes the layer streaming does not move. 4-bit bases (nf4 / fp4, with or
+    without double quantization) stream with their quantization state (streaming/quant.py).
 
     Raises:
-        ValueError: naming the first quantized parameter and the fixes.
+        ValueError: naming the first 8-bit parameter and the fixes.
     """
     for name, p in model.named_parameters():
-        if type(p).__name__ in _QUANTIZED_PARAMS:
-            raise ValueError(f"the layer-streaming executor cannot stream bitsandbytes-quantized weights yet ({name} "
-                             f"is {type(p).__name__}): load the base in bfloat16 for LoRA through LazyTrainer, or "
-                             "set lazytrain_config.policy='none' to train the quantized model on the stock path "
-                             "(the whole model on the GPU).")
+        if type(p).__name__ == "Int8Params":
+            raise ValueError(f"the layer-streaming executor cannot stream bitsandbytes 8-bit weights ({name} is "
+                             "Int8Params): load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True)) or in "
+                             "bfloat16 for LoRA through LazyTrainer, or set lazytrain_config.policy='none' to train "
+                             "the quantized model on the stock path (the whole model on the GPU).")
 
 
 def check_optimizer(executor: StreamingExecutor, args: Any) -> None:
