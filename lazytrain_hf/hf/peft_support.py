@@ -9,6 +9,7 @@ states live in host memory.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -71,23 +72,41 @@ def clip_resident(executor: StreamingExecutor, max_norm: float, norm: torch.Tens
 
 def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
     """`analytic_cost_model`'s frozen-part arguments for what `executor` runs: which layers are streamed read-only,
-    how many trainable parameters those layers keep resident (LoRA adapters), and whether the embedding / LM head
-    are frozen (weights only)."""
+    how many trainable parameters those layers keep resident (LoRA adapters), whether the embedding / LM head
+    are frozen (weights only), and, with a 4-bit base, each layer's 4-bit parameters and their streamed bytes."""
     store = getattr(executor, "store", None)  # (a stand-in executor of planning code: every layer trains)
     if store is None:
         return {}
     adapters = {id(p): p.numel() for b in store.buffers for _, p in b.resident}
     parts = executor.resident
-    return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
-            "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}
+    out = {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
+           "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}
+    quantized = [_quantized(layer, b) for layer, b in zip(executor.layers, store.buffers)]
+    if any(q for q, _ in quantized):
+        out["quantized"] = quantized
+    return out
+
+
+def _quantized(layer: torch.nn.Module, buffers: Any) -> tuple[int, int]:
+    """(parameters of `layer` held as 4-bit weights, their host bytes: packed data + quantization state)."""
+    names = {s.name for s in buffers.quant}
+    if not names:
+        return 0, 0
+    params = dict(layer.named_parameters())
+    logical = sum(math.prod(params[n].quant_state.shape) for n in names)
+    nbytes = sum(s.numel * s.dtype.itemsize for s in buffers.specs + buffers.quant if s.name in names)
+    return logical, nbytes
 
 
 def frozen_layout(executor: StreamingExecutor) -> dict[str, Any] | None:
     """The frozen layout a plan depends on (`planning.schedule.plan_inputs`' `frozen`): the frozen decoder layers'
-    indices, the trainable parameters they keep resident and a frozen embedding / LM head, or None when everything
-    trains."""
+    indices, the trainable parameters they keep resident, a frozen embedding / LM head and, with a 4-bit base, each
+    layer's (4-bit parameters, streamed bytes); None when everything trains."""
     costs = frozen_costs(executor)
     if not any(costs.get("frozen", ())):
         return None
-    return {"layers": [i for i, f in enumerate(costs["frozen"]) if f], "adapter_params": int(costs["adapter_params"]),
-            "embed": bool(costs["frozen_embed"]), "head": bool(costs["frozen_head"])}
+    out = {"layers": [i for i, f in enumerate(costs["frozen"]) if f], "adapter_params": int(costs["adapter_params"]),
+           "embed": bool(costs["frozen_embed"]), "head": bool(costs["frozen_head"])}
+    if "quantized" in costs:
+        out["quantized"] = [list(q) for q in costs["quantized"]]
+    return out
