@@ -426,7 +426,8 @@ class HostParamStore:
         quant = []  # after every parameter, so the parameters' offsets do not depend on quantization
         for name, p in named:
             for path, t in quant_tensors(p):
-                off = sizes.get(t.dtype, 0)
+                align = max(1, 64 // t.dtype.itemsize)  # 64-byte aligned starts, for the GPU kernels' vector loads
+                off = -(-sizes.get(t.dtype, 0) // align) * align
                 quant.append(ParamSpec(name, t.dtype, off, t.numel(), tuple(t.shape), path))
                 sizes[t.dtype] = off + t.numel()
         weights = {dt: self._registered.empty(n, dt, pin) for dt, n in sizes.items()}
