@@ -2,7 +2,7 @@
 
 The base is quantized on the CPU (bitsandbytes' CPU backend runs 4-bit forward and backward) with fp32 compute, so
 both runs do the same arithmetic on the same dequantized weights and the comparison holds to 1e-5 relative, as for
-bf16-free LoRA (tests/hf/test_lora.py). The packed weights and every layer's quantization state stay bit-unchanged.
+LoRA on an fp32 base (tests/hf/test_lora.py). The packed weights and every layer's quantization state stay bit-unchanged.
 An 8-bit base stays refused before training, with the fix named.
 """
 
@@ -122,11 +122,18 @@ def test_every_slot_load_carries_the_layers_own_quantization_state(tmp_path):
     assert not torch.equal(*(dict(quant_tensors(ex.layers[i].mlp.up_proj.base_layer.weight))["absmax"]
                              for i in (0, 1)))
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
-    lazy.model.train()
+    lazy.model.eval()  # eval without gradients: where bitsandbytes' CPU path would repack the weights in place
     with torch.no_grad():
         want = lazy.model(input_ids=ids).logits
         got = lazy.streaming_model(input_ids=ids).logits
     assert (got - want).norm() <= 1e-6 * want.norm()
+    for layer, bufs in zip(ex.layers, ex.store.buffers):  # the host layers still read the store's bytes
+        starts = {t.untyped_storage().data_ptr() for t in bufs.weights.values()}
+        assert all(p.untyped_storage().data_ptr() in starts for _, p in _four_bit(layer))
+    for slot in ex.streamer.slots:  # and the slots their own buffers
+        starts = {t.untyped_storage().data_ptr() for t in slot.weights.values()}
+        assert all(p.untyped_storage().data_ptr() in starts and t.untyped_storage().data_ptr() in starts
+                   for _, p in _four_bit(slot.module) for _, t in quant_tensors(p))
 
 
 def test_cost_model_counts_the_4bit_bytes(tmp_path):
