@@ -9,6 +9,7 @@ states live in host memory.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,25 +25,20 @@ def is_hybrid8(optimizer: Any) -> bool:
     return callable(getattr(optimizer, "set_grad_source", None))
 
 
-#: bitsandbytes' quantized parameter classes: packed weights whose quantization state (absmax, code, SCB) is an
-#: attribute of the parameter object, not a tensor the layer streaming moves
-_QUANTIZED_PARAMS = ("Params4bit", "Int8Params")
-
-
 def check_quantized(model: torch.nn.Module) -> None:
-    """Refuse, before training, a base quantized with bitsandbytes (`BitsAndBytesConfig(load_in_4bit=True)` or
-    8-bit): the executor's slots would run every layer with the quantization state of the layer they were built
-    from.
+    """Refuse, before training, a base quantized with bitsandbytes to 8 bits (`load_in_8bit`): its `Int8Params`
+    keep their scales (SCB) as attributes the layer streaming does not move. 4-bit bases (nf4 / fp4, with or
+    without double quantization) stream with their quantization state (streaming/quant.py).
 
     Raises:
-        ValueError: naming the first quantized parameter and the fixes.
+        ValueError: naming the first 8-bit parameter and the fixes.
     """
     for name, p in model.named_parameters():
-        if type(p).__name__ in _QUANTIZED_PARAMS:
-            raise ValueError(f"the layer-streaming executor cannot stream bitsandbytes-quantized weights yet ({name} "
-                             f"is {type(p).__name__}): load the base in bfloat16 for LoRA through LazyTrainer, or "
-                             "set lazytrain_config.policy='none' to train the quantized model on the stock path "
-                             "(the whole model on the GPU).")
+        if type(p).__name__ == "Int8Params":
+            raise ValueError(f"the layer-streaming executor cannot stream bitsandbytes 8-bit weights ({name} is "
+                             "Int8Params): load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True)) or in "
+                             "bfloat16 for LoRA through LazyTrainer, or set lazytrain_config.policy='none' to train "
+                             "the quantized model on the stock path (the whole model on the GPU).")
 
 
 def check_optimizer(executor: StreamingExecutor, args: Any) -> None:
@@ -76,23 +72,41 @@ def clip_resident(executor: StreamingExecutor, max_norm: float, norm: torch.Tens
 
 def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
     """`analytic_cost_model`'s frozen-part arguments for what `executor` runs: which layers are streamed read-only,
-    how many trainable parameters those layers keep resident (LoRA adapters), and whether the embedding / LM head
-    are frozen (weights only)."""
+    how many trainable parameters those layers keep resident (LoRA adapters), whether the embedding / LM head
+    are frozen (weights only), and, with a 4-bit base, each layer's 4-bit parameters and their streamed bytes."""
     store = getattr(executor, "store", None)  # (a stand-in executor of planning code: every layer trains)
     if store is None:
         return {}
     adapters = {id(p): p.numel() for b in store.buffers for _, p in b.resident}
     parts = executor.resident
-    return {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
-            "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}
+    out = {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
+           "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}
+    quantized = [_quantized(layer, b) for layer, b in zip(executor.layers, store.buffers)]
+    if any(q for q, _ in quantized):
+        out["quantized"] = quantized
+    return out
+
+
+def _quantized(layer: torch.nn.Module, buffers: Any) -> tuple[int, int]:
+    """(parameters of `layer` held as 4-bit weights, their host bytes: packed data + quantization state)."""
+    names = {s.name for s in buffers.quant}
+    if not names:
+        return 0, 0
+    params = dict(layer.named_parameters())
+    logical = sum(math.prod(params[n].quant_state.shape) for n in names)
+    nbytes = sum(s.numel * s.dtype.itemsize for s in buffers.specs + buffers.quant if s.name in names)
+    return logical, nbytes
 
 
 def frozen_layout(executor: StreamingExecutor) -> dict[str, Any] | None:
     """The frozen layout a plan depends on (`planning.schedule.plan_inputs`' `frozen`): the frozen decoder layers'
-    indices, the trainable parameters they keep resident and a frozen embedding / LM head, or None when everything
-    trains."""
+    indices, the trainable parameters they keep resident, a frozen embedding / LM head and, with a 4-bit base, each
+    layer's (4-bit parameters, streamed bytes); None when everything trains."""
     costs = frozen_costs(executor)
     if not any(costs.get("frozen", ())):
         return None
-    return {"layers": [i for i, f in enumerate(costs["frozen"]) if f], "adapter_params": int(costs["adapter_params"]),
-            "embed": bool(costs["frozen_embed"]), "head": bool(costs["frozen_head"])}
+    out = {"layers": [i for i, f in enumerate(costs["frozen"]) if f], "adapter_params": int(costs["adapter_params"]),
+           "embed": bool(costs["frozen_embed"]), "head": bool(costs["frozen_head"])}
+    if "quantized" in costs:
+        out["quantized"] = [list(q) for q in costs["quantized"]]
+    return out

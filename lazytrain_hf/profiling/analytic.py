@@ -250,7 +250,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
                         kept_grads: bool = True, name: str = "",
                         resident: str = "gpu", frozen: Sequence[bool] | None = None,
-                        adapter_params: int = 0, frozen_embed: bool = False, frozen_head: bool = False) -> CostModel:
+                        adapter_params: int = 0, frozen_embed: bool = False, frozen_head: bool = False,
+                        quantized: Sequence[tuple[int, int]] | None = None) -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
 
     Args:
@@ -285,6 +286,9 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
             hidden-state gradient alone. A tied head follows the embedding.
         adapter_params: trainable parameters of the frozen layers (LoRA A / B), resident on the GPU with their
             gradients and fp32 states, updated with the resident parameters at `optimizer.step()`.
+        quantized: per layer, (parameters held as bitsandbytes 4-bit weights, their streamed bytes: packed data
+            plus quantization state) for a frozen layer of a 4-bit base (QLoRA); its host copy and H2D load are
+            those bytes plus 2 per remaining parameter instead of 2 per parameter. None: no 4-bit weights.
 
     Raises:
         ValueError: non-positive batch or sequence length, unknown state_dtype / master_weights.
@@ -306,6 +310,15 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         problems.append(f"frozen must have one entry per layer ({shape.num_layers}), but got {len(frozen)}")
     if adapter_params < 0:
         problems.append(f"adapter_params must be >= 0, but got {adapter_params}")
+    quantized = [(0, 0)] * shape.num_layers if quantized is None else [(int(q), int(b)) for q, b in quantized]
+    if len(quantized) != shape.num_layers:
+        problems.append(f"quantized must have one entry per layer ({shape.num_layers}), but got {len(quantized)}")
+    else:
+        bad = [i for i, (q, b) in enumerate(quantized) if q and (not frozen[i] or not 0 < q <= shape.layer_params[i]
+                                                                  or b < 0)]
+        if bad:
+            problems.append(f"quantized layers must be frozen, with 0 < parameters <= the layer's and bytes >= 0: "
+                            f"layer {bad[0]} has {quantized[bad[0]]}")
     if problems:
         raise ValueError("analytic_cost_model: " + "; ".join(problems))
     L, H, V = shape.num_layers, shape.hidden_size, shape.vocab_size
@@ -328,6 +341,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         retained.append(int(s * n) + BF16 * n * H)  # whole micro-batch: activations and the output
     params = shape.layer_params
     trained = [0 if f else p for p, f in zip(params, frozen)]  # parameters with gradients and optimizer work
+    weight_b = [BF16 * (p - q) + b for p, (q, b) in zip(params, quantized)]  # streamed weights (4-bit: packed)
     act = BF16 * n * H
     tied = shape.lm_head_params == 0
     frozen_head = frozen_embed if tied else frozen_head
@@ -370,11 +384,12 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
             "rows_per_pass": rows_per_pass, "resident": resident,
             "num_params": shape.num_params, "frozen_layers": sum(frozen), "adapter_params": int(adapter_params),
             "frozen_embed": bool(frozen_embed), "frozen_head": bool(frozen_head),
+            "quantized_params": sum(q for q, _ in quantized),
             "hardware": hardware.source, "hardware_measured": hardware.measured,
             "estimate": "analytic"}
     return CostModel(
         layer_kind=list(shape.layer_kinds), num_params=list(trained), fwd_ms=fwd_ms, bwd_ms=bwd_ms,
-        param_bytes=[BF16 * p for p in params], grad_bytes=[BF16 * p for p in trained], act_bytes=[act] * L,
+        param_bytes=weight_b, grad_bytes=[BF16 * p for p in trained], act_bytes=[act] * L,
         saved_bytes=saved, fwd_work_bytes=fwd_work, bwd_work_bytes=bwd_work,
         gpu_optim_h2d_bytes=[int(gpu_opt_b * p) for p in trained],
         gpu_optim_d2h_bytes=[int(gpu_opt_b * p) for p in trained],
@@ -388,7 +403,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         resident_optim_on_gpu=True, resident_cpu_params=host_params,
         head_optim_params=(0 if frozen_head else shape.lm_head_params) + shape.norm_params + adapter_params,
         gpu_reserve_bytes=int(gpu_reserve_bytes),
-        host_fixed_bytes=int(layer_host_b * sum(trained) + BF16 * (sum(params) - sum(trained))
+        host_fixed_bytes=int(layer_host_b * sum(trained) + sum(w for w, f in zip(weight_b, frozen) if f)
                              + host_resident_b),
         **hardware.planner_rates(), gpu_bytes=int(gpu_bytes), pinned_host_bytes=int(host_bytes),
         nvme_bytes=int(nvme_bytes), tokens_per_step=n, meta=meta)

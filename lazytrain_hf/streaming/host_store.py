@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .nvme import ALIGN, aligned_empty, padded
+from .quant import keep_packing, quant_key, quant_tensors, set_quant_tensor
 
 __all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "HostBufferPool", "PinnedArena", "structure_key",
            "page_exclusive_empty", "pin_tensor", "unregister", "Registrations", "host_allocator_bytes", "sq_norm"]
@@ -42,13 +43,15 @@ def sq_norm(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """Where one parameter lives inside its layer's flat buffer of dtype `dtype` (offsets in elements)."""
+    """Where one parameter lives inside its layer's flat buffer of dtype `dtype` (offsets in elements); with
+    `quant`, the tensor at that path of the parameter's 4-bit quantization state (streaming/quant.py)."""
 
     name: str
     dtype: torch.dtype
     offset: int
     numel: int
     shape: tuple[int, ...]
+    quant: str = ""
 
 
 @dataclass
@@ -63,6 +66,8 @@ class LayerBuffers:
         frozen: the layer has parameters with requires_grad=False (Note [frozen layers]): only those are streamed
             (read-only: `grads` is empty), its trainable parameters stay on the compute device (`resident`).
         resident: a frozen layer's trainable parameters, (name, parameter) in `named_parameters()` order.
+        quant: the quantization-state tensors of the layer's 4-bit weights (`ParamSpec.quant`), stored after the
+            parameters in the same flat buffers: streamed with the packed weights, never written back.
     """
 
     weights: dict[torch.dtype, torch.Tensor]
@@ -70,6 +75,7 @@ class LayerBuffers:
     specs: list[ParamSpec]
     frozen: bool = False
     resident: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    quant: list[ParamSpec] = field(default_factory=list)
 
     @property
     def param_bytes(self) -> int:
@@ -84,7 +90,7 @@ def structure_key(layer: nn.Module, layer_type: str | None = None) -> tuple:
     """Hashable description of a layer's structure: layers with equal keys can share GPU templates/slots."""
     mods = tuple(type(m).__name__ for m in layer.modules())
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters())
-    return (type(layer).__name__, layer_type, mods, params)
+    return (type(layer).__name__, layer_type, mods, params, quant_key(layer))
 
 
 def page_exclusive_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -406,6 +412,7 @@ class HostParamStore:
             self.buffers.append(self._adopt(layer, pin))
 
     def _adopt(self, layer: nn.Module, pin: bool) -> LayerBuffers:
+        keep_packing(layer)
         named = list(layer.named_parameters())
         frozen = not all(p.requires_grad for _, p in named)
         resident = [(n, p) for n, p in named if frozen and p.requires_grad]
@@ -416,6 +423,13 @@ class HostParamStore:
             off = sizes.get(p.dtype, 0)
             specs.append(ParamSpec(name, p.dtype, off, p.numel(), tuple(p.shape)))
             sizes[p.dtype] = off + p.numel()
+        quant = []  # after every parameter, so the parameters' offsets do not depend on quantization
+        for name, p in named:
+            for path, t in quant_tensors(p):
+                align = max(1, 64 // t.dtype.itemsize)  # 64-byte aligned starts, for the GPU kernels' vector loads
+                off = -(-sizes.get(t.dtype, 0) // align) * align
+                quant.append(ParamSpec(name, t.dtype, off, t.numel(), tuple(t.shape), path))
+                sizes[t.dtype] = off + t.numel()
         weights = {dt: self._registered.empty(n, dt, pin) for dt, n in sizes.items()}
         gdt = (lambda dt: torch.float32) if self.grad_dtype == "fp32" else (lambda dt: dt)
         grads = {} if frozen else {dt: self._registered.empty(n, gdt(dt), pin) for dt, n in sizes.items()}
@@ -425,7 +439,12 @@ class HostParamStore:
             view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
             view.copy_(p.data)
             p.data = view  # the module now reads and writes the store's bytes: one copy in host RAM
-        return LayerBuffers(weights, grads, specs, frozen, resident)
+        params = dict(named)
+        for s in quant:
+            view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+            view.copy_(dict(quant_tensors(params[s.name]))[s.quant])
+            set_quant_tensor(params[s.name], s.quant, view)
+        return LayerBuffers(weights, grads, specs, frozen, resident, quant)
 
     @property
     def frozen(self) -> list[bool]:

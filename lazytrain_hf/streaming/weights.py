@@ -15,13 +15,13 @@ Events:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .host_store import HostParamStore
+from .quant import keep_packing, set_quant_tensor, template_copy
 
 __all__ = ["Slot", "WeightStreamer", "wait_on"]
 
@@ -118,7 +118,8 @@ class WeightStreamer:
 
     def _make_slot(self, layer: nn.Module, index: int) -> Slot:
         bufs = self.store.buffers[index]
-        module = copy.deepcopy(layer).to(self.device)
+        module = template_copy(layer).to(self.device)
+        keep_packing(module)
         weights = {dt: torch.empty(t.numel(), dtype=dt, device=self.device) for dt, t in bufs.weights.items()}
         # a frozen layer's slot has no gradient buffers (Note [frozen layers] in streaming/executor.py)
         grads = {} if bufs.frozen else {dt: torch.zeros(t.numel(), dtype=dt, device=self.device)
@@ -129,6 +130,11 @@ class WeightStreamer:
             p.data = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
             if not bufs.frozen:
                 p.grad = grads[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+        for s in bufs.quant:  # the 4-bit weights' states view the slot too: a load copies the layer's own state
+            set_quant_tensor(params[s.name], s.quant, weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape))
+        for m in module.modules():  # bitsandbytes keeps a second reference beside the weight's
+            if hasattr(m, "quant_state") and getattr(getattr(m, "weight", None), "quant_state", None) is not None:
+                m.quant_state = m.weight.quant_state
         binds = []  # where the loaded layer's own resident parameters go in the template
         for name, _ in bufs.resident:
             owner, _, attr = name.rpartition(".")

@@ -117,3 +117,24 @@ def test_row_chunks_shrink_transients_not_boundaries_or_retained_layers(qwen7b):
     assert chunked.act_bytes == full.act_bytes and chunked.retained_bytes == full.retained_bytes
     assert full.retained(0) == full.saved_bytes[0] + full.act_bytes[0]
     assert chunked.fwd_ms == full.fwd_ms
+
+
+def test_4bit_layers_stream_and_keep_their_packed_bytes(qwen7b):
+    """A frozen 4-bit layer (QLoRA base) costs its packed bytes plus 2 per remaining parameter, on the host and per
+    load, instead of 2 per parameter; only frozen layers may be 4-bit."""
+    L = qwen7b.num_layers
+    frozen = [True] * L
+    linear = [p - 2 * qwen7b.hidden_size for p in qwen7b.layer_params]  # all but the two norms
+    quantized = [(q, q // 2 + q // 64 // 64 * 4) for q in linear]  # packed nibbles + a nested absmax
+    kw = dict(gpu_bytes=24 * GIB, host_bytes=256 * GIB, frozen=frozen, frozen_embed=True, frozen_head=True)
+    bf16 = analytic_cost_model(qwen7b, 1, 1024, **kw)
+    four = analytic_cost_model(qwen7b, 1, 1024, **kw, quantized=quantized)
+    for i, (q, b) in enumerate(quantized):
+        assert four.param_bytes[i] == bf16.param_bytes[i] - 2 * q + b
+        assert 0.25 < four.param_bytes[i] / bf16.param_bytes[i] < 0.3
+    assert bf16.host_fixed_bytes - four.host_fixed_bytes == sum(bf16.param_bytes) - sum(four.param_bytes)
+    assert four.meta["quantized_params"] == sum(linear)
+    with pytest.raises(ValueError, match=r"quantized layers must be frozen.*layer 0"):
+        analytic_cost_model(qwen7b, 1, 1024, gpu_bytes=GIB, host_bytes=GIB, quantized=quantized)
+    with pytest.raises(ValueError, match="one entry per layer"):
+        analytic_cost_model(qwen7b, 1, 1024, **kw, quantized=quantized[:1])
