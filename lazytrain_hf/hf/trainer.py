@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 from ..config import GIB, LazyTrainConfig
 from ..kernels import select_linear_attention
@@ -29,11 +29,12 @@ from . import checkpoint, peft_support, preflight, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
+from .foreign_args import to_lazy_args
 from .longrun import LongRunCallback
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
-from .user_loss import StreamedCausalLM, user_loss_reasons
+from .user_loss import StreamedCausalLM, fused_forward, user_loss_reasons
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
 
@@ -46,22 +47,28 @@ class LazyTrainerMixin:
     """The executor hooks, mixable into any `Trainer` subclass (e.g. TRL's SFTTrainer):
     ``class LazySFTTrainer(LazyTrainerMixin, SFTTrainer): ...`` (the mixin must come first).
 
+    `args`: a LazyTrainingArguments, or another Trainer's TrainingArguments subclass (TRL's `SFTConfig`, ...) with
+    the LazyTrain settings given as ``lazytrain_config=`` (a dict, a YAML path or a LazyTrainConfig): converted to
+    ``Lazy<class>`` (hf/foreign_args.py), its default ``gradient_checkpointing=True`` and default optimizer taken
+    over by the executor with a log line.
+
     Raises (at construction, before any training time is spent):
-        TypeError: `args` is not a LazyTrainingArguments.
+        TypeError: `args` is not a TrainingArguments.
         ValueError: unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
             lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, or invalid
-            `lazytrain_config`.
+            `lazytrain_config` (or one given both to the trainer and in LazyTrainingArguments).
 
     A `peft.PeftModel` (LoRA) and models with frozen decoder parameters train through the executor's frozen-layer
     path (streaming/executor.py, Note [frozen layers]); `save_model` and checkpoints write what the stock Trainer
     writes for them (PEFT: the adapter files).
     """
 
-    def __init__(self, model: nn.Module | None = None, args: LazyTrainingArguments | None = None,
-                 *pos: Any, **kwargs: Any) -> None:
-        if not isinstance(args, LazyTrainingArguments):
-            raise TypeError("LazyTrainer needs `args=LazyTrainingArguments(...)`, a drop-in subclass of "
-                            f"TrainingArguments, but got {type(args).__name__}")
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
+                 *pos: Any, lazytrain_config: dict[str, Any] | str | LazyTrainConfig | None = None,
+                 **kwargs: Any) -> None:
+        # another Trainer's arguments (TRL's SFTConfig, ...): converted to Lazy<class>, their TRL defaults that are
+        # the executor's business taken over (hf/foreign_args.py)
+        args = to_lazy_args(args, lazytrain_config)
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
@@ -435,12 +442,16 @@ def _refuse_forward_options(model: nn.Module, args: Any) -> None:
     if getattr(args, "torch_compile", False):
         raise ValueError("torch_compile=True compiles the model's forward, which the LazyTrain executor never calls "
                          f"(it streams the decoder layers itself); set torch_compile=False, {fix}")
+    if getattr(args, "activation_offloading", False):
+        raise ValueError("activation_offloading=True (TRL) offloads the activations of the model's forward, which the "
+                         "LazyTrain executor never calls (it places activations as its plan says); set "
+                         f"activation_offloading=False, {fix}")
     if getattr(args, "use_liger_kernel", False):
         raise ValueError("use_liger_kernel=True patches the model's modules and its fused loss into the model's "
                          f"forward, which the LazyTrain executor does not run; set use_liger_kernel=False, {fix}")
     hooked = [n for n, hooks in (("forward hooks", model._forward_hooks), ("forward pre-hooks",
               model._forward_pre_hooks)) if hooks]
-    if "forward" in vars(model):
+    if "forward" in vars(model) and fused_forward(model) is None:  # TRL's fused LM head runs (hf/user_loss.py)
         hooked.append("an instance-level forward")
     if hooked:
         raise ValueError(f"the model has {' and '.join(hooked)} on {type(model).__name__}: the LazyTrain executor "
