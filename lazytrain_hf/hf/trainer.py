@@ -10,12 +10,13 @@ and callbacks stay the Trainer's.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from ..config import GIB, LazyTrainConfig
 from ..kernels import select_linear_attention
@@ -34,6 +35,7 @@ from .longrun import LongRunCallback
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
+from .trl_hooks import TRLHooks
 from .user_loss import StreamedCausalLM, fused_forward, user_loss_reasons
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 _SUPPORTED_INPUTS = {"input_ids", "attention_mask", "labels", "position_ids"}
 
 
-class LazyTrainerMixin:
+class LazyTrainerMixin(TRLHooks):
     """The executor hooks, mixable into any `Trainer` subclass (e.g. TRL's SFTTrainer):
     ``class LazySFTTrainer(LazyTrainerMixin, SFTTrainer): ...`` (the mixin must come first).
 
@@ -63,12 +65,16 @@ class LazyTrainerMixin:
     writes for them (PEFT: the adapter files).
     """
 
-    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
-                 *pos: Any, lazytrain_config: dict[str, Any] | str | LazyTrainConfig | None = None,
+    def __init__(self, *pos: Any, lazytrain_config: dict[str, Any] | str | LazyTrainConfig | None = None,
                  **kwargs: Any) -> None:
+        # the Trainer's own signature: DPOTrainer takes ref_model second, before args
+        bound = inspect.signature(super().__init__).bind(*pos, **kwargs)
+        bound.apply_defaults()
+        named = bound.arguments
+        model = named.get("model")
         # another Trainer's arguments (TRL's SFTConfig, ...): converted to Lazy<class>, their TRL defaults that are
         # the executor's business taken over (hf/foreign_args.py)
-        args = to_lazy_args(args, lazytrain_config)
+        args = named["args"] = to_lazy_args(named.get("args"), lazytrain_config)
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
@@ -79,15 +85,16 @@ class LazyTrainerMixin:
         self._window = Window()  # this accumulation window's micro-batches, to run them again after an abort
         #: the signal (SIGTERM / SIGINT) that stopped the last `train` at a step boundary, None when it ran out
         self.interrupted: int | None = None
+        self._deferred_ref_logps: list = []  # DPOTrainer's reference log-probabilities, run once the executor is built
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
             check_supported(model.config)
-            check_collator(model.config, kwargs.get("data_collator", pos[0] if pos else None))
+            check_collator(model.config, named.get("data_collator"))
             _refuse_forward_options(model, args)
             # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
             # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
-        super().__init__(model, args, *pos, **kwargs)
+        super().__init__(*bound.args, **bound.kwargs)
         self.longrun = LongRunCallback(self)
         if cfg.policy == "none":
             self.add_callback(self.longrun)
@@ -132,9 +139,11 @@ class LazyTrainerMixin:
         self.user_loss_model: StreamedCausalLM | None = None
         if self.user_loss:
             self.user_loss_model = StreamedCausalLM(self.executor)
-            logger.info("LazyTrain: the loss is the user's (%s): the streamed layers run behind compute_loss with "
-                        "full [B, T, V] logits instead of the executor's chunked cross-entropy",
+            logger.info("LazyTrain: the loss is the user's (%s): the streamed layers run behind compute_loss, the "
+                        "model returning full [B, T, V] logits (or, asked for TRL's fused_lm_head, per-token "
+                        "log-probabilities computed tile by tile) instead of the executor's chunked cross-entropy",
                         ", ".join(self.user_loss))
+        self.run_deferred_ref_logps()  # hf/trl_hooks.py
         self.plans = RunPlans(self)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.meter = StepMeter(sum(p.numel() for p in params if p.requires_grad), device,

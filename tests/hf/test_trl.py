@@ -123,3 +123,52 @@ def test_activation_offloading_is_refused_at_build(tmp_path):
         LazySFT(model=model, args=SFTConfig(**_config(tmp_path, "a"), activation_offloading=True),
                 train_dataset=_prompt_completion(model.config.vocab_size),
                 processing_class=_tokenizer(model.config.vocab_size), lazytrain_config=dict(EXACT))
+
+
+class LazyDPO(LazyTrainerMixin, trl.DPOTrainer):
+    pass
+
+
+def test_dpo_with_precomputed_reference_log_probs_trains_as_the_stock_dpo_trainer(tmp_path, monkeypatch):
+    """DPOTrainer takes ref_model second: the mixin binds the Trainer's own signature. The reference log-probs are
+    precomputed by DPOTrainer when it is built, before the executor holds the model; the policy's pass is TRL's fused
+    head over the streamed layers."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    words = lambda k: " ".join(f"w{int(i)}" for i in torch.randint(3, vocab, (k,), generator=g))  # noqa: E731
+    ds = Dataset.from_list([{"prompt": words(2 + i % 4), "chosen": " " + words(3 + i % 5),
+                             "rejected": " " + words(2 + (i * 3) % 5)} for i in range(12)])
+    tok = _tokenizer(vocab)
+    kw = {k: v for k, v in _config(tmp_path, "x").items() if k not in ("output_dir", "completion_only_loss")}
+    kw.update(precompute_ref_log_probs=True, beta=0.5)
+    stock = trl.DPOTrainer(model=copy.deepcopy(model), args=trl.DPOConfig(output_dir=str(tmp_path / "stock"),
+                                                                           optim="adamw_torch", **kw),
+                           train_dataset=ds, processing_class=tok)
+    stock.train()
+    ref_models = []
+    original = trl.DPOTrainer.compute_ref_log_probs
+    monkeypatch.setattr(trl.DPOTrainer, "compute_ref_log_probs",
+                        lambda self, model, inputs: ref_models.append(type(model).__name__) or original(self, model,
+                                                                                                       inputs))
+    lazy = LazyDPO(model=model, args=trl.DPOConfig(output_dir=str(tmp_path / "lazy"), **kw), train_dataset=ds,
+                   processing_class=tok, lazytrain_config=dict(EXACT))
+    lazy.train()
+    assert lazy.ref_model is None and lazy.user_loss == ["compute_loss of DPOTrainer"]
+    # precomputed once the executor held the model, through its streamed no-grad forward
+    assert ref_models and set(ref_models) == {"StreamedCausalLM"}
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        assert rel_err(torch.tensor(lazy.train_dataset[key]), torch.tensor(stock.train_dataset[key])) < 1e-5, key
+    assert len(_logs(lazy, "loss")) == 3
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
+    # margins are beta x differences of sequence log-probs: 1e-5 of the log-probs they cancel from
+    tol = 1e-5 * kw["beta"] * max(abs(x) for x in _logs(stock, "logps/chosen") + _logs(stock, "logps/rejected"))
+    for a, b in zip(_logs(lazy, "rewards/margins"), _logs(stock, "rewards/margins"), strict=True):
+        assert math.isclose(a, b, abs_tol=tol), (a, b)
+    assert any(m != 0 for m in _logs(stock, "rewards/margins")), "the policy must move off the reference"
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        if not name.endswith(NOISE_ONLY):
+            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
