@@ -38,6 +38,8 @@ def lazy_args_class(cls: type[TrainingArguments]) -> type[LazyTrainingArguments]
     registered in this module, and TRL's classes rebuild by name in a fresh process)."""
     if issubclass(cls, LazyTrainingArguments):
         return cls
+    if cls is TrainingArguments:
+        return LazyTrainingArguments
     if not issubclass(cls, TrainingArguments):
         raise TypeError(f"{cls.__name__} is not a transformers.TrainingArguments subclass")
     if cls not in _CLASSES:
@@ -56,7 +58,8 @@ def lazy_args_class(cls: type[TrainingArguments]) -> type[LazyTrainingArguments]
             ns[f.name] = dataclasses.field(**default, repr=f.repr, metadata=f.metadata)
         lazy = dataclasses.dataclass(type(name, (LazyTrainingArguments, cls), ns))
         _CLASSES[cls] = lazy
-        setattr(sys.modules[__name__], name, lazy)
+        if name not in vars(sys.modules[__name__]):  # two classes of one name: the first one is picklable by name
+            setattr(sys.modules[__name__], name, lazy)
     return _CLASSES[cls]
 
 

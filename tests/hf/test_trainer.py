@@ -310,7 +310,7 @@ def test_plain_training_arguments_convert_and_their_explicit_gradient_checkpoint
         LazyTrainer(model=model, args=TrainingArguments(**_common(tmp_path, "x"), gradient_checkpointing=True))
     lazy = LazyTrainer(model=model, args=TrainingArguments(**_common(tmp_path, "y")), lazytrain_config=dict(EXACT),
                        train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
-    assert isinstance(lazy.args, LazyTrainingArguments) and lazy.lazy_config.checkpoint_every == 2
+    assert type(lazy.args) is LazyTrainingArguments and lazy.lazy_config.checkpoint_every == 2
 
 
 def test_overlapped_updates_equal_serial_with_lr_schedule(tmp_path):
