@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import pickle
 
 import pytest
 import torch
@@ -105,6 +106,8 @@ def test_the_lazy_sft_config_class_holds_both_settings(tmp_path):
     args = cls(**_config(tmp_path, "a"), lazytrain_config={"checkpoint_every": 3})
     assert args.lazy_config.checkpoint_every == 3 and args.completion_only_loss and args.logging_steps == 1
     assert not args.gradient_checkpointing and str(args.optim.value) == "lazytrain_hybrid8"
+    again = pickle.loads(pickle.dumps(args))  # the Trainer saves training_args.bin with torch.save
+    assert type(again) is cls and again.lazy_config.checkpoint_every == 3
     with pytest.raises(ValueError, match="gradient_checkpointing=True conflicts"):
         cls(**_config(tmp_path, "b"), gradient_checkpointing=True)  # set in the LazyTrain class: the user's choice
 
