@@ -10,6 +10,7 @@ and callbacks stay the Trainer's.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -29,11 +30,13 @@ from . import checkpoint, peft_support, preflight, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
+from .foreign_args import to_lazy_args
 from .longrun import LongRunCallback
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
-from .user_loss import StreamedCausalLM, user_loss_reasons
+from .trl_hooks import TRLHooks
+from .user_loss import StreamedCausalLM, fused_forward, user_loss_reasons
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
 
@@ -42,26 +45,36 @@ logger = logging.getLogger(__name__)
 _SUPPORTED_INPUTS = {"input_ids", "attention_mask", "labels", "position_ids"}
 
 
-class LazyTrainerMixin:
+class LazyTrainerMixin(TRLHooks):
     """The executor hooks, mixable into any `Trainer` subclass (e.g. TRL's SFTTrainer):
     ``class LazySFTTrainer(LazyTrainerMixin, SFTTrainer): ...`` (the mixin must come first).
 
+    `args`: a LazyTrainingArguments, or another Trainer's TrainingArguments subclass (TRL's `SFTConfig`, ...) with
+    the LazyTrain settings given as ``lazytrain_config=`` (a dict, a YAML path or a LazyTrainConfig): converted to
+    ``Lazy<class>`` (hf/foreign_args.py), its default ``gradient_checkpointing=True`` and default optimizer taken
+    over by the executor with a log line.
+
     Raises (at construction, before any training time is spent):
-        TypeError: `args` is not a LazyTrainingArguments.
+        TypeError: `args` is not a TrainingArguments.
         ValueError: unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
             lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, or invalid
-            `lazytrain_config`.
+            `lazytrain_config` (or one given both to the trainer and in LazyTrainingArguments).
 
     A `peft.PeftModel` (LoRA) and models with frozen decoder parameters train through the executor's frozen-layer
     path (streaming/executor.py, Note [frozen layers]); `save_model` and checkpoints write what the stock Trainer
     writes for them (PEFT: the adapter files).
     """
 
-    def __init__(self, model: nn.Module | None = None, args: LazyTrainingArguments | None = None,
-                 *pos: Any, **kwargs: Any) -> None:
-        if not isinstance(args, LazyTrainingArguments):
-            raise TypeError("LazyTrainer needs `args=LazyTrainingArguments(...)`, a drop-in subclass of "
-                            f"TrainingArguments, but got {type(args).__name__}")
+    def __init__(self, *pos: Any, lazytrain_config: dict[str, Any] | str | LazyTrainConfig | None = None,
+                 **kwargs: Any) -> None:
+        # the Trainer's own signature: DPOTrainer takes ref_model second, before args
+        bound = inspect.signature(super().__init__).bind(*pos, **kwargs)
+        bound.apply_defaults()
+        named = bound.arguments
+        model = named.get("model")
+        # another Trainer's arguments (TRL's SFTConfig, ...): converted to Lazy<class>, their TRL defaults that are
+        # the executor's business taken over (hf/foreign_args.py)
+        args = named["args"] = to_lazy_args(named.get("args"), lazytrain_config)
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
@@ -72,15 +85,16 @@ class LazyTrainerMixin:
         self._window = Window()  # this accumulation window's micro-batches, to run them again after an abort
         #: the signal (SIGTERM / SIGINT) that stopped the last `train` at a step boundary, None when it ran out
         self.interrupted: int | None = None
+        self._deferred_ref_logps: list = []  # DPOTrainer's reference log-probabilities, run once the executor is built
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
             check_supported(model.config)
-            check_collator(model.config, kwargs.get("data_collator", pos[0] if pos else None))
+            check_collator(model.config, named.get("data_collator"))
             _refuse_forward_options(model, args)
             # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
             # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
-        super().__init__(model, args, *pos, **kwargs)
+        super().__init__(*bound.args, **bound.kwargs)
         self.longrun = LongRunCallback(self)
         if cfg.policy == "none":
             self.add_callback(self.longrun)
@@ -125,9 +139,11 @@ class LazyTrainerMixin:
         self.user_loss_model: StreamedCausalLM | None = None
         if self.user_loss:
             self.user_loss_model = StreamedCausalLM(self.executor)
-            logger.info("LazyTrain: the loss is the user's (%s): the streamed layers run behind compute_loss with "
-                        "full [B, T, V] logits instead of the executor's chunked cross-entropy",
+            logger.info("LazyTrain: the loss is the user's (%s): the streamed layers run behind compute_loss, the "
+                        "model returning full [B, T, V] logits (or, asked for TRL's fused_lm_head, per-token "
+                        "log-probabilities computed tile by tile) instead of the executor's chunked cross-entropy",
                         ", ".join(self.user_loss))
+        self.run_deferred_ref_logps()  # hf/trl_hooks.py
         self.plans = RunPlans(self)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.meter = StepMeter(sum(p.numel() for p in params if p.requires_grad), device,
@@ -435,12 +451,16 @@ def _refuse_forward_options(model: nn.Module, args: Any) -> None:
     if getattr(args, "torch_compile", False):
         raise ValueError("torch_compile=True compiles the model's forward, which the LazyTrain executor never calls "
                          f"(it streams the decoder layers itself); set torch_compile=False, {fix}")
+    if getattr(args, "activation_offloading", False):
+        raise ValueError("activation_offloading=True (TRL) offloads the activations of the model's forward, which the "
+                         "LazyTrain executor never calls (it places activations as its plan says); set "
+                         f"activation_offloading=False, {fix}")
     if getattr(args, "use_liger_kernel", False):
         raise ValueError("use_liger_kernel=True patches the model's modules and its fused loss into the model's "
                          f"forward, which the LazyTrain executor does not run; set use_liger_kernel=False, {fix}")
     hooked = [n for n, hooks in (("forward hooks", model._forward_hooks), ("forward pre-hooks",
               model._forward_pre_hooks)) if hooks]
-    if "forward" in vars(model):
+    if "forward" in vars(model) and fused_forward(model) is None:  # TRL's fused LM head runs (hf/user_loss.py)
         hooked.append("an instance-level forward")
     if hooked:
         raise ValueError(f"the model has {' and '.join(hooked)} on {type(model).__name__}: the LazyTrain executor "

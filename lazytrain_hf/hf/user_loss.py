@@ -17,13 +17,14 @@ override) never holds them.
 from __future__ import annotations
 
 from collections.abc import Generator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
-__all__ = ["StreamedCausalLM", "UserLossPass", "user_loss_reasons"]
+__all__ = ["StreamedCausalLM", "UserLossPass", "fused_forward", "user_loss_reasons"]
 
 #: keyword arguments of an HF causal LM's forward that change nothing here
 _IGNORED_KWARGS = {"use_cache", "return_dict", "output_attentions", "cache_position"}
@@ -121,7 +122,8 @@ class StreamedCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, fused_lm_head: bool = False,
+                **kwargs: Any) -> CausalLMOutputWithPast | Any:
         loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels")
                        if k in kwargs}
         unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None
@@ -135,16 +137,16 @@ class StreamedCausalLM(nn.Module):
                                "to come: the executor streams one pass per micro-batch. Run the other forwards (e.g. "
                                "reference log-probabilities) under torch.no_grad(), before the forward with grad")
         ex = self.executor
+        dtype = ex.autocast_dtype
+        autocast = torch.autocast(ex.device.type, dtype=dtype, enabled=dtype is not None)  # as the layers ran
+        if fused_lm_head:
+            return self._fused(input_ids, attention_mask, position_ids, labels, autocast, loss_kwargs)
         if not torch.is_grad_enabled():
             _, logits = ex.forward_inference(input_ids, attention_mask, None, position_ids)
             logits = logits[:, _keep(logits_to_keep, logits.shape[1]), :]
         else:
-            self.pending = UserLossPass(ex.stream_pass(input_ids, attention_mask, position_ids,
-                                                       self.sync_gradients))
-            anchor = torch.empty(0, device=ex.device, requires_grad=True)
-            h = _StreamedStack.apply(anchor, self.pending)
-            dtype = ex.autocast_dtype
-            with torch.autocast(ex.device.type, dtype=dtype, enabled=dtype is not None):  # as the layers ran
+            h = self._stream(input_ids, attention_mask, position_ids)
+            with autocast:
                 hidden = ex.base.norm(h)
                 logits = ex.resident.head_module()(hidden[:, _keep(logits_to_keep, hidden.shape[1]), :])
         loss = None
@@ -152,6 +154,78 @@ class StreamedCausalLM(nn.Module):
             loss = self.module.loss_function(logits=logits, labels=labels.to(logits.device),
                                              vocab_size=self.config.vocab_size, **loss_kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _stream(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H] (before the final norm): with grad, the streamed stack's autograd
+        node (its backward streams the layers); without, a plain streamed forward."""
+        ex = self.executor
+        if not torch.is_grad_enabled():
+            return _inference_hidden(ex, input_ids, attention_mask, position_ids)
+        self.pending = UserLossPass(ex.stream_pass(input_ids, attention_mask, position_ids, self.sync_gradients))
+        anchor = torch.empty(0, device=ex.device, requires_grad=True)
+        return _StreamedStack.apply(anchor, self.pending)
+
+    def _fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+               labels: torch.Tensor | None, autocast: Any, loss_kwargs: dict[str, Any]) -> Any:
+        """`model(..., fused_lm_head=True)`: TRL's own fused forward (trl `add_fused_lm_head`: per-token
+        log-probabilities, entropy, top-1 hits, computed tile by tile without the [B, T, V] logits) over the streamed
+        hidden states and the executor's LM head."""
+        fn = fused_forward(self.module)
+        if fn is None:
+            raise ValueError("compute_loss called the model with fused_lm_head=True, but the model has no fused LM "
+                             "head (TRL's trl.trainer.utils.add_fused_lm_head patches it in; the TRL trainers do it "
+                             "when they are built). Build the trainer on the model TRL patched, or drop "
+                             "fused_lm_head")
+        ex = self.executor
+        h = self._stream(input_ids, attention_mask, position_ids)
+        with autocast:
+            hidden = ex.base.norm(h)
+            return fn(_Backbone(hidden, ex.resident.head_module()), input_ids=input_ids, labels=labels,
+                      fused_lm_head=True, **loss_kwargs)
+
+
+def fused_forward(model: nn.Module) -> Any:
+    """TRL's fused-LM-head forward function patched onto `model` (or onto a PEFT model's base), or None."""
+    for m in (model, getattr(model, "get_base_model", lambda: None)()):
+        bound = vars(m).get("forward") if m is not None else None
+        fn = getattr(bound, "__func__", None)
+        code = getattr(fn, "__code__", None)  # functools.wraps gave it the model forward's name and module
+        if code is not None and code.co_name == "_fused_forward" and fn.__globals__["__name__"].startswith("trl."):
+            return fn
+    return None
+
+
+class _Backbone:
+    """What TRL's fused forward reads from `self`: the backbone (here: its output, the streamed hidden states after
+    the final norm) and the LM head (the executor's)."""
+
+    def __init__(self, hidden: torch.Tensor, head: nn.Module) -> None:
+        self._hidden, self._head = hidden, head
+
+    def base_model(self, *args: Any, **kwargs: Any) -> BaseModelOutput:
+        return BaseModelOutput(last_hidden_state=self._hidden)
+
+    def get_output_embeddings(self) -> Any:
+        # what TRL reads of the head: its weight and bias (the executor's GPU copy of a host head has no bias)
+        return SimpleNamespace(weight=self._head.weight, bias=getattr(self._head, "bias", None))
+
+
+def _inference_hidden(ex: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The streamed no-grad forward of `StreamingExecutor.forward_inference`, up to the last layer's output."""
+    for s in ex.streamer.slots:
+        s.module.train(ex.model.training)
+    ex.device_updater.run_pending()  # a pass cut short (an exception) left staged updates behind
+    ex.streamer.invalidate()
+    ex.streamer.begin(list(range(ex.num_layers)))
+    h, calls = ex._capture(input_ids.to(ex.device), None if attention_mask is None else attention_mask.to(ex.device),
+                           None if position_ids is None else position_ids.to(ex.device))
+    for i in range(ex.num_layers):
+        slot = ex.streamer.acquire(i)
+        h = ex._forward(slot, h, calls[i])
+        ex.streamer.release(slot)
+    return h
 
 
 def _keep(logits_to_keep: int | torch.Tensor, T: int) -> slice | torch.Tensor:

@@ -301,10 +301,16 @@ def test_bad_arguments_fail_before_training(tmp_path, bad, match):
         LazyTrainingArguments(**kw)
 
 
-def test_plain_training_arguments_rejected_with_fix(tmp_path):
+def test_plain_training_arguments_convert_and_their_explicit_gradient_checkpointing_is_refused(tmp_path):
+    """TrainingArguments' default gradient_checkpointing is off, so True there is the user's choice: refused."""
     model = load_model("qwen3-tiny", "float32")
     with pytest.raises(TypeError, match="LazyTrainingArguments"):
-        LazyTrainer(model=model, args=TrainingArguments(**_common(tmp_path, "x")))
+        LazyTrainer(model=model, args=None)
+    with pytest.raises(ValueError, match="gradient_checkpointing=True conflicts"):
+        LazyTrainer(model=model, args=TrainingArguments(**_common(tmp_path, "x"), gradient_checkpointing=True))
+    lazy = LazyTrainer(model=model, args=TrainingArguments(**_common(tmp_path, "y")), lazytrain_config=dict(EXACT),
+                       train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
+    assert type(lazy.args) is LazyTrainingArguments and lazy.lazy_config.checkpoint_every == 2
 
 
 def test_overlapped_updates_equal_serial_with_lr_schedule(tmp_path):

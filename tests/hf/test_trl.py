@@ -1,0 +1,177 @@
+"""TRL's SFTTrainer through `LazyTrainerMixin` with an `SFTConfig`: TRL's own loss (its fused LM head over the
+streamed layers), completion-only masking and TRL's logged metrics equal the stock SFTTrainer's (fp32, gradient
+accumulation 2, clipping); the config's defaults that are the executor's business are taken over."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import pickle
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from lazytrain_hf import LazyTrainerMixin, LazyTrainingArguments  # noqa: E402
+from lazytrain_hf.hf.foreign_args import lazy_args_class  # noqa: E402
+from lazytrain_hf.models import load_model  # noqa: E402
+
+from ..conftest import rel_err  # noqa: E402
+from .test_trainer import EXACT, NOISE_ONLY, _logs  # noqa: E402
+
+
+class LazySFT(LazyTrainerMixin, SFTTrainer):
+    pass
+
+
+def _tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the model's vocabulary ("w3" is token 3), built in memory: nothing downloads."""
+    words = {"[UNK]": 0, "<pad>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab)}
+    backend = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="<pad>", eos_token="</s>")
+
+
+def _prompt_completion(vocab: int, n: int = 12, seed: int = 0) -> Dataset:
+    """Prompt / completion pairs of unequal lengths (prompts 2..6 words, completions 3..9)."""
+    g = torch.Generator().manual_seed(seed)
+    words = lambda k: " ".join(f"w{int(i)}" for i in torch.randint(3, vocab, (k,), generator=g))  # noqa: E731
+    return Dataset.from_list([{"prompt": words(2 + i % 5), "completion": " " + words(3 + (i * 5) % 7)} for i in range(n)])
+
+
+def _config(tmp_path, name: str, **kw) -> dict:
+    base = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_steps=3, learning_rate=1e-3, weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant",
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+                dataloader_num_workers=0, disable_tqdm=True, bf16=False, completion_only_loss=True, max_length=None)
+    base.update(kw)
+    return base
+
+
+def _pair(tmp_path, arch: str = "qwen3-tiny", lazy_cfg: dict | None = None, **kw):
+    model = load_model(arch, "float32", seed=3)
+    vocab = model.config.vocab_size
+    ds, tok = _prompt_completion(vocab), _tokenizer(vocab)
+    stock = SFTTrainer(model=copy.deepcopy(model), args=SFTConfig(**_config(tmp_path, "stock", optim="adamw_torch",
+                                                                             **kw)),
+                       train_dataset=ds, processing_class=tok)
+    stock.train()
+    # the SFTConfig as a TRL user writes it (TRL's default optimizer and gradient checkpointing: taken over)
+    lazy = LazySFT(model=model, args=SFTConfig(**_config(tmp_path, "lazy", **kw)), train_dataset=ds,
+                   processing_class=tok, lazytrain_config={**EXACT, **(lazy_cfg or {})})
+    lazy.train()
+    return stock, lazy
+
+
+@pytest.mark.parametrize("arch, placement", [("qwen3-tiny", "gpu"), ("qwen3-tiny-untied", "host")])
+def test_sft_trainer_through_the_mixin_trains_as_the_stock_sft_trainer(tmp_path, caplog, arch, placement):
+    with caplog.at_level(logging.INFO, logger="lazytrain_hf"):
+        stock, lazy = _pair(tmp_path, arch, lazy_cfg={"resident_placement": placement})
+    assert isinstance(lazy.args, LazyTrainingArguments) and isinstance(lazy.args, SFTConfig)
+    assert lazy.executor.resident.placement == placement
+    assert stock.args.gradient_checkpointing and not lazy.args.gradient_checkpointing
+    assert sum("gradient_checkpointing=True (SFTConfig's default) is taken over" in r.message
+               for r in caplog.records) == 1
+    assert lazy.user_loss == ["compute_loss of SFTTrainer"]
+    # completion-only: the prompts' labels are masked in the batches both trained on
+    batch = lazy.data_collator([lazy.train_dataset[i] for i in range(2)])
+    assert batch["labels"].eq(-100).any() and batch["labels"].ne(-100).any()
+    assert len(_logs(lazy, "loss")) == 3
+    for key in ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens"):
+        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
+    assert any(g > 1.0 for g in _logs(stock, "grad_norm")), "the test must exercise clipping"
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        if not name.endswith(NOISE_ONLY):
+            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+
+
+def test_the_completion_only_loss_differs_from_the_full_sequence_loss(tmp_path):
+    """The masking is what the equality above exercises: without it the first loss is another number."""
+    _, masked = _pair(tmp_path / "masked", max_steps=1)
+    _, full = _pair(tmp_path / "full", max_steps=1, completion_only_loss=False)
+    assert not math.isclose(_logs(masked, "loss")[0], _logs(full, "loss")[0], rel_tol=1e-3)
+
+
+def test_the_lazy_sft_config_class_holds_both_settings(tmp_path):
+    cls = lazy_args_class(SFTConfig)
+    args = cls(**_config(tmp_path, "a"), lazytrain_config={"checkpoint_every": 3})
+    assert args.lazy_config.checkpoint_every == 3 and args.completion_only_loss and args.logging_steps == 1
+    assert not args.gradient_checkpointing and str(args.optim.value) == "lazytrain_hybrid8"
+    again = pickle.loads(pickle.dumps(args))  # the Trainer saves training_args.bin with torch.save
+    assert type(again) is cls and again.lazy_config.checkpoint_every == 3
+    with pytest.raises(ValueError, match="gradient_checkpointing=True conflicts"):
+        cls(**_config(tmp_path, "b"), gradient_checkpointing=True)  # set in the LazyTrain class: the user's choice
+
+
+def test_lazytrain_config_given_twice_is_refused(tmp_path):
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    args = lazy_args_class(SFTConfig)(**_config(tmp_path, "a"))
+    with pytest.raises(ValueError, match="set it in one place"):
+        LazySFT(model=model, args=args, train_dataset=_prompt_completion(model.config.vocab_size),
+                processing_class=_tokenizer(model.config.vocab_size), lazytrain_config=dict(EXACT))
+
+
+def test_activation_offloading_is_refused_at_build(tmp_path):
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    with pytest.raises(ValueError, match="activation_offloading=True"):
+        LazySFT(model=model, args=SFTConfig(**_config(tmp_path, "a"), activation_offloading=True),
+                train_dataset=_prompt_completion(model.config.vocab_size),
+                processing_class=_tokenizer(model.config.vocab_size), lazytrain_config=dict(EXACT))
+
+
+class LazyDPO(LazyTrainerMixin, trl.DPOTrainer):
+    pass
+
+
+def test_dpo_with_precomputed_reference_log_probs_trains_as_the_stock_dpo_trainer(tmp_path, monkeypatch):
+    """DPOTrainer takes ref_model second: the mixin binds the Trainer's own signature. The reference log-probs are
+    precomputed by DPOTrainer when it is built, before the executor holds the model; the policy's pass is TRL's fused
+    head over the streamed layers."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    words = lambda k: " ".join(f"w{int(i)}" for i in torch.randint(3, vocab, (k,), generator=g))  # noqa: E731
+    ds = Dataset.from_list([{"prompt": words(2 + i % 4), "chosen": " " + words(3 + i % 5),
+                             "rejected": " " + words(2 + (i * 3) % 5)} for i in range(12)])
+    tok = _tokenizer(vocab)
+    kw = {k: v for k, v in _config(tmp_path, "x").items() if k not in ("output_dir", "completion_only_loss")}
+    kw.update(precompute_ref_log_probs=True, beta=0.5)
+    stock = trl.DPOTrainer(model=copy.deepcopy(model), args=trl.DPOConfig(output_dir=str(tmp_path / "stock"),
+                                                                           optim="adamw_torch", **kw),
+                           train_dataset=ds, processing_class=tok)
+    stock.train()
+    ref_models = []
+    original = trl.DPOTrainer.compute_ref_log_probs
+    monkeypatch.setattr(trl.DPOTrainer, "compute_ref_log_probs",
+                        lambda self, model, inputs: ref_models.append(type(model).__name__) or original(self, model,
+                                                                                                       inputs))
+    lazy = LazyDPO(model=model, args=trl.DPOConfig(output_dir=str(tmp_path / "lazy"), **kw), train_dataset=ds,
+                   processing_class=tok, lazytrain_config=dict(EXACT))
+    lazy.train()
+    assert lazy.ref_model is None and lazy.user_loss == ["compute_loss of DPOTrainer"]
+    # precomputed once the executor held the model, through its streamed no-grad forward
+    assert ref_models and set(ref_models) == {"StreamedCausalLM"}
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        assert rel_err(torch.tensor(lazy.train_dataset[key]), torch.tensor(stock.train_dataset[key])) < 1e-5, key
+    assert len(_logs(lazy, "loss")) == 3
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
+    # margins are beta x differences of sequence log-probs: 1e-5 of the log-probs they cancel from
+    tol = 1e-5 * kw["beta"] * max(abs(x) for x in _logs(stock, "logps/chosen") + _logs(stock, "logps/rejected"))
+    for a, b in zip(_logs(lazy, "rewards/margins"), _logs(stock, "rewards/margins"), strict=True):
+        assert math.isclose(a, b, abs_tol=tol), (a, b)
+    assert any(m != 0 for m in _logs(stock, "rewards/margins")), "the policy must move off the reference"
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        if not name.endswith(NOISE_ONLY):
+            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
