@@ -46,10 +46,11 @@ class LazyTrainingArguments(TrainingArguments):
         self.lazytrain_config = cfg.to_dict()  # normalized, JSON-serializable (to_json_string, logging)
         problems = []
         if cfg.policy != "none":
-            if self.gradient_checkpointing:
+            if self.gradient_checkpointing or getattr(self, "activation_checkpointing", False):
                 problems.append("gradient_checkpointing=True conflicts with the LazyTrain executor, which owns "
-                                "recomputation (lazytrain_config.policy=" + repr(cfg.policy) + "). Set "
-                                "gradient_checkpointing=False, or lazytrain_config.policy='none' for the plain path.")
+                                f"recomputation (lazytrain_config.policy={cfg.policy!r}; activation_checkpointing "
+                                "is the same switch). Set gradient_checkpointing=False / activation_checkpointing="
+                                "False, or lazytrain_config.policy='none' for the plain path.")
         if str(getattr(self.optim, "value", self.optim)) == OPTIM_NAME and self.optim_args:
             # here, not when train() creates the optimizer: by then the executor has copied the model to host memory
             problems.extend(_optim_args_problems(self.optim_args))

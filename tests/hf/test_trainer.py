@@ -288,6 +288,7 @@ def test_metrics_in_logs(tmp_path):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(gradient_checkpointing=True), "gradient_checkpointing=True conflicts"),
+    (dict(activation_checkpointing=True), "gradient_checkpointing=True conflicts"),
     (dict(lazytrain_config={"polcy": "fixed"}), r"Unknown lazytrain_config key\(s\) \['polcy'\]"),
     (dict(lazytrain_config={"prefetch_depth": 9, "activation_tier": "disk"}), "prefetch_depth must be"),
     # optim_args are checked here, before LazyTrainer builds the executor (not when train() creates the optimizer)
