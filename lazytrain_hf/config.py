@@ -176,6 +176,9 @@ def _check_field(obj: Any, f: dataclasses.Field, key: str, problems: list[str]) 
         setattr(obj, f.name, value)
         if value is not None and value < 0:
             problems.append(f"{key} must be a size >= 0 such as {meta['size']}, but got {value}")
+        elif value is not None and 0 < value < 1 << 20:  # surely not meant: 24 would be 24 bytes
+            problems.append(f"{key}: {value} has no unit (it would be {value} bytes); give one, e.g. "
+                            f"'{value}GiB', or a byte count of at least 1 MiB")
     elif "range" in meta and not (value is None and "None" in str(f.type)):
         _check_int(problems, key, value, *meta["range"])
 
@@ -620,7 +623,8 @@ def render_markdown() -> str:
         "## Flat keys", "",
         "Every key also works without its group, as its flat name: `{\"policy\": \"milp\"}`, `policy: milp` in a recipe's",
         "`lazytrain:` section, `--set lazytrain.policy=milp`, `LazyTrainConfig(policy=\"milp\")`; `cfg.policy` reads and",
-        "writes `cfg.planning.policy`. Giving a field both ways with different values is an error.",
+        "writes `cfg.planning.policy`. Giving a field both ways with different values is an error; a recipe's "
+        "`--set` replaces the recipe's value in either spelling.",
         "`LazyTrainConfig.to_dict()` returns the flat form (as `LazyTrainingArguments.lazytrain_config` holds it),",
         "`to_dict(grouped=True)` the grouped one.", "",
         "| Flat key | Grouped key |", "| --- | --- |"]
