@@ -176,9 +176,6 @@ def _check_field(obj: Any, f: dataclasses.Field, key: str, problems: list[str]) 
         setattr(obj, f.name, value)
         if value is not None and value < 0:
             problems.append(f"{key} must be a size >= 0 such as {meta['size']}, but got {value}")
-        elif value is not None and 0 < value < 1 << 20:  # surely not meant: 24 would be 24 bytes
-            problems.append(f"{key}: {value} has no unit (it would be {value} bytes); give one, e.g. "
-                            f"'{value}GiB', or a byte count of at least 1 MiB")
     elif "range" in meta and not (value is None and "None" in str(f.type)):
         _check_int(problems, key, value, *meta["range"])
 
