@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
 from ..profiling.limits import disk_free, host_memory_limit
-from . import peft_support
+from . import peft_support, preflight
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
            "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError",
@@ -121,7 +120,7 @@ def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:
         gpu = torch.cuda.mem_get_info(ex.device)[0]
     else:
         hardware, gpu = H200_DEFAULTS, 80 * GIB
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    local = preflight.ranks_per_host()
     # the limit the process really has (cgroup, memory other processes use), not the host's RAM
     host = 0 if cfg.host_memory_budget else host_memory_limit().bytes
     nvme = disk_free(cfg.nvme_dir).bytes if cfg.nvme_dir and not cfg.nvme_budget else 256 * GIB

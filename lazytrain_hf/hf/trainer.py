@@ -267,9 +267,8 @@ class LazyTrainerMixin(TRLHooks):
         model.train()
         inputs = prepare_batch(inputs, self.model.config)  # packed rows: boundary keys checked and dropped
         unknown = set(inputs) - _SUPPORTED_INPUTS
-        if self.user_loss_model is not None:  # compute_loss takes the batch, the model forward checks what it gets
-            pass
-        elif unknown:
+        # with the user's loss, compute_loss takes the batch and the streamed model's forward checks what it gets
+        if unknown and self.user_loss_model is None:
             raise ValueError(f"the LazyTrain executor takes {sorted(_SUPPORTED_INPUTS)} but the batch also has "
                              f"{sorted(unknown)}; drop those columns (remove_unused_columns=True) or use "
                              "lazytrain_config.policy='none'")

@@ -161,7 +161,7 @@ class StreamedCausalLM(nn.Module):
         node (its backward streams the layers); without, a plain streamed forward."""
         ex = self.executor
         if not torch.is_grad_enabled():
-            return _inference_hidden(ex, input_ids, attention_mask, position_ids)
+            return ex.forward_hidden(input_ids, attention_mask, position_ids)
         self.pending = UserLossPass(ex.stream_pass(input_ids, attention_mask, position_ids, self.sync_gradients))
         anchor = torch.empty(0, device=ex.device, requires_grad=True)
         return _StreamedStack.apply(anchor, self.pending)
@@ -209,23 +209,6 @@ class _Backbone:
     def get_output_embeddings(self) -> Any:
         # what TRL reads of the head: its weight and bias (the executor's GPU copy of a host head has no bias)
         return SimpleNamespace(weight=self._head.weight, bias=getattr(self._head, "bias", None))
-
-
-def _inference_hidden(ex: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_ids: torch.Tensor | None) -> torch.Tensor:
-    """The streamed no-grad forward of `StreamingExecutor.forward_inference`, up to the last layer's output."""
-    for s in ex.streamer.slots:
-        s.module.train(ex.model.training)
-    ex.device_updater.run_pending()  # a pass cut short (an exception) left staged updates behind
-    ex.streamer.invalidate()
-    ex.streamer.begin(list(range(ex.num_layers)))
-    h, calls = ex._capture(input_ids.to(ex.device), None if attention_mask is None else attention_mask.to(ex.device),
-                           None if position_ids is None else position_ids.to(ex.device))
-    for i in range(ex.num_layers):
-        slot = ex.streamer.acquire(i)
-        h = ex._forward(slot, h, calls[i])
-        ex.streamer.release(slot)
-    return h
 
 
 def _keep(logits_to_keep: int | torch.Tensor, T: int) -> slice | torch.Tensor:

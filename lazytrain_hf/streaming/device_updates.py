@@ -87,8 +87,6 @@ class DeviceUpdater:
             return
         cuda = ex.device.type == "cuda"
         bufs = self.staging.setdefault(id(slot), {})
-        names = {id(p): n for n, p in ex.layers[layer].named_parameters()}
-        specs = {sp.name: sp for sp in ex.store.buffers[layer].specs}
         back: list[tuple[torch.Tensor, torch.Tensor, dict, dict]] = []
 
         def staged(name: str, what: str, src: torch.Tensor) -> torch.Tensor:
@@ -100,8 +98,8 @@ class DeviceUpdater:
         kept = ex.grads.is_kept(layer)  # g is then the kept device gradient (`grad_source`): no H2D
 
         def stage(p: torch.Tensor, g: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            name = names[id(p)]
-            sp = specs[name]
+            sp = ex._param_specs[id(p)][1]  # the executor's parameter -> (layer, spec) map, built once
+            name = sp.name
             on_device = slot.weights[sp.dtype][sp.offset:sp.offset + sp.numel].view(sp.shape)
             dev_state = {k: staged(name, k, v) if torch.is_tensor(v) and v.dim() > 0 else v
                          for k, v in state.items()}

@@ -711,12 +711,10 @@ class StreamingExecutor:
 
     # ---- inference ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward_inference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                          labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          return_logits: bool = True, denominator: float | torch.Tensor | None = None,
-                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None); the summed token loss
-        is divided by `denominator` (default: the valid shifted labels, a mean)."""
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Streamed forward without grad through the decoder layers: the last layer's output [B, T, H] (before the
+        final norm), on the compute device."""
         for s in self.streamer.slots:
             s.module.train(self.model.training)
         self.device_updater.run_pending()  # a pass cut short (an exception) left staged updates behind
@@ -729,6 +727,15 @@ class StreamingExecutor:
             slot = self.streamer.acquire(i)
             h = self._forward(slot, h, calls[i])
             self.streamer.release(slot)
+        return h
+
+    def forward_inference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                          labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                          return_logits: bool = True, denominator: float | torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None); the summed token loss
+        is divided by `denominator` (default: the valid shifted labels, a mean)."""
+        h = self.forward_hidden(input_ids, attention_mask, position_ids)
         norm, head = self.base.norm, self.resident.head_module()
         loss = None
         if labels is not None:

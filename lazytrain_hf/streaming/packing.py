@@ -114,10 +114,12 @@ def prepare_batch(inputs: Mapping[str, Any], config: Any) -> dict[str, Any]:
                              "cross sequences. Pack without padding (DataCollatorWithFlattening) or pad without "
                              "packing")
         del out["attention_mask"]
+    lengths = None
     for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
         if key in inputs:
             cu = torch.as_tensor(inputs[key]).flatten().tolist()
-            lengths = [n for row in packed_lengths(pos) for n in row]
+            if lengths is None:  # once per batch, for either key
+                lengths = [n for row in packed_lengths(pos) for n in row]
             if [b - a for a, b in zip(cu, cu[1:])] != lengths:
                 raise ValueError(f"the batch's {key} {cu} disagree with its position_ids (sequences of "
                                  f"{lengths} tokens); build both with one DataCollatorWithFlattening")
