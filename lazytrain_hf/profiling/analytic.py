@@ -54,6 +54,10 @@ LINEAR_ATTENTION_BWD_RATIO = 3.1
 BF16 = 2  # bytes per bf16 element
 FP32 = 4
 MIB = 1024**2
+#: Host-side rate of a host-placed embedding's row work, in bytes of [tokens, H] rows per second, for each of the
+#: lookup into the staging buffer and the index-add of its gradient (streaming/resident.py): 5.2 ms / 11.3 ms for
+#: 8192 x 3584 bf16 rows (58.7 MB) on 2 Zen cores; the slower one, rounded down.
+HOST_EMBED_ROWS_GBPS = 5.0
 
 
 @dataclass
@@ -346,6 +350,14 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     tied = shape.lm_head_params == 0
     frozen_head = frozen_embed if tied else frozen_head
     head_flops = (2.0 if frozen_head else 4.0) * n * H * V + 2.0 * n * H * V  # backward (input [+ weight]) + forward
+    # a host-placed embedding's lookup and upload before the first layer, and the blocking download and index-add
+    # of its gradient after the last backward: on the step's critical path (the head's, as the GPU embedding's is)
+    host_embed_ms = 0.0
+    if resident != "gpu":
+        rows_b = BF16 * n * H
+        host_embed_ms = rows_b * (1 / (hardware.h2d_gbps * 1e6)
+                                  + (0 if frozen_embed else 1 / (hardware.d2h_gbps * 1e6))
+                                  + (1 if frozen_embed else 2) / (HOST_EMBED_ROWS_GBPS * 1e6))
     chunk = min(loss_chunk_tokens, n)
     layer_host_b = BF16 + BF16 + state_b + master_b  # weight, gradient, moments, master
     # resident parts: fp32 moments (8 bytes) + master, whatever the layers' state_dtype (optim/hybrid8.py); a frozen
@@ -362,7 +374,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                          "the embedding and the head at once): use 'gpu' or 'host'")
     gpu_resident_b = (resident_b * (norm_p + adapter_params) + (0 if host_embed else embed_b * embed_p)
                       + (0 if host_head else head_b * shape.lm_head_params))
-    host_resident_b = (embed_b * embed_p if host_embed else 0) + (head_b * shape.lm_head_params if host_head else 0)
+    host_resident_b = ((embed_b * embed_p + BF16 * n * H) if host_embed else 0) \
+        + (head_b * shape.lm_head_params if host_head else 0)  # + the embedding's [B, T, H] staging buffer
     host_params = ((0 if frozen_embed else embed_p) if host_embed else 0) + \
         ((0 if frozen_head else shape.lm_head_params) if host_head else 0)  # updated on the CPU
     head_copy = BF16 * head_p if host_head else 0  # the GPU working copy of a host-placed head's weights
@@ -396,7 +409,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(trained, gpu_opt_tmp)], retained_bytes=retained,
         kept_grad_bytes=[BF16 * p for p in trained] if kept_grads else [],
         resident_bytes=int(gpu_resident_b + head_copy),
-        head_ms=head_flops / matmul_efficiency / peak,
+        head_ms=head_flops / matmul_efficiency / peak + host_embed_ms,
         head_work_bytes=int(head_work), head_grad_bytes=head_grad, head_h2d_bytes=head_copy,
         embed_grad_bytes=act if host_embed and not frozen_embed else 0,
         embed_optim_params=0 if frozen_embed else shape.embed_params,

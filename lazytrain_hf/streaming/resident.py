@@ -4,7 +4,9 @@
 - "host_embedding": the input embedding in host memory. The lookup runs on the host and its [B, T, H] output goes
   up; the gradient of that output comes back and is index-added into the host gradient (rows of `padding_idx`
   excluded, as `nn.Embedding`'s backward does). The optimizer sees a host parameter with a host gradient and
-  updates it on the CPU.
+  updates it on the CPU. Both directions go through one reused page-locked staging buffer of [B, T, H]: a fresh
+  [B, T, H] host tensor per call page-faulted at ~0.6 GB/s on 2 cores (5.2 ms a lookup into a reused buffer
+  against 43-99 ms into new ones at 8192 x 3584 bf16), and pageable copies block.
 - "host": the LM head too (a tied weight is both at once). The head multiplies by a GPU working copy of the host
   weights, refreshed once per optimizer step on a side stream while the forward runs; its weight gradient goes back
   to the host right after the head. The final norm stays on the compute device in every placement.
@@ -74,6 +76,8 @@ class ResidentParts:
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._reg = Registrations()  # page-locked host weights and buffers, exact sizes
         self._flat: dict[int, torch.Tensor] = {}  # data_ptr -> the registered flat buffer under a host tensor
+        self._stage: torch.Tensor | None = None  # host embedding: the lookup's output / its gradient, reused
+        self._stage_read: torch.cuda.Event | None = None  # the last copy out of `_stage` (a non-blocking H2D)
 
     # ---- placement -----------------------------------------------------------------------------------------
     @property
@@ -143,6 +147,9 @@ class ResidentParts:
                     states[k] = v.to(target)  # host states stay pageable: the CPU updates them in place
         for k in [k for k in self._grad_bufs if k not in host]:
             self._free(self._grad_bufs.pop(k))
+        if not self.embed_on_host:
+            self._free(self._stage)
+            self._stage = None
         self._touched = None
         self._copy = None
         self._stale = True
@@ -166,7 +173,8 @@ class ResidentParts:
 
     @property
     def pinned_bytes(self) -> int:
-        """Host bytes of the host-placed weights and gradient buffers (page-locked when pinning)."""
+        """Host bytes of the host-placed weights, gradient buffers and the embedding's staging buffer (page-locked
+        when pinning)."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
 
     def mark_stale(self) -> None:
@@ -180,15 +188,49 @@ class ResidentParts:
         if not self.embed_on_host:
             return None
         self._ids = input_ids.detach().cpu()
-        with torch.no_grad():  # the module itself: its hooks run as in the model's own forward
-            out = self.embed(self._ids)
-        return out.to(self.device)
+        with torch.no_grad():
+            if self._plain_lookup():
+                out = torch.index_select(self.embed.weight, 0, self._ids.reshape(-1),
+                                         out=self._staging(self._ids.numel(), self.embed.weight))
+                out = out.view(*self._ids.shape, -1)
+            else:  # the module itself: its hooks or a subclass's forward run as in the model's own forward
+                out = self.embed(self._ids)
+        if self.device.type != "cuda" or not out.is_pinned():
+            return out.to(self.device)
+        up = out.to(self.device, non_blocking=True)
+        self._stage_read = torch.cuda.Event()
+        self._stage_read.record(torch.cuda.current_stream(self.device))
+        return up
+
+    def _plain_lookup(self) -> bool:
+        """The embedding's forward is a row lookup (a plain `nn.Embedding` without hooks or max_norm)."""
+        e = self.embed
+        return (type(e) is nn.Embedding and e.max_norm is None and not e._forward_hooks
+                and not e._forward_pre_hooks and not nn.modules.module._global_forward_hooks
+                and not nn.modules.module._global_forward_pre_hooks)
+
+    def _staging(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, H] view of the reused host staging buffer (grown, never shrunk; page-locked when pinning), once
+        the last copy out of it has finished (a forward without backward, e.g. evaluation, looks up again while the
+        last upload may still run)."""
+        if self._stage_read is not None:
+            self._stage_read.synchronize()
+            self._stage_read = None
+        need = rows * like.shape[-1]
+        if self._stage is None or self._stage.numel() < need or self._stage.dtype != like.dtype:
+            self._free(self._stage)
+            self._stage = self._host_empty(torch.Size([need]), like.dtype)
+        return self._stage[:need].view(rows, like.shape[-1])
 
     def embed_backward(self, grad: torch.Tensor) -> None:
         """Add the gradient of the looked-up rows ([B, T, H] on the compute device) into the host gradient."""
         p = self.embed.weight
         ids = self._ids.reshape(-1)
-        rows = grad.reshape(-1, grad.shape[-1]).to("cpu", p.dtype)
+        g = grad.reshape(-1, grad.shape[-1])
+        if g.device.type == "cpu":
+            rows = g.to(p.dtype)
+        else:  # into the staging buffer: a blocking copy (the rows are needed now) at page-locked speed
+            rows = self._staging(g.shape[0], p).copy_(g)
         if self.padding_idx is not None:
             keep = ids.ne(self.padding_idx)
             ids, rows = ids[keep], rows[keep]

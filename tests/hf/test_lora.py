@@ -249,7 +249,8 @@ def test_a_lora_runs_plan_costs_no_gradient_traffic(tmp_path):
 def test_a_frozen_embedding_and_head_cost_their_weights_only(resident):
     """LoRA's base embedding / LM head: 2 bytes per parameter wherever placed, no optimizer work, and the head's
     backward computes the hidden-state gradient only (a third less head compute)."""
-    from lazytrain_hf.profiling.analytic import analytic_cost_model
+    from lazytrain_hf.profiling import H200_DEFAULTS
+    from lazytrain_hf.profiling.analytic import HOST_EMBED_ROWS_GBPS, analytic_cost_model
 
     config = load_model("qwen3-tiny-untied", "float32").config
     budgets = dict(gpu_bytes=2**30, host_bytes=2**32, resident=resident)
@@ -260,7 +261,14 @@ def test_a_frozen_embedding_and_head_cost_their_weights_only(resident):
     saved = (full.resident_bytes - frozen.resident_bytes) + (full.host_fixed_bytes - frozen.host_fixed_bytes)
     assert saved == pytest.approx(2 * E * (trained_b - 2), rel=1e-6)  # embedding + head: 2 bytes each remain
     assert frozen.embed_optim_params == 0 and frozen.head_optim_params == full.head_optim_params - E
-    assert frozen.head_ms == pytest.approx(full.head_ms * 4 / 6)
+    # a host embedding's row work (the lookup, and for a trained one the gradient's download and index-add) is in
+    # head_ms too
+    hw, rows_mb = H200_DEFAULTS, 2 * 4 * 64 * H / 1e6
+
+    def row_ms(frozen_embed):
+        return 0 if resident == "gpu" else rows_mb * (1 / hw.h2d_gbps + (0 if frozen_embed else 1 / hw.d2h_gbps)
+                                                      + (1 if frozen_embed else 2) / HOST_EMBED_ROWS_GBPS)
+    assert frozen.head_ms - row_ms(True) == pytest.approx((full.head_ms - row_ms(False)) * 4 / 6)
     assert frozen.resident_cpu_params == 0
     assert frozen.embed_grad_bytes == 0 and frozen.head_grad_bytes == 0
     assert V * H == E

@@ -129,9 +129,12 @@ def test_compute_loss_func_trains_as_with_the_stock_trainer(tmp_path):
     assert lazy.state.num_input_tokens_seen == stock.state.num_input_tokens_seen > 0
 
 
-def test_neftune_noise_trains_as_with_the_stock_trainer(tmp_path):
-    """NEFTune's forward hook on the embedding runs in the executor's embedding lookup, once per micro-batch."""
-    stock, lazy = _pair(tmp_path, neftune_noise_alpha=5.0)
+@pytest.mark.parametrize("arch, placement", [("qwen3-tiny", "gpu"), ("qwen3-tiny-untied", "host_embedding")])
+def test_neftune_noise_trains_as_with_the_stock_trainer(tmp_path, arch, placement):
+    """NEFTune's forward hook on the embedding runs in the executor's embedding lookup, once per micro-batch: also
+    with the embedding in host memory, where a plain embedding is looked up into a staging buffer instead."""
+    stock, lazy = _pair(tmp_path, arch=arch, lazy_cfg={"resident_placement": placement}, neftune_noise_alpha=5.0)
+    assert lazy.executor.resident.placement == placement
     _assert_equal_runs(stock, lazy)
     plain = [h["loss"] for h in _pair(tmp_path / "plain")[0].state.log_history if "loss" in h]
     assert not math.isclose(plain[0], _logs(stock, "loss")[0], rel_tol=1e-5)  # the noise changes the loss

@@ -6,6 +6,7 @@ import pytest
 
 from lazytrain_hf.models import resolve_config
 from lazytrain_hf.profiling import H200_DEFAULTS, analytic_cost_model, layer_flops, model_shape
+from lazytrain_hf.profiling.analytic import HOST_EMBED_ROWS_GBPS
 
 GIB = 1024**3
 
@@ -83,7 +84,8 @@ def test_config_input_and_tiny_models():
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.6-27b"])
 def test_resident_placements_trade_gpu_bytes_for_host_bytes_and_cpu_time(name):
     """Each step of placement moves the embedding / LM head bytes (weights, gradients, fp32 states, master) from
-    the GPU budget to the host's, and their update from the GPU to the CPU; the host head adds its per-step copy."""
+    the GPU budget to the host's, and their update from the GPU to the CPU; the host head adds its per-step copy,
+    the host embedding its [B, T, H] staging buffer and the row work on the step's critical path."""
     config = resolve_config(name)
     cms = {r: analytic_cost_model(config, 8, 1024, gpu_bytes=24 * GIB, host_bytes=400 * GIB, resident=r)
            for r in ("gpu", "host_embedding", "host")}
@@ -92,12 +94,16 @@ def test_resident_placements_trade_gpu_bytes_for_host_bytes_and_cpu_time(name):
     E, V = gpu.embed_optim_params, gpu.head_optim_params - config.hidden_size  # lm_head (norm: hidden_size)
     assert gpu.resident_bytes - emb.resident_bytes == per_param * E
     assert emb.resident_bytes - host.resident_bytes == per_param * V - 2 * V  # the head's bf16 copy stays
-    assert emb.host_fixed_bytes - gpu.host_fixed_bytes == per_param * E
+    rows_b = 2 * 8 * 1024 * config.hidden_size
+    assert emb.host_fixed_bytes - gpu.host_fixed_bytes == per_param * E + rows_b
     assert host.host_fixed_bytes - emb.host_fixed_bytes == per_param * V
     assert (gpu.resident_cpu_params, emb.resident_cpu_params, host.resident_cpu_params) == (0, E, E + V)
     assert gpu.resident_optim_ms < emb.resident_optim_ms < host.resident_optim_ms
     assert host.head_h2d_bytes == host.head_grad_bytes == 2 * V and emb.head_h2d_bytes == 0
     assert emb.embed_grad_bytes == host.embed_grad_bytes == gpu.act_bytes[0] and gpu.embed_grad_bytes == 0
+    hw = H200_DEFAULTS
+    row_ms = rows_b / 1e6 * (1 / hw.h2d_gbps + 1 / hw.d2h_gbps + 2 / HOST_EMBED_ROWS_GBPS)
+    assert emb.head_ms - gpu.head_ms == pytest.approx(row_ms) and host.head_ms == pytest.approx(emb.head_ms)
 
 
 def test_fixed_rule_puts_resident_parts_on_the_host_when_they_take_over_half_the_gpu():

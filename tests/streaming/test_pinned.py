@@ -359,9 +359,10 @@ def test_state_specs_of_a_state_dict_cover_parameters_it_holds_no_state_for():
 
 @pytest.mark.parametrize("placement", ["host", "host_embedding"])
 def test_host_resident_parts_counted_exact_and_states_pageable(placement, monkeypatch):
-    """A host-placed embedding / LM head: its weights and gradient buffers are the "resident" part at their exact
-    sizes (registered in place when pinning: here a stand-in registers them), and its optimizer states come from
-    no pinned allocation (the caching host allocator rounds to powers of two)."""
+    """A host-placed embedding / LM head: its weights, gradient buffers and the lookup's [B, T, H] staging buffer
+    are the "resident" part at their exact sizes (registered in place when pinning: here a stand-in registers
+    them), and its optimizer states come from no pinned allocation (the caching host allocator rounds to powers of
+    two)."""
     registered = []
     monkeypatch.setattr(host_store, "pin_tensor", lambda t: (registered.append(t.numel() * t.element_size()) or t, True))
     model = load_model("qwen3-tiny-untied", "float32", seed=2)
@@ -388,7 +389,8 @@ def test_host_resident_parts_counted_exact_and_states_pageable(placement, monkey
     ex.forward_backward(ids, labels, mask)
     opt.step()
     host = ex.resident.host_parameters()
-    want = sum(2 * p.numel() * p.element_size() for p in host)  # weights + gradient buffers
+    emb = model.get_input_embeddings().weight
+    want = sum(2 * p.numel() * p.element_size() for p in host) + ids.numel() * emb.shape[1] * emb.element_size()
     assert host and ex.pinned_bytes["resident"] == want == ex.resident._reg.bytes
     assert sum(registered) >= want
     assert all(opt.state[p]["exp_avg"].device.type == "cpu" for p in host if "exp_avg" in opt.state[p])
