@@ -14,10 +14,13 @@ from typing import Any
 
 import torch
 
-from ..streaming.executor import StreamingExecutor
+from ..streaming.executor import StreamingExecutor, find_decoder
+from ..streaming.layer_calls import unwrap_peft
+from ..streaming.quant import quant_tensors
 from .register import OPTIM_NAME
 
-__all__ = ["is_hybrid8", "check_quantized", "check_optimizer", "clip_resident", "frozen_costs", "frozen_layout"]
+__all__ = ["is_hybrid8", "check_quantized", "check_optimizer", "clip_resident", "frozen_costs", "frozen_layout",
+           "model_frozen_costs"]
 
 
 def is_hybrid8(optimizer: Any) -> bool:
@@ -82,6 +85,30 @@ def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
     out = {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
            "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}
     quantized = [_quantized(layer, b) for layer, b in zip(executor.layers, store.buffers)]
+    if any(q for q, _ in quantized):
+        out["quantized"] = quantized
+    return out
+
+
+def model_frozen_costs(model: torch.nn.Module) -> dict[str, Any]:
+    """`frozen_costs` from the model alone, before an executor exists (the host-memory preflight): a decoder layer
+    with any requires_grad=False parameter is frozen (Note [frozen layers]), its trainable parameters are
+    adapters; a 4-bit weight counts its packed data and its quantization state."""
+    model = unwrap_peft(model)
+    base, _ = find_decoder(model)
+    frozen, adapters, quantized = [], 0, []
+    for layer in base.layers:
+        params = list(layer.parameters())
+        f = not all(p.requires_grad for p in params)
+        frozen.append(f)
+        adapters += sum(p.numel() for p in params if f and p.requires_grad)
+        q = [p for p in params if getattr(p, "quant_state", None) is not None]
+        quantized.append((sum(math.prod(p.quant_state.shape) for p in q),
+                          sum(p.numel() * p.element_size()
+                              + sum(t.numel() * t.element_size() for _, t in quant_tensors(p)) for p in q)))
+    out = {"frozen": frozen, "adapter_params": adapters,
+           "frozen_embed": not model.get_input_embeddings().weight.requires_grad,
+           "frozen_head": not model.get_output_embeddings().weight.requires_grad}
     if any(q for q, _ in quantized):
         out["quantized"] = quantized
     return out

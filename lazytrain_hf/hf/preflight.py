@@ -62,9 +62,11 @@ def _host_fixes(cfg: Any, plan_part: bool) -> str:
 
 def fixed_host_bytes(trainer: Any) -> int:
     """Host bytes the run takes whatever the plan: weights, gradients, optimizer states and master weights of the
-    streamed layers (the analytic cost model's `host_fixed_bytes` with the embedding and LM head on the GPU, the
-    placement taking the least host memory unless one is configured)."""
+    streamed layers, frozen layers' weights only (LoRA's base; `peft_support.model_frozen_costs`) (the analytic
+    cost model's `host_fixed_bytes` with the embedding and LM head on the GPU, the placement taking the least host
+    memory unless one is configured)."""
     from ..profiling.analytic import analytic_cost_model
+    from .peft_support import model_frozen_costs
     from .plan import run_shape
 
     cfg = trainer.lazy_config
@@ -75,7 +77,7 @@ def fixed_host_bytes(trainer: Any) -> int:
     cm = analytic_cost_model(trainer.model.config, B, T, gpu_bytes=1, host_bytes=1,
                              state_dtype=cfg.state_dtype,
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
-                             block_size=cfg.block_size, resident=resident)
+                             block_size=cfg.block_size, resident=resident, **model_frozen_costs(trainer.model))
     return int(cm.host_fixed_bytes)
 
 

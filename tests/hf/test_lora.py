@@ -245,6 +245,28 @@ def test_a_lora_runs_plan_costs_no_gradient_traffic(tmp_path):
     assert cm.meta["frozen_embed"] and cm.embed_optim_params == 0  # PEFT freezes the (tied) embedding and head
 
 
+def test_the_host_preflight_counts_a_frozen_base_by_its_weights(tmp_path):
+    """Before the executor exists, the host-memory preflight reads the frozen layout off the model, as the plan
+    reads it off the executor: a LoRA base costs its weights only (it refused a Qwen2.5-32B LoRA run on a 128 GiB
+    host for 291.5 GiB of gradients and states it would never allocate)."""
+    from lazytrain_hf.hf.peft_support import frozen_costs, model_frozen_costs
+    from lazytrain_hf.hf.preflight import fixed_host_bytes
+
+    def trainer(model):
+        return LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy", max_steps=1),
+                                                                   lazytrain_config=dict(EXACT)),
+                           train_dataset=tiny_dataset(model.config.vocab_size), data_collator=_collate)
+    lora = _lora("qwen3-tiny")
+    before = model_frozen_costs(lora)
+    lazy = trainer(lora)
+    assert before == frozen_costs(lazy.executor) and all(before["frozen"]) and before["adapter_params"] > 0
+    full = trainer(load_model("qwen3-tiny", "float32", seed=3))
+    assert not any(model_frozen_costs(full.model)["frozen"])
+    params = sum(p.numel() for layer in full.executor.layers for p in layer.parameters())
+    # EXACT: fp32 states, no master weights: weight + gradient + 2 moments = 12 bytes per parameter; frozen: 2
+    assert (fixed_host_bytes(full), fixed_host_bytes(lazy)) == ((2 + 2 + 8) * params, 2 * params)
+
+
 @pytest.mark.parametrize("resident", ["gpu", "host_embedding", "host"])
 def test_a_frozen_embedding_and_head_cost_their_weights_only(resident):
     """LoRA's base embedding / LM head: 2 bytes per parameter wherever placed, no optimizer work, and the head's
