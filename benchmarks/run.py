@@ -78,7 +78,8 @@ LORA = LORA_SYSTEMS
 #: (seconds a row takes: no row starts with less budget left, so a call's last minutes are not spent on a row the
 #: deadline kills), tokens_per_step (gradient accumulation: benchmarks/worker.py), lora (LoraConfig fields of the
 #: LoRA systems; default systems.LORA_DEFAULTS), max_batch_systems (the systems searched at max_batch_caps; default
-#: all), max_batch_limit (the search's largest batch; --max-batch-limit overrides), measure_max_batch (measure each
+#: all), max_batch_limit (the search's largest batch; --max-batch-limit overrides; a dict: per system, 512 for the
+#: others), measure_max_batch (measure each
 #: completed search's largest batch as a row too). A system a cap's batch dict gives [] does not run at that cap.
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
@@ -97,10 +98,14 @@ SUITES: dict[str, dict[str, Any]] = {
 # (8.6 B parameters, 2.5 B of them embedding + head): LazyTrain with the product's defaults. warmup 6: by default
 # the MILP calibrates after 3 measured steps that follow 2 unused ones (hf/callback.py), so the re-plan lands after
 # step 5 and step 6 (the one after it waits on no update) is not timed either: the 5 timed steps run one plan.
+# At 24 GiB the MILP is measured at B=8 and B=32 and its search stops at 32 (its plans reach ~94, a search there costs
+# ~100 s a probe); the fixed policy's search runs to adjacent sizes (its plans stop at ~12): the claim is the MILP's
+# largest >= the fixed policy's + 1. row_s[24]: B=32 ran 11 steps of ~8.5 s plus setup.
 SUITES["hybrid"] = dict(device="cuda", models=["qwen3.6-27b:layers=16"], caps=[80, 24], seq_len=1024, steps=5,
                         warmup=6, systems=list(LT), lazytrain=PRODUCT_DEFAULTS, max_batch_caps=[24],
-                        batch={80: {s: [72] for s in LT}, 24: {s: [8] for s in LT}},
-                        timeout={s: 480 for s in LT}, row_s={80: 270, 24: 110})
+                        max_batch_limit={"lazytrain_milp": 32},
+                        batch={80: {s: [72] for s in LT}, 24: {"lazytrain_milp": [8, 32], "lazytrain_fixed": [8]}},
+                        timeout={s: 480 for s in LT}, row_s={80: 270, 24: 170})
 # The paper's dense range (3B to 14B) with the product's defaults, under 24 GiB and 80 GiB: LazyTrain MILP / fixed
 # and the stock Trainer (its out-of-memory rows recorded where it does not fit), each system's largest batch under
 # 24 GiB searched. At 1024 tokens per sequence, batch 32 is the 32k tokens per step the targets are stated at.
@@ -439,9 +444,11 @@ def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results
     hi = min((B for B, ok in judged if ok is False and B > lo), default=None)
     timeout = args.timeout_s or suite["timeout"][system]
 
+    limit = args.max_batch_limits.get(system, args.max_batch_limit)
+
     def save(lo: int, hi: int | None, complete: bool) -> None:
         res.put_max_batch({"system": system, "model": model, "gpu_cap_gib": cap, "max_batch": lo or None,
-                           "first_infeasible": hi, "limit": args.max_batch_limit, "complete": complete,
+                           "first_infeasible": hi, "limit": limit, "complete": complete,
                            "probes": probes})
 
     def probe(B: int) -> bool | None:
@@ -459,7 +466,7 @@ def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results
               + ("" if ok is None else " (feasible)" if ok else f" (infeasible: {str(reason)[:120]})"), flush=True)
         return ok
 
-    lo, hi, complete = search_max_batch(probe, lo, hi, args.max_batch_limit, args.max_batch_resolution,
+    lo, hi, complete = search_max_batch(probe, lo, hi, limit, args.max_batch_resolution,
                                         progress=lambda lo, hi: save(lo, hi, False))
     save(lo, hi, complete)
 
@@ -535,6 +542,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rows_per_pass = 8 if args.rows_per_pass is None else args.rows_per_pass
     if args.max_batch_limit is None:
         args.max_batch_limit = suite.get("max_batch_limit", 512)
+    if isinstance(args.max_batch_limit, dict):  # per system (the suite's), 512 for the others
+        args.max_batch_limits, args.max_batch_limit = dict(args.max_batch_limit), 512
+    else:
+        args.max_batch_limits = {}
     args.embedding_states = args.embedding_states or "8bit"
     for k in ("steps", "warmup", "seq_len", "device"):
         if getattr(args, k) is None:

@@ -277,3 +277,52 @@ def test_hybrid_suite_cpu_smoke_and_report(tmp_path, monkeypatch):
                                                   for r in doc["rows"]])))
     with pytest.raises(SystemExit, match="harness settings"):
         run.main([*argv[:-1], str(harness)])
+
+
+def test_the_hybrid_suite_searches_the_milp_only_to_its_limit(tmp_path, monkeypatch):
+    """A per-system search limit (the hybrid suite's MILP: 32): with a measured B=32 row the MILP's search is complete
+    at its limit without a probe, recorded as such; the fixed policy searches to adjacent sizes."""
+    from benchmarks import run
+    from benchmarks.common import row
+
+    monkeypatch.setattr(run, "run_process", lambda spec, *a, **k: [
+        row(system=spec["system"], batch_size=spec["batch_sizes"][0],
+            status="ok" if spec["batch_sizes"][0] <= 12 else "oom")])
+    out = tmp_path / "h.json"
+    args = run.parse_args(["--suite", "hybrid", "--device", "cpu", "--out", str(out)])
+    assert args.max_batch_limits == {"lazytrain_milp": 32} and args.max_batch_limit == 512
+    res = run.Results(out, "hybrid", "test")
+    model = "qwen3.6-27b:layers=16"
+    res.put([row(system=s, model=model, gpu_cap_gib=24, batch_size=B, status="ok")
+             for s, B in (("lazytrain_milp", 8), ("lazytrain_milp", 32), ("lazytrain_fixed", 8))])
+    for system in ("lazytrain_milp", "lazytrain_fixed"):
+        run.find_max_batch(args, run.SUITES["hybrid"], res, system, model, 24, time.time() + 1000, tmp_path)
+    entries = {e["system"]: e for e in json.loads(out.read_text())["max_batch"]}
+    milp, fixed = entries["lazytrain_milp"], entries["lazytrain_fixed"]
+    assert (milp["max_batch"], milp["first_infeasible"], milp["limit"], milp["complete"], milp["probes"]) == \
+        (32, None, 32, True, [])
+    assert (fixed["max_batch"], fixed["first_infeasible"], fixed["limit"], fixed["complete"]) == (12, 13, 512, True)
+    assert [p["batch_size"] for p in fixed["probes"]] == [16, 12, 14, 13]
+
+
+def test_hybrid_targets_read_the_rows_and_searches():
+    from benchmarks.common import row
+    from benchmarks.report import hybrid_targets
+
+    model = "qwen3.6-27b:layers=16"
+
+    def r(system, cap, B, step, tflops=None, pred=None, **extra):
+        return row(system=system, model=model, gpu_cap_gib=cap, batch_size=B, status="ok", step_s_median=step,
+                   tflops_6nd=tflops, predicted_step_s=pred, extra={"linear_attention_kernel": "torch", **extra})
+    doc = {"rows": [r("lazytrain_milp", 80, 72, 14.0, 272.0, 13.5), r("lazytrain_fixed", 80, 72, 16.8, 227.0),
+                    r("lazytrain_milp", 24, 8, 3.5, 120.0, 3.48), r("lazytrain_milp", 24, 32, 8.5, 199.0, 7.35)],
+           "max_batch": [{"system": "lazytrain_milp", "model": model, "gpu_cap_gib": 24, "max_batch": 32,
+                          "first_infeasible": None, "limit": 32, "complete": True},
+                         {"system": "lazytrain_fixed", "model": model, "gpu_cap_gib": 24, "max_batch": 12,
+                          "first_infeasible": 13, "limit": 512, "complete": True}]}
+    lines = hybrid_targets(doc, model)[2:]
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in lines]
+    assert verdicts == ["met", "met", "met", "met", "not met", "met"]
+    assert "1.20x" in lines[0] and "MILP >= 32, fixed 12" in lines[3] and "-13.5%" in lines[4]
+    doc["rows"][0]["extra"]["oom_recoveries"] = 1  # a recovered MILP row does not count
+    assert hybrid_targets(doc, model)[2].rsplit("|", 2)[1].strip() == "not measured"
