@@ -149,11 +149,22 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
         loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype, master_weights=cfg.master_weights,
         block_size=cfg.block_size, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
         max_buckets=cfg.plan_buckets if cfg.policy == "milp" else 1,
-        frozen=peft_support.frozen_layout(trainer.executor))
+        frozen=peft_support.frozen_layout(trainer.executor), resident_states=resident_states(trainer))
     if machine["ranks_per_host"] > 1 and not cfg.host_memory_budget:
         logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)",
                     request.budgets.host_bytes / GIB, machine["ranks_per_host"])
     return request
+
+
+def resident_states(trainer: Any) -> str:
+    """The embedding / LM head optimizer state layout the planner prices: "8bit" when the trainer's Hybrid8 optimizer
+    (created before the first plan) gives the input embedding 8-bit states (`fp32_state_params` without it), else
+    "fp32" (Hybrid8's default; another optimizer's states are counted as fp32)."""
+    opt = getattr(trainer, "optimizer", None)
+    inner = trainer._inner_optimizer(opt) if opt is not None else None
+    if inner is None or not peft_support.is_hybrid8(inner):
+        return "fp32"
+    return "8bit" if inner.wants_8bit(trainer.executor.resident.embed.weight) else "fp32"
 
 
 def cost_model_for_trainer(trainer: Any, seq_len: int, compute_scale: float = 1.0,

@@ -469,6 +469,11 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             books = self._books[device] = F.Codebooks.for_device(device)
         return books
 
+    def wants_8bit(self, p: Tensor) -> bool:
+        """Whether ``p`` (a parameter of this optimizer; False for others) gets 8-bit states in this run."""
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        return group is not None and self._wants_8bit(p, group)
+
     def _wants_8bit(self, p: Tensor, group: dict[str, Any]) -> bool:
         """Whether this run gives ``p`` 8-bit states (else fp32): the group's state_dtype, its size, fp32_state_params."""
         return (group["state_dtype"] == "8bit" and p.numel() >= group["min_8bit_size"]

@@ -75,6 +75,7 @@ class PlanRequest:
         rows_per_pass, resident: as configured (None / "auto": the planner chooses).
         gpu_optimizer, kept_grads: GPU-side layer updates allowed; their gradients kept on the GPU.
         loss_chunk_tokens, state_dtype, master_weights, block_size: the optimizer and loss layout.
+        resident_states: the embedding / LM head optimizer states ("fp32", Hybrid8's default, or "8bit").
         time_limit_s, mip_rel_gap: the MILP's limits.
         name: the model's name in cost models.
         frozen: the frozen layout (`plan_inputs`' `frozen`: frozen layer indices, resident adapter parameters), or
@@ -98,6 +99,7 @@ class PlanRequest:
     state_dtype: str = "8bit"
     master_weights: str = "fp32"
     block_size: int = 256
+    resident_states: str = "fp32"
     time_limit_s: float = 10.0
     mip_rel_gap: float = 0.01
     name: str = ""
@@ -112,7 +114,8 @@ class PlanRequest:
                            loss_chunk_tokens=self.loss_chunk_tokens, state_dtype=self.state_dtype,
                            master_weights=self.master_weights, block_size=self.block_size,
                            gpu_memory_margin=b.margin, fixed=dict(self.fixed), kept_grads=self.kept_grads,
-                           resident=self.resident, frozen=None if self.frozen is None else dict(self.frozen))
+                           resident=self.resident, frozen=None if self.frozen is None else dict(self.frozen),
+                           resident_states=self.resident_states)
 
     def fingerprint(self, seq_len: int | None = None) -> str:
         """The fingerprint of `inputs(seq_len)`."""
@@ -124,7 +127,8 @@ class PlanRequest:
         return dict(gpu_bytes=b.gpu_bytes, host_bytes=b.host_bytes, nvme_bytes=b.nvme_bytes,
                     loss_chunk_tokens=self.loss_chunk_tokens, state_dtype=self.state_dtype,
                     master_weights=self.master_weights, block_size=self.block_size, rows_per_pass=rows,
-                    kept_grads=self.kept_grads, resident=resident, name=self.name)
+                    kept_grads=self.kept_grads, resident=resident, resident_states=self.resident_states,
+                    name=self.name)
 
     def with_gpu_reduction(self, nbytes: int) -> PlanRequest:
         """This request with `nbytes` taken off the GPU budget (in total, not in addition to an earlier one)."""
@@ -141,7 +145,8 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                     keep_gpu_grads: bool = True, gradient_accumulation_steps: int = 1, loss_chunk_tokens: int = 2048,
                     state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                     time_limit_s: float = 10.0, mip_rel_gap: float = 0.01, max_buckets: int = 1,
-                    name: str = "", frozen: Mapping[str, Any] | None = None) -> PlanRequest:
+                    name: str = "", frozen: Mapping[str, Any] | None = None,
+                    resident_states: str = "fp32") -> PlanRequest:
     """The `PlanRequest` for a run, with every default resolved: budgets (`resolve_budgets`), master weights "auto"
     planned as fp32, kept gradients only with one micro-batch per optimizer step (accumulated gradients are summed on
     the host), the fixed knobs' defaults, and `max_buckets` sequence-length buckets (powers of two up to `seq_len`,
@@ -157,7 +162,8 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                        kept_grads=bool(keep_gpu_grads) and gradient_accumulation_steps == 1,
                        loss_chunk_tokens=loss_chunk_tokens, state_dtype=state_dtype,
                        master_weights="fp32" if master_weights == "auto" else master_weights, block_size=block_size,
-                       time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap, name=name, frozen=frozen)
+                       time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap, name=name, frozen=frozen,
+                       resident_states=resident_states)
 
 
 def same_tokens_batch(batch_size: int, accumulation: int, fits: int) -> tuple[int, int]:

@@ -186,7 +186,8 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
                 gpu_optimizer: bool = True, loss_chunk_tokens: int = 2048, state_dtype: str = "8bit",
                 master_weights: str = "fp32", block_size: int = 256, gpu_memory_margin: float = 0.12,
                 fixed: dict[str, Any] | None = None, kept_grads: bool = True,
-                resident: str = "auto", frozen: dict[str, Any] | None = None) -> dict[str, Any]:
+                resident: str = "auto", frozen: dict[str, Any] | None = None,
+                resident_states: str = "fp32") -> dict[str, Any]:
     """Everything a plan depends on, by name: the one definition of a schedule's fingerprint, shared by the
     `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the user asked for them (before the GPU
     margin), None where the default was taken: the defaults are resolved differently by the CLI (the profile's
@@ -195,7 +196,8 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
     `fixed`: the fixed policy's knobs (policy "fixed" only); `resident`: the embedding / LM head placement asked
     for ("auto": the planner's choice); `frozen`: the frozen layout of a run with frozen decoder layers (LoRA:
     {"layers": frozen layer indices, "adapter_params": trainable parameters kept resident by them}), None when every
-    layer trains (an input only then, so full-training fingerprints do not depend on it)."""
+    layer trains (an input only then, so full-training fingerprints do not depend on it); `resident_states`: the
+    embedding / LM head optimizer states, an input only when not the default "fp32"."""
     def size(b: int | None) -> int | None:
         return None if b is None else int(b)
 
@@ -210,6 +212,8 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
     }
     if frozen is not None:
         inputs["frozen"] = dict(frozen)
+    if resident_states != "fp32":
+        inputs["resident_states"] = resident_states
     return inputs
 
 

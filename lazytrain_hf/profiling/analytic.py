@@ -253,7 +253,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                         gpu_reserve_bytes: int = 512 * MIB, rows_per_pass: int | None = None,
                         kept_grads: bool = True, name: str = "",
-                        resident: str = "gpu", frozen: Sequence[bool] | None = None,
+                        resident: str = "gpu", resident_states: str = "fp32", frozen: Sequence[bool] | None = None,
                         adapter_params: int = 0, frozen_embed: bool = False, frozen_head: bool = False,
                         quantized: Sequence[tuple[int, int]] | None = None) -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
@@ -277,8 +277,10 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
             `streaming/resident.py`): "gpu" (weights, gradients and optimizer states on the GPU), "host_embedding"
             (the embedding's in host memory, looked up and updated on the CPU: its output goes up and its gradient
             [B, T, H] comes back), "host" (the LM head's too: updated on the CPU, its bf16 weights copied up once
-            per step, its gradient sent back after the head). Their optimizer states are fp32 (Hybrid8 keeps the
-            embedding and LM head in fp32 states) plus the master weights; the final norm stays on the GPU.
+            per step, its gradient sent back after the head). Their optimizer states are `resident_states` plus
+            the master weights; the final norm stays on the GPU.
+        resident_states: the embedding / LM head optimizer states: "fp32" (Hybrid8's default: 8 bytes/param) or
+            "8bit" (an optimizer that quantizes them too, as `state_dtype` "8bit" does the layers').
         kept_grads: GPU-updated layers keep their bf16 gradients on the GPU from backward to the update
             (`CostModel.kept_grad_bytes`, `Schedule.keep_grads`); the executor does so with one micro-batch per
             optimizer step only, so pass False with gradient accumulation.
@@ -304,6 +306,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         problems.append(f"state_dtype must be '8bit' or 'fp32', but got {state_dtype!r}")
     if master_weights not in ("fp32", "kahan", "none"):
         problems.append(f"master_weights must be 'fp32', 'kahan' or 'none', but got {master_weights!r}")
+    if resident_states not in ("8bit", "fp32"):
+        problems.append(f"resident_states must be '8bit' or 'fp32', but got {resident_states!r}")
     if resident not in RESIDENT_PLACEMENTS:
         problems.append(f"resident must be one of {RESIDENT_PLACEMENTS}, but got {resident!r}")
     if rows_per_pass is not None and rows_per_pass < 1:
@@ -360,9 +364,10 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                                   + (1 if frozen_embed else 2) / (HOST_EMBED_ROWS_GBPS * 1e6))
     chunk = min(loss_chunk_tokens, n)
     layer_host_b = BF16 + BF16 + state_b + master_b  # weight, gradient, moments, master
-    # resident parts: fp32 moments (8 bytes) + master, whatever the layers' state_dtype (optim/hybrid8.py); a frozen
+    # resident parts: moments as `resident_states` (Hybrid8 keeps them fp32 unless told otherwise) + master; a frozen
     # part keeps its weights only
-    resident_b = BF16 + BF16 + 2 * FP32 + master_b
+    small_b = BF16 + BF16 + 2 * FP32 + master_b  # the final norm (below min_8bit_size) and LoRA adapters: fp32 states
+    resident_b = BF16 + BF16 + (state_b if resident_states == "8bit" else 2 * FP32) + master_b
     embed_b, head_b = (BF16 if frozen_embed else resident_b), (BF16 if frozen_head else resident_b)
     embed_p, norm_p = shape.embed_params, shape.norm_params
     head_p = shape.lm_head_params or shape.embed_params  # the weight the head multiplies by (tied: the embedding)
@@ -372,7 +377,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     if tied and resident == "host_embedding":
         raise ValueError("analytic_cost_model: resident='host_embedding' needs an untied LM head (a tied weight is "
                          "the embedding and the head at once): use 'gpu' or 'host'")
-    gpu_resident_b = (resident_b * (norm_p + adapter_params) + (0 if host_embed else embed_b * embed_p)
+    gpu_resident_b = (small_b * (norm_p + adapter_params) + (0 if host_embed else embed_b * embed_p)
                       + (0 if host_head else head_b * shape.lm_head_params))
     host_resident_b = ((embed_b * embed_p + BF16 * n * H) if host_embed else 0) \
         + (head_b * shape.lm_head_params if host_head else 0)  # + the embedding's [B, T, H] staging buffer

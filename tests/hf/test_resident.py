@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from ..conftest import rel_err
 from .test_trainer import EXACT, NOISE_ONLY, _logs, _train_pair
@@ -57,3 +58,35 @@ def test_plan_cli_finds_a_24gib_plan_for_the_27b_shape(capsys):
     out = capsys.readouterr().out
     assert "resident parts: embedding and LM head in host memory" in out
     assert "gpu: 8 rows per pass: no plan" in out and "predicted step" in out
+
+
+def test_the_plan_prices_the_embedding_states_the_optimizer_keeps(tmp_path):
+    """Hybrid8 keeps the embedding / LM head in fp32 states unless its fp32_state_params leaves them out; the plan
+    reads which from the optimizer the Trainer created, so the resident parts' bytes are those that are allocated."""
+    from lazytrain_hf import LazyTrainer, LazyTrainingArguments
+    from lazytrain_hf.hf.plan import cost_model_for_trainer
+    from lazytrain_hf.models import load_model
+
+    from .test_trainer import _collate, _common, _dataset
+
+    class EightBitEmbedding(LazyTrainer):
+        @staticmethod
+        def get_optimizer_cls_and_kwargs(args, model=None):
+            cls, kwargs = LazyTrainer.get_optimizer_cls_and_kwargs(args, model)
+            return cls, {**kwargs, "fp32_state_params": []}
+
+    cfg = {"state_dtype": "8bit", "min_8bit_size": 256, "policy": "milp", "plan_buckets": 1}
+    runs = {}
+    for name, cls in (("fp32", LazyTrainer), ("8bit", EightBitEmbedding)):
+        model = load_model("qwen3-tiny-untied", "float32", seed=3)
+        lazy = cls(model=model, args=LazyTrainingArguments(**_common(tmp_path, name, max_steps=1),
+                                                           lazytrain_config=cfg),
+                   train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
+        lazy.train()
+        emb = model.get_input_embeddings().weight
+        assert (lazy.optimizer.state[emb]["state1"].dtype == torch.uint8) == (name == "8bit")
+        assert lazy.plans.request.resident_states == name
+        runs[name] = cost_model_for_trainer(lazy, 16, resident="gpu")[0]
+    E = runs["fp32"].embed_optim_params + runs["fp32"].head_optim_params - load_model("qwen3-tiny-untied").config.hidden_size
+    block = 256  # the plan's block size (LazyTrainConfig default): 8-bit moments are 2 bytes + 2 fp32 absmax per block
+    assert runs["fp32"].resident_bytes - runs["8bit"].resident_bytes == pytest.approx(E * (8 - 2 - 8 / block), rel=1e-6)
