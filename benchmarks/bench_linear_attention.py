@@ -9,11 +9,12 @@ heads of 128), bf16, input [B, T, hidden] (`--batch-size` B, `--seq-len` T = 102
                    a row without fla installed says "unsupported".
     torch          transformers' reference PyTorch functions (`lazytrain_hf.kernels.use_reference_kernels`).
     torch_compile  the reference with the layer's GatedDeltaNet module compiled (`module.compile()`, default
-                   inductor). Chosen over compiling `torch_chunk_gated_delta_rule` alone: the layer calls that by
-                   its module-level name, so compiling it means rebinding a transformers global, while the module
-                   compiles in place; transformers' kernel wrapper is dynamo-aware (it skips its logging while
-                   compiling), the chunk loop unrolls at a fixed T (T / 64 chunks), and the conv, gates and gated
-                   norm around the rule fuse too. `compile_s` is the first forward + backward (the compile).
+                   inductor, by `lazytrain_hf.kernels.compile_linear_attention`, as lazytrain_config
+                   compile_linear_attention runs it). Chosen over compiling `torch_chunk_gated_delta_rule` alone:
+                   the layer calls that by its module-level name, so compiling it means rebinding a transformers
+                   global, while the module compiles in place; transformers' kernel wrapper is dynamo-aware (it
+                   skips its logging while compiling), the chunk loop unrolls at a fixed T (T / 64 chunks), and the
+                   conv, gates and gated norm around the rule fuse too. `compile_s` is the first forward + backward (the compile).
 The full-attention layer does not use these kernels: it is measured once, under "torch".
 
 Per row, CUDA events around each call, `--warmup` untimed calls, median of `--iters` (>= 5):
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 if system != "fla":
                     kernels.use_reference_kernels(holder)
                 if system == "torch_compile":
-                    lin.linear_attn.compile()
+                    kernels.compile_linear_attention(holder)  # what compile_linear_attention=True runs
                 r["extra"]["kernel"] = kernels.linear_attention_kernel(holder)
             m = _measure(layer, inputs, args, cuda)
         except Exception as e:  # noqa: BLE001 - every failure becomes a row

@@ -107,9 +107,12 @@ def recoveries(timer: StepTimer, warm: int) -> dict[str, int]:
             "oom_recoveries_timed": r[-1] - before_timed if warm < len(r) else 0}
 
 
-def linear_attention_kernel(model: Any) -> str | None:
-    """Which linear-attention kernel the model's linear-attention layers ran (lazytrain_hf.kernels); None where that
-    module is absent."""
+def linear_attention_kernel(model: Any, trainer: Any = None) -> str | None:
+    """Which linear-attention kernel the model's linear-attention layers ran: the LazyTrainer's own record
+    (`linear_attention_kernel`: its executor runs compiled copies of the layers under "torch_compile"), else read
+    from the model's layers (lazytrain_hf.kernels); None where that module is absent."""
+    if getattr(trainer, "linear_attention_kernel", None) is not None:
+        return trainer.linear_attention_kernel
     try:
         from lazytrain_hf.kernels import linear_attention_kernel as which
     except ImportError:
@@ -261,7 +264,7 @@ def run(spec: dict[str, Any]) -> None:
             fields = _measure(spec, system, B, trainer, timer, facts, model.config)
             r["extra"].update(fields.pop("extra"))
             r.update(fields)
-            r["extra"]["linear_attention_kernel"] = linear_attention_kernel(model)
+            r["extra"]["linear_attention_kernel"] = linear_attention_kernel(model, trainer)
             wrong = sorted({n for n in timer.rows if n != B * trainer.args.gradient_accumulation_steps})
             rec = r["extra"]["oom_recoveries"]
             if wrong:  # the timings would be of another batch size

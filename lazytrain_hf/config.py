@@ -351,9 +351,18 @@ class ExperimentalConfig(_Group):
         "planner's host accounting, so leave room in memory.host_memory_budget.", size="'20GiB' (0: off)"))
     profile_layers: bool = field(default=True, metadata=_help(
         'Policy "milp" on CUDA: before each solve, time one decoder layer of each kind at the planned shape '
-        "(profiling/layer_costs.py, a second or two) and plan with the larger of the measured and analytic "
-        "figures."))
+        "(profiling/layer_costs.py, a second or two, longer with compile_linear_attention: its compile) and plan "
+        "with the larger of the measured and analytic figures."))
     solver_mip_rel_gap: float = field(default=0.01, metadata=_help("HiGHS relative MIP gap."))
+    compile_linear_attention: bool = field(default=False, metadata=_help(
+        "Qwen3.5 / Qwen3.6 Gated DeltaNet layers on transformers' reference PyTorch kernels (flash-linear-attention "
+        "unusable: lazytrain_hf/kernels.py): compile each layer's linear_attn module with torch.compile (default "
+        "inductor) in the executor and in the planner's layer profiling, which then prices the compiled layer. One "
+        "Qwen3.6-27B-width layer, 8 x 1024 bf16 on an H200: forward + backward 58.1 ms instead of 83.7 ms, peak "
+        "memory 12.15 instead of 5.98 GiB, 95 s to compile "
+        "(benchmarks/results/linear_attention-compile-20261202.json). A new pass shape compiles again (another "
+        "number of 64-token chunks, a 1-row pass, with or without grad); past torch._dynamo's recompile limit (8 "
+        "graphs) new shapes run uncompiled. No effect where flash-linear-attention runs, or with policy none."))
 
 
 #: group name -> its dataclass, in the order of LazyTrainConfig's fields
@@ -368,7 +377,7 @@ _FLAT_ORDER = (
     "overlap_optimizer", "gpu_layer_updates", "keep_gpu_grads", "prepared_states_budget", "dp_updates",
     "loss_chunk_tokens", "schedule_path", "plan_buckets", "solver_time_limit_s", "profile_layers", "calibrate_steps",
     "solver_mip_rel_gap", "state_dtype", "master_weights", "block_size", "min_8bit_size", "fp32_state_modules",
-    "resident_placement")
+    "resident_placement", "compile_linear_attention")
 assert sorted(_FLAT_ORDER) == sorted(FLAT_KEYS), "every field has one flat key, in _FLAT_ORDER"
 
 

@@ -133,6 +133,40 @@ def test_usable_fla_is_kept(monkeypatch, caplog):
                               "(flash-linear-attention 0.6.0, Triton 3.7.1)"]
 
 
+def test_compile_is_reported_where_the_reference_runs_only(monkeypatch, caplog):
+    """select_linear_attention(compile=True): "torch_compile" and its own log line where the reference runs; fla
+    kept, and logged as without the option, where it works. It compiles nothing itself."""
+    _bind_fake_fla(monkeypatch)
+    model = load_model("qwen3.5-tiny", "float32")
+    monkeypatch.setattr(kernels, "fla_usable", lambda device: (True, "flash-linear-attention 0.6.0, Triton 3.7.1"))
+    with caplog.at_level(logging.INFO, logger="lazytrain_hf.kernels"):
+        assert kernels.select_linear_attention(model, "cuda", compile=True) == "fla"
+        monkeypatch.setattr(kernels, "fla_usable", lambda device: UNUSABLE)
+        assert kernels.select_linear_attention(model, "cuda", compile=True) == "torch_compile"
+        assert kernels.select_linear_attention(model, "cuda") == "torch"
+    assert _lines(caplog) == [
+        "Gated DeltaNet layers: flash-linear-attention kernels (flash-linear-attention 0.6.0, Triton 3.7.1)",
+        f"Gated DeltaNet layers: transformers' reference PyTorch kernels, compiled with torch.compile ({UNUSABLE[1]})",
+        f"Gated DeltaNet layers: transformers' reference PyTorch kernels ({UNUSABLE[1]})"]
+    assert kernels.linear_attention_kernel(model) == "torch"
+    assert all(m._compiled_call_impl is None for m in model.modules())
+
+
+def test_compile_linear_attention_compiles_each_gated_deltanet_once():
+    model = load_model("qwen3.5-tiny", "float32")
+    kernels.select_linear_attention(model, "cpu")
+    layers = kernels.linear_attention_layers(model)
+    assert kernels.compile_linear_attention(model.model.layers[0]) == 1
+    assert kernels.linear_attention_kernel(model) == "mixed"
+    assert kernels.compile_linear_attention(model) == len(layers) - 1
+    assert kernels.compile_linear_attention(model) == 0
+    assert kernels.linear_attention_kernel(model) == "torch_compile"
+    compiled = [m for m in model.modules() if m._compiled_call_impl is not None]
+    assert compiled == layers  # the GatedDeltaNet modules only (nothing runs here: compiling is lazy)
+    # selection reads the binding under the compile: the reference stays selected, nothing is rebound
+    assert kernels.select_linear_attention(model, "cpu", compile=True) == "torch_compile"
+
+
 def test_reference_refuses_packed_sequences(monkeypatch):
     _bind_fake_fla(monkeypatch)
     model = load_model("qwen3.5-tiny", "float32")

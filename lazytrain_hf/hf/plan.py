@@ -279,7 +279,8 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
     "analytic" (`cfg.profile_layers` off, not CUDA, or even one row ran out of memory: a warning). A pass that
     does not fit next to what the GPU already holds is measured at half the rows, then a quarter, ..., and scaled
     up (times and activations are linear in rows). `cache`: measurements by (rows, T, device), reused when present
-    and filled when not."""
+    and filled when not. With `cfg.compile_linear_attention` the linear-attention layer is measured compiled where
+    the reference kernels run, as the executor runs it."""
     if not cfg.profile_layers or device.type != "cuda":
         return cm, "analytic"
     rows = min(B, rows or cfg.max_rows_per_pass or B)
@@ -290,7 +291,8 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
         if measured is not None:
             break
         try:
-            measured = measure_layer_costs(model_config, r, T, device, memory=True)
+            measured = measure_layer_costs(model_config, r, T, device, memory=True,
+                                           compile_linear_attention=cfg.compile_linear_attention)
         except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             logger.info("layer profiling at %d x %d ran out of GPU memory (%s); measuring at %d rows", r, T,

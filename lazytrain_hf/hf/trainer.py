@@ -101,7 +101,11 @@ class LazyTrainerMixin(TRLHooks):
             if cfg.resident_placement != "auto":
                 logger.warning("lazytrain_config.resident_placement=%r has no effect with policy 'none' (the stock "
                                "Trainer path keeps the whole model where the Trainer puts it)", cfg.resident_placement)
-            #: the Gated DeltaNet kernels the model runs ("fla", "torch"; None: no linear-attention layers)
+            if cfg.compile_linear_attention:
+                logger.warning("lazytrain_config.compile_linear_attention has no effect with policy 'none' (the stock "
+                               "Trainer path runs the model as given)")
+            #: the Gated DeltaNet kernels the model runs ("fla", "torch", "torch_compile" in the executor; None: no
+            #: linear-attention layers)
             self.linear_attention_kernel = select_linear_attention(self.model, self.args.device)
             return
         fp32_weights = any(p.dtype == torch.float32 for p in self.model.parameters())
@@ -118,7 +122,8 @@ class LazyTrainerMixin(TRLHooks):
         # fp32 host accumulators only when micro-batches are summed; else the autograd gradient as is (bf16: 2 B/param)
         grad_dtype = "fp32" if self.args.gradient_accumulation_steps > 1 else "param"
         preflight.check_host_before_pinning(self)  # the executor page-locks weights, gradients, then states
-        self.linear_attention_kernel = select_linear_attention(self.model, device)  # before layers are copied
+        self.linear_attention_kernel = select_linear_attention(  # before layers are copied
+            self.model, device, compile=cfg.compile_linear_attention)
         peft_support.check_quantized(self.model)
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         peft_support.check_optimizer(self.executor, args)

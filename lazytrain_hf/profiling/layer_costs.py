@@ -9,7 +9,9 @@ and reads from the caching allocator:
     fwd_work_bytes   peak during a no-grad forward, minus its input and output,
     bwd_work_bytes   peak during backward, minus the saved activations and the weight gradients.
 On a machine without CUDA it returns None (a no-op), unless `allow_cpu=True` (tests): then wall-clock timing and
-no memory figures.
+no memory figures. With `compile_linear_attention` (LazyTrainConfig.compile_linear_attention) a linear-attention
+layer on the reference kernels is measured compiled, as the executor runs it; the compile happens in the first,
+untimed warm-up.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ class LayerMeasurement:
 
 
 def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any = "cuda", *, warmup: int = 2,
-                        iters: int = 5, allow_cpu: bool = False, seed: int = 0,
-                        memory: bool = True) -> dict[str, LayerMeasurement] | None:
+                        iters: int = 5, allow_cpu: bool = False, seed: int = 0, memory: bool = True,
+                        compile_linear_attention: bool = False) -> dict[str, LayerMeasurement] | None:
     """Measure the first decoder layer of each kind; {kind: LayerMeasurement}, or None without CUDA.
 
     Args:
@@ -60,6 +62,8 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
         allow_cpu: measure on the CPU anyway (wall clock, no memory figures): for tests of this code path.
         seed: random seed of weights and inputs (the caller's random state is restored afterwards).
         memory: also measure the memory figures (resets the device's peak-memory statistics); False: times only.
+        compile_linear_attention: measure the linear-attention layer with its GatedDeltaNet module compiled where
+            the reference kernels run (`kernels.compile_linear_attention`; at least one warm-up then, the compile).
     """
     import torch
 
@@ -70,20 +74,21 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
         return None
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # mid-training: keep the run's RNG
         torch.manual_seed(seed)
-        return _measure_kinds(config, batch_size, seq_len, dev, warmup, iters, memory)
+        return _measure_kinds(config, batch_size, seq_len, dev, warmup, iters, memory, compile_linear_attention)
 
 
 def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup: int, iters: int,
-                   memory: bool) -> dict[str, LayerMeasurement]:
+                   memory: bool, compile_la: bool = False) -> dict[str, LayerMeasurement]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..kernels import select_linear_attention
+    from ..kernels import TORCH_COMPILE, compile_linear_attention, select_linear_attention
 
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
     # the kernels training will run: fla where it is bound and works on `dev`, else the reference functions
-    select_linear_attention(meta_model, dev, log=False)
+    # (compiled with `compile_la`)
+    path = select_linear_attention(meta_model, dev, log=False, compile=compile_la)
     body = meta_model.model
     kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * len(body.layers))
     first: dict[str, int] = {}
@@ -105,8 +110,10 @@ def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup:
                 else:
                     p.normal_(0.0, 0.02)
         layer = layer.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        out[kind] = _measure_one(layer, rotary, kind, idx, batch_size, seq_len, config.hidden_size, dev, warmup,
-                                 iters, memory, mrope="qwen3_5" in config.model_type)
+        compiled = path == TORCH_COMPILE and compile_linear_attention(layer) > 0
+        out[kind] = _measure_one(layer, rotary, kind, idx, batch_size, seq_len, config.hidden_size, dev,
+                                 max(warmup, 1) if compiled else warmup, iters, memory,
+                                 mrope="qwen3_5" in config.model_type)
         del layer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -141,7 +148,7 @@ def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H
         y.backward(torch.ones_like(y))
         layer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
+    for _ in range(warmup):  # the first one compiles a compiled module (its no-grad and its autograd graphs)
         no_grad_fwd()
         fwd_bwd()
     f = statistics.median(timed(no_grad_fwd) for _ in range(iters))

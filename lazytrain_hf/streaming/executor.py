@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..config import LazyTrainConfig, cpu_threads
-from ..kernels import select_linear_attention
+from ..kernels import TORCH_COMPILE, compile_linear_attention, select_linear_attention
 from ..models import check_supported
 from ..planning.fixed import fixed_schedule
 from ..planning.schedule import Schedule
@@ -107,7 +107,10 @@ class StreamingExecutor:
         take_over_recomputation(model)
         self.model = model
         self.device = torch.device(device or self.config.resolved_device())
-        self.linear_attention_kernel = select_linear_attention(model, self.device)  # before layers are copied
+        #: the Gated DeltaNet path the layers run ("fla", "torch", "torch_compile": the slots' GatedDeltaNet modules
+        #: are compiled, `config.compile_linear_attention`; None: no linear-attention layers)
+        self.linear_attention_kernel = select_linear_attention(  # before layers are copied
+            model, self.device, compile=self.config.compile_linear_attention)
         self.layers: nn.ModuleList = self.base.layers
         self.num_layers = len(self.layers)
         ltypes = getattr(model.config, "layer_types", None) or [None] * self.num_layers
@@ -205,6 +208,9 @@ class StreamingExecutor:
             self.streamer = None
             self.device_updater.staging.clear()  # keyed by slot: the new streamer's slots get their own
             self.streamer = WeightStreamer(self.layers, self.store, self.keys, self.device, schedule.prefetch_depth)
+            if self.linear_attention_kernel == TORCH_COMPILE:  # the slots' templates are the modules that run
+                for slot in self.streamer.slots:
+                    compile_linear_attention(slot.module)
             self.streamer.before_load = self._before_load
             # looked up per call (a test wraps `DeviceUpdater.stage`)
             self.streamer.after_load = lambda slot, layer: self.device_updater.stage(slot, layer)

@@ -50,14 +50,14 @@ def test_a_pass_that_does_not_fit_is_measured_at_fewer_rows_and_scaled(monkeypat
     tried = []
     big = 10 * max(cm.saved_bytes)
 
-    def fake(cfg, rows, T, device, memory=True):
+    def fake(cfg, rows, T, device, memory=True, compile_linear_attention=False):
         tried.append(rows)
         if rows > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
         return {"linear_attention": LayerMeasurement("linear_attention", 0, 2.0, 4.0, big, 0, 0, "cuda:0")}
 
     monkeypatch.setattr(plan, "measure_layer_costs", fake)
-    cfg = SimpleNamespace(profile_layers=True, max_rows_per_pass=8)
+    cfg = SimpleNamespace(profile_layers=True, max_rows_per_pass=8, compile_linear_attention=False)
     out, how = plan.measured_layer_costs(cm, config, cfg, torch.device("cuda"), 16, 32, {})
     assert how == "measured" and tried == [8, 4, 2]
     assert out.fwd_ms[0] == 2.0 * 8 and out.bwd_ms[0] == 4.0 * 8  # B / r = 16 / 2
@@ -100,10 +100,11 @@ def test_planning_uses_layers_measured_at_one_row_pass(monkeypatch):
     measurement itself is replaced here (CPU CI), the wiring and the scaling are what is checked."""
     from lazytrain_hf.hf import plan
 
-    calls = []
+    calls, compiled = [], []
 
     def fake(config, rows, T, dev, **kw):
         calls.append((rows, T, dev.type))
+        compiled.append(kw["compile_linear_attention"])
         return {"full_attention": LayerMeasurement("full_attention", 3, 2.0, 5.0, None, None, None, str(dev))}
 
     monkeypatch.setattr(plan, "measure_layer_costs", fake)
@@ -122,6 +123,8 @@ def test_planning_uses_layers_measured_at_one_row_pass(monkeypatch):
         assert used == "measured" and again.fwd_ms == out.fwd_ms
     assert len(calls) == 2 and list(cache) == [(2, 16, "cuda")]
     calls.pop()
+    _measured("cuda", max_rows_per_pass=2, compile_linear_attention=True)  # the profiler measures what runs
+    assert calls.pop() == (2, 16, "cuda") and compiled == [False, False, True]
 
     for device, cfg in (("cpu", {"max_rows_per_pass": 2}), ("cuda", {"profile_layers": False})):
         cm, got = _measured(device, **cfg)
