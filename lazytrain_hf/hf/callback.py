@@ -31,6 +31,7 @@ class LazyTrainCallback(TrainerCallback):
       CUDA, reset the peak-memory counter for the first `CHECK_STEPS` steps and report each step's peak
       (`RunPlans.end_step`: a re-plan with less GPU memory when it exceeded the plan's budget, hf/recovery.py) and
       wall time (`RunPlans.step_timed`: the calibration, hf/calibrate.py).
+    - on_optimizer_step: fp16's loss-scale update (`LazyTrainer.loss_scale_step_done`).
     - on_save: write the schedule JSON into the checkpoint directory (atomically).
     """
 
@@ -51,6 +52,9 @@ class LazyTrainCallback(TrainerCallback):
             self._run_peak = max(self._run_peak, torch.cuda.max_memory_allocated(dev))
             torch.cuda.reset_peak_memory_stats(dev)
         tr.plans.begin_step(reset)
+
+    def on_optimizer_step(self, args, state, control, **kwargs: Any):
+        self.trainer.loss_scale_step_done()  # fp16: before the Trainer decides whether the LR scheduler steps
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         tr = self.trainer

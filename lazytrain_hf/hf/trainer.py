@@ -4,7 +4,7 @@ Overridden: `_wrap_model` (returns the StreamingModel, so accelerate neither wra
 model), `get_optimizer_cls_and_kwargs` / `create_optimizer` (Hybrid8bitOptimizer reading the executor's fp32 host
 gradients), `training_step` (the executor's forward + backward), `_clip_grad_norm` / `_get_grad_norm` (the global
 norm from the executor's gradient buffers; the clip coefficient is folded into the optimizer update), `log`
-(throughput and memory metrics). Logging, evaluation, checkpointing, resume, LR scheduling, gradient accumulation
+(throughput and memory metrics), `_save_scaler` / `_load_scaler` (fp16's loss scale, hf/loss_scale.py). Logging, evaluation, checkpointing, resume, LR scheduling, gradient accumulation
 and callbacks stay the Trainer's.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from .calibrate import Calibration
 from .callback import LazyTrainCallback
 from .foreign_args import to_lazy_args
 from .longrun import LongRunCallback
+from .loss_scale import LossScaler
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
@@ -86,6 +88,9 @@ class LazyTrainerMixin(TRLHooks):
         #: the signal (SIGTERM / SIGINT) that stopped the last `train` at a step boundary, None when it ran out
         self.interrupted: int | None = None
         self._deferred_ref_logps: list = []  # DPOTrainer's reference log-probabilities, run once the executor is built
+        #: fp16=True's dynamic loss scale (hf/loss_scale.py; None without fp16 or with policy "none"). Its
+        #: `scale` / `growth_interval` / ... may be set before `train()`; a resume restores its state
+        self.loss_scaler: LossScaler | None = None
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -109,10 +114,6 @@ class LazyTrainerMixin(TRLHooks):
             self.linear_attention_kernel = select_linear_attention(self.model, self.args.device)
             return
         fp32_weights = any(p.dtype == torch.float32 for p in self.model.parameters())
-        if self.args.fp16 and fp32_weights:
-            logger.warning("fp16=True does not autocast inside the LazyTrain executor (no gradient scaler): it "
-                           "computes in the model's own dtype (float32 here). Use bf16=True for 16-bit compute over "
-                           "fp32 weights, load the model in float16, or set fp16=False to silence this.")
         device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
         if device.type == self.args.device.type and device.index is None:
             device = self.args.device  # "cuda" means this rank's GPU (cuda:LOCAL_RANK under accelerate / torchrun)
@@ -127,6 +128,8 @@ class LazyTrainerMixin(TRLHooks):
         peft_support.check_quantized(self.model)
         self.executor = StreamingExecutor(self.model, cfg, device, host_grad_dtype=grad_dtype)
         peft_support.check_optimizer(self.executor, args)
+        if self.args.fp16:
+            self._setup_fp16(fp32_weights)
         if self.args.bf16 and fp32_weights:  # as the stock Trainer's autocast: fp32 master weights, bf16 matmuls
             self.executor.autocast_dtype = torch.bfloat16
             logger.info("LazyTrain: bf16=True over float32 weights: the decoder layers compute under bfloat16 "
@@ -234,6 +237,79 @@ class LazyTrainerMixin(TRLHooks):
                 self.executor.attach_optimizer(inner)
         return opt
 
+    def _setup_fp16(self, fp32_weights: bool) -> None:
+        """fp16=True: the executor's own loss scaler (hf/loss_scale.py) in place of accelerate's GradScaler (which
+        would unscale `.grad`, never the executor's gradient buffers), and fp16 autocast over fp32 weights on CUDA.
+
+        Raises:
+            ValueError: an optimizer other than lazytrain_hybrid8 (the unscale and the overflow skip happen inside
+                its fused update).
+        """
+        optim = str(getattr(self.args.optim, "value", self.args.optim))
+        if optim != peft_support.OPTIM_NAME:
+            raise ValueError(f"fp16=True with optim={optim!r} under the LazyTrain executor: the fp16 loss scaler "
+                             f"unscales the gradients and skips overflowing steps inside {peft_support.OPTIM_NAME}'s "
+                             f"fused update, which {optim!r} does not have. Use bf16=True (no loss scaling needed, "
+                             f"on GPUs with bfloat16), optim='{peft_support.OPTIM_NAME}', or "
+                             "lazytrain_config.policy='none' (the stock Trainer path)")
+        handler = getattr(self.accelerator, "scaler_handler", None)  # accelerate's GradScalerKwargs, if given
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        self.loss_scaler = LossScaler(**{k: v for k, v in kwargs.items() if k != "enabled"})
+        self.accelerator.scaler = None  # its optimizer wrapper must not run a second (gradient-less) scaler
+        dtype = next(p.dtype for p in self.model.parameters())
+        if fp32_weights and self.executor.device.type == "cuda":
+            self.executor.autocast_dtype = torch.float16
+            compute = "the decoder layers compute under float16 autocast, the weights and their updates stay " \
+                      "float32; the chunked LM head and loss compute in float32"
+        elif fp32_weights:  # as accelerate: no fp16 autocast off the GPU
+            compute = f"on {self.executor.device.type} the model computes in its own dtype (float32: no fp16 " \
+                      "autocast off CUDA, as the stock Trainer)"
+        else:
+            compute = f"the model computes in its own dtype ({str(dtype).removeprefix('torch.')})"
+        logger.info("LazyTrain: fp16=True: %s; dynamic loss scale from %g (GradScaler's rule: x%g after %d steps "
+                    "without overflow, x%g and the step skipped on one)", compute, self.loss_scaler.scale,
+                    self.loss_scaler.growth_factor, self.loss_scaler.growth_interval,
+                    self.loss_scaler.backoff_factor)
+        if dtype == torch.bfloat16:
+            logger.warning("fp16=True on bfloat16 weights: the model computes in bfloat16, which needs no loss "
+                           "scaling; bf16=True is the setting for it")
+
+    def _loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def loss_scale_step_done(self) -> None:
+        """After `optimizer.step()` (LazyTrainCallback.on_optimizer_step): update the loss scale from whether the
+        step was skipped, and tell accelerate, so that the Trainer does not step the LR scheduler for a skipped
+        step (as with the stock fp16 GradScaler)."""
+        if self.loss_scaler is None:
+            return
+        skipped = bool(getattr(self._inner_optimizer(self.optimizer), "last_step_skipped", False))
+        before = self.loss_scaler.scale
+        self.loss_scaler.update(skipped)
+        if hasattr(self.optimizer, "_is_overflow"):  # AcceleratedOptimizer: read by optimizer_step_was_skipped
+            self.optimizer._is_overflow = skipped
+        if skipped:
+            logger.info("LazyTrain fp16: gradient overflow at loss scale %g (step %d): optimizer step skipped, loss "
+                        "scale -> %g", before, self.state.global_step + 1, self.loss_scaler.scale)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if self.loss_scaler is None:
+            return super()._save_scaler(output_dir)
+        if self.args.should_save:
+            from transformers.trainer import SCALER_NAME
+
+            torch.save(self.loss_scaler.state_dict(), os.path.join(output_dir, SCALER_NAME))
+
+    def _load_scaler(self, ckpt: str | None) -> None:
+        if self.loss_scaler is None:
+            return super()._load_scaler(ckpt)
+        from transformers.trainer import SCALER_NAME
+
+        path = os.path.join(ckpt, SCALER_NAME) if ckpt is not None else None
+        if path is not None and os.path.isfile(path):  # none (a run saved without fp16): the initial scale
+            with checkpoint.naming_load_errors(str(ckpt)):
+                self.loss_scaler.load_state_dict(torch.load(path, weights_only=True))
+
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         """The stock warning, less tied aliases: a checkpoint of a tied model has no `lm_head.weight` (save drops
         the alias; the embedding it shares storage with was loaded), which the Trainer reports as missing."""
@@ -325,19 +401,22 @@ class LazyTrainerMixin(TRLHooks):
         to log (this rank's; the Trainer averages the ranks')."""
         self.plans.for_batch(inputs["input_ids"].shape[1])
         world = self.executor.dp.world if self.executor.dp is not None else 1
+        scale = self._loss_scale()  # fp16: every gradient is S x the true one (unscaled in the optimizer)
         if self.user_loss_model is not None:
-            loss = self._user_loss_microbatch(inputs, denominator, sync, world)
+            loss = self._user_loss_microbatch(inputs, denominator, sync, world, scale)
         else:
             loss = self.executor.forward_backward(inputs["input_ids"], inputs["labels"], inputs.get("attention_mask"),
-                                                  inputs.get("position_ids"), denominator=denominator,
+                                                  inputs.get("position_ids"),
+                                                  denominator=denominator if scale == 1.0 else denominator / scale,
                                                   sync_gradients=sync) * world  # the mean over ranks, as HF logs it
+            loss = loss / scale if scale != 1.0 else loss
         x = self.executor.stats.extra
         skipped = getattr(self._inner_optimizer(self.optimizer), "last_step_skipped", False)
         self.plans.microbatch_done(x.get("cpu_update_ms"), x.get("cpu_update_params"), skipped)
         return loss
 
     def _user_loss_microbatch(self, inputs: dict[str, Any], num_items_in_batch: Any, sync: bool,
-                              world: int) -> torch.Tensor:
+                              world: int, scale: float = 1.0) -> torch.Tensor:
         """The stock `training_step`'s loss and backward, with `compute_loss` given the streamed model."""
         facade = self.user_loss_model
         facade.sync_gradients = sync
@@ -358,8 +437,9 @@ class LazyTrainerMixin(TRLHooks):
                 loss = loss / self.current_gradient_accumulation_steps
             if not loss.requires_grad:
                 raise RuntimeError(f"the loss {type(self).__name__}.compute_loss returned does not require grad")
-            # ranks' gradients are summed (streaming/comm.py); DDP averages them
-            (loss / world if world > 1 else loss).backward()
+            # ranks' gradients are summed (streaming/comm.py); DDP averages them. fp16: the loss scale S
+            seeded = loss * scale if scale != 1.0 else loss
+            (seeded / world if world > 1 else seeded).backward()
             if run.state != "backward":
                 raise RuntimeError(f"the loss {type(self).__name__}.compute_loss returned does not depend on the "
                                    "model's output (its backward never reached the decoder layers)")
@@ -415,7 +495,8 @@ class LazyTrainerMixin(TRLHooks):
         opt = self._inner_optimizer(self.optimizer)
         if not peft_support.is_hybrid8(opt):
             return peft_support.clip_resident(self.executor, self.args.max_grad_norm, norm)
-        return opt.clip_grad_norm(self.args.max_grad_norm, norm)
+        # fp16: the norm logged is the unscaled one; the unscale and clip reach every update (hf/loss_scale.py)
+        return opt.clip_grad_norm(self.args.max_grad_norm, norm, grad_scale=self._loss_scale())
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         if self.executor is not None and grad_norm is None and not peft_support.is_hybrid8(
@@ -423,7 +504,8 @@ class LazyTrainerMixin(TRLHooks):
             grad_norm = self.executor.grad_norm()
         elif self.executor is not None and grad_norm is None:
             # max_grad_norm == 0: no clipping, but a non-finite norm still skips the step (documented difference)
-            grad_norm = self._inner_optimizer(self.optimizer).clip_grad_norm(float("inf"), self.executor.grad_norm())
+            grad_norm = self._inner_optimizer(self.optimizer).clip_grad_norm(float("inf"), self.executor.grad_norm(),
+                                                                             grad_scale=self._loss_scale())
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     # ---- metrics -------------------------------------------------------------------------------------------
@@ -437,6 +519,8 @@ class LazyTrainerMixin(TRLHooks):
         opt = self._inner_optimizer(self.optimizer) if self.optimizer is not None else None
         if opt is not None and getattr(opt, "last_step_skipped", False):
             m["optimizer_step_skipped"] = 1.0
+        if self.loss_scaler is not None:
+            m["loss_scale"] = self.loss_scaler.scale  # after this step's update, as GradScaler.get_scale()
         return m
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -50,8 +50,9 @@ class _PendingClip:
 
     norm: Tensor            # pre-clip global L2 norm, fp32 scalar on any device
     max_norm: float
-    coef: float | None = None   # min(1, max_norm / (norm + 1e-6)), computed in fp32 as torch does
+    coef: float | None = None   # min(1, max_norm / (norm / scale + 1e-6)) / scale, in fp32 as torch does
     skip: bool = False          # the norm is non-finite: updates are skipped
+    scale: float = 1.0          # the gradients are `scale` x the true ones (fp16 loss scaling, hf/loss_scale.py)
 
 
 class Hybrid8bitOptimizer(torch.optim.Optimizer):
@@ -78,7 +79,9 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
       update into the param (small updates vanish), ``"auto"`` = fp32 for bf16/fp16 params, none for fp32.
     - **Fused clipping**: `clip_grad_norm` only records the coefficient ``min(1, max_norm / (norm + 1e-6))``
       (HF Trainer / torch semantics, pre-clip norm returned); the next update multiplies gradients by it inside
-      the kernel. Gradients are never rescaled in a separate pass and never modified.
+      the kernel. Gradients are never rescaled in a separate pass and never modified. ``grad_scale=S`` (fp16 loss
+      scaling, `lazytrain_hf.hf.loss_scale`): the gradients are unscaled first through the same coefficient,
+      ``min(1, max_norm / (norm / S + 1e-6)) / S``, on every update path (serial, deferred, GPU-staged).
     - **Non-finite norm**: the update is skipped entirely (no weight, state or step counter changes) and a
       warning is logged. The stock HF Trainer would write NaN into the weights instead (documented difference).
     - **Layer-wise updates**: `step_params` updates a subset (the streaming executor calls it per layer) with the
@@ -249,12 +252,17 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0).float()
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float, norm: Tensor | None = None) -> Tensor:
+    def clip_grad_norm(self, max_norm: float, norm: Tensor | None = None, *, grad_scale: float = 1.0) -> Tensor:
         """Record gradient clipping for the next update; return the pre-clip global norm.
 
         The coefficient ``min(1, max_norm / (norm + 1e-6))`` (fp32, as torch and the HF Trainer) is applied inside
         the next `step` and every `step_params` call until the next `clip_grad_norm` or the end of a `step`. A
         non-finite norm makes those updates no-ops (logged once). No gradient is modified here.
+
+        With ``grad_scale`` S (fp16 loss scaling: the gradients are S x the true ones) the gradients are unscaled
+        first, as ``GradScaler.unscale_`` before ``clip_grad_norm_``: the clip coefficient is that of ``norm / S``
+        and the updates multiply each gradient by ``coef / S`` (exact for a power-of-two S). A non-finite scaled
+        norm (an inf / NaN gradient: an fp16 overflow) skips the step without a warning (the scaler reports it).
 
         Args:
             max_norm: clipping threshold (> 0), as ``TrainingArguments.max_grad_norm``; ``float("inf")`` only
@@ -262,21 +270,26 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             norm: the pre-clip global L2 norm when the caller already has it (the executor accumulates it while
                 gradients are produced); None: computed with `grad_norm`.
 
+            grad_scale: the factor the gradients carry (1: none); a positive finite number.
+
         Returns:
-            The pre-clip norm (``norm`` itself when given, as a tensor).
+            The pre-clip norm of the unscaled gradients (``norm`` itself when given and ``grad_scale`` is 1).
 
         Raises:
-            ValueError: ``max_norm`` is not a positive finite number.
+            ValueError: ``max_norm`` is not a positive number, or ``grad_scale`` not a positive finite one.
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_grad_norm: max_norm must be a positive number (inf: no clipping), but got "
                              f"{max_norm!r}")
+        if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or \
+                not (math.isfinite(grad_scale) and grad_scale > 0):
+            raise ValueError(f"clip_grad_norm: grad_scale must be a positive finite number, but got {grad_scale!r}")
         if norm is None:
             norm = self.grad_norm()
         elif not isinstance(norm, Tensor):
             norm = torch.tensor(float(norm), dtype=torch.float32)
-        self._pending = _PendingClip(norm=norm.detach(), max_norm=float(max_norm))
-        return norm
+        self._pending = _PendingClip(norm=norm.detach(), max_norm=float(max_norm), scale=float(grad_scale))
+        return norm if grad_scale == 1.0 else norm / grad_scale
 
     def _resolve_clip(self) -> tuple[float, bool]:
         """``(clip coefficient, skip)`` for the current update; the first call per clip request syncs once."""
@@ -287,13 +300,15 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             total = pc.norm.detach().to("cpu", torch.float32)
             if not bool(torch.isfinite(total)):
                 pc.coef, pc.skip = 1.0, True
-                logger.warning(
-                    "Hybrid8bitOptimizer: global gradient norm is %s; skipping this optimizer step (weights, "
-                    "optimizer states and step counters unchanged). The stock HF Trainer would apply it and write "
-                    "NaN/inf into the weights.", float(total))
+                if pc.scale == 1.0:  # a scaled run's overflow is the loss scaler's to report
+                    logger.warning(
+                        "Hybrid8bitOptimizer: global gradient norm is %s; skipping this optimizer step (weights, "
+                        "optimizer states and step counters unchanged). The stock HF Trainer would apply it and "
+                        "write NaN/inf into the weights.", float(total))
             else:
-                coef = torch.clamp(pc.max_norm / (total + _CLIP_EPS), max=1.0)
-                pc.coef = float(coef)
+                # unscale, then clip (GradScaler.unscale_ then clip_grad_norm_): a power-of-two scale is exact
+                coef = torch.clamp(pc.max_norm / (total / pc.scale + _CLIP_EPS), max=1.0)
+                pc.coef = float(coef) / pc.scale
         return pc.coef, pc.skip
 
     # ------------------------------------------------------------------ updates
