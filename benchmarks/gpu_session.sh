@@ -3,7 +3,7 @@
 # bash benchmarks/build_deepspeed_wheel.sh). The tree copied to the device carries a stale .git: start it as
 #   LAZYTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests|ddptests|<suite> [extra run args]
 # tests: every GPU test (pytest -m gpu); ddptests: the same with 2 GPUs over NCCL (nvidia-h200-x2);
-# <suite>: python -m benchmarks.run --suite <suite> (7b, hybrid, full, smoke), resuming from
+# <suite>: python -m benchmarks.run --suite <suite> (7b, hybrid, paper, lora, qlora, full, smoke), resuming from
 # HARNESS_OUT (default benchmarks/results/<suite>-<date>.json); copy the file back before the next call.
 # CPUSET=0-15 pins the processes (and the optimizer's threads) to the single-GPU kind's 16 cores on a larger host.
 set -uo pipefail

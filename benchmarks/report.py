@@ -18,6 +18,10 @@ LoRA rows (systems *_lora, suites lora / lora-smoke) get their own table (micro-
 TFLOPS executed and model, host bytes per base parameter) and targets: LazyTrain-LoRA at 24 GiB >= 0.85x the tokens/s
 of the uncapped stock Trainer + PEFT (its best row, >= 32k tokens per optimizer step), the stock Trainer + PEFT out of
 memory at 24 GiB, host bytes per base parameter <= 2.1 (bf16 base).
+
+QLoRA rows (lazytrain_qlora, suites qlora / qlora-smoke) get the same table with the base's quantization, and targets:
+at 24 GiB, nf4 with LoRA r 16 on all linear layers, >= 800 tokens/s (>= 32k tokens per optimizer step), and host
+bytes per base parameter <= 0.7 on every lazytrain_qlora row (4-bit weights counted by their original shape).
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ ORDER = ("lazytrain_milp", "lazytrain_fixed", "stock_trainer", "stock_trainer_bn
 
 
 LORA_ORDER = ("lazytrain_lora", "stock_trainer_lora", "fsdp2_cpu_offload_lora")
-ORDER = (*ORDER, *LORA_ORDER)
+QLORA_ORDER = ("lazytrain_qlora",)
+ORDER = (*ORDER, *LORA_ORDER, *QLORA_ORDER)
+#: the rows of lora_table: LoRA on a bf16 or a 4-bit base
+ADAPTER_ORDER = (*LORA_ORDER, *QLORA_ORDER)
 
 
 def _cap(c: Any) -> str:
@@ -139,13 +146,31 @@ def hybrid_table(rows: list[dict[str, Any]]) -> list[str]:
     return out + _notes_in_full(full)
 
 
+def _quantization(e: dict[str, Any]) -> str:
+    """A QLoRA row's base as recorded (worker.quantized_base): "nf4, double quant, bf16 compute, block 64,
+    quantized on cuda, built in 41 s (peak RSS 38.2 GiB)"; "-" without one."""
+    q, b = e.get("quantization") or {}, e.get("base_build") or {}
+    if not q:
+        return "-"
+    parts = [str(q.get("quant_type")), "double quant" if q.get("double_quant") else "no double quant",
+             f"{str(q.get('compute_dtype')).removeprefix('torch.').replace('bfloat16', 'bf16')} compute",
+             f"block {q.get('blocksize')}", f"quantized on {q.get('quantized_on')}"]
+    if b.get("build_s") is not None:
+        parts.append(f"built in {b['build_s']:.0f} s (peak RSS {b.get('peak_rss_gib') or 0:.1f} GiB, base "
+                     f"{b.get('base_host_gib') or 0:.1f} GiB)")
+    return ", ".join(parts)
+
+
 def lora_table(rows: list[dict[str, Any]]) -> list[str]:
     """The LoRA rows of one (model, cap): micro-batches per optimizer step, its tokens, tokens/s, TFLOPS executed
-    and model (worker.py's definitions), peak memory, host bytes per base parameter, trainable / total parameters."""
+    and model (worker.py's definitions), peak memory, host bytes per base parameter, trainable / total parameters;
+    with a 4-bit base (QLoRA rows) also its quantization and build."""
+    quant = any((r.get("extra") or {}).get("quantization") for r in rows)
     out = ["| system | batch | micro-batches / step | tokens / step | status | step s (p10-p90) | tokens/s | "
            "TFLOPS exec | TFLOPS model | peak GPU GiB | peak RSS GiB | host B / base param | trainable / total params "
-           "| note |",
-           "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+           + ("| 4-bit base " if quant else "") + "| note |",
+           "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | "
+           + ("--- | " if quant else "") + "--- |"]
     full: dict[str, int] = {}
     for r in rows:
         e = r.get("extra") or {}
@@ -155,7 +180,7 @@ def lora_table(rows: list[dict[str, Any]]) -> list[str]:
                    f"{e.get('tokens_per_step') or '-'} | {r['status']} | {_step(r)} | {_f(r['tokens_per_s'], 0)} | "
                    f"{_f(r['tflops_executed'])} | {_f(e.get('tflops_model'))} | {_f(r['peak_gpu_gib'])} | "
                    f"{_f(r['peak_host_rss_gib'])} | {_f(e.get('host_bytes_per_base_param'), 2)} | {params} | "
-                   f"{_note(r, full)} |")
+                   + (f"{_quantization(e)} | " if quant else "") + f"{_note(r, full)} |")
     return out + _notes_in_full(full)
 
 
@@ -208,6 +233,56 @@ def lora_targets(doc: dict[str, Any], model: str) -> list[str]:
                    f"{'met' if v <= LORA_HOST_BYTES else 'not met'} |")
     else:
         out.append(f"| {name} | - | not measured |")
+    return out
+
+
+#: QLoRA targets: lazytrain_qlora at this cap, on an nf4 base with LoRA r 16 on all linear layers and >= this many
+#: tokens per optimizer step, >= this many tokens/s; host bytes per base parameter (4-bit weights counted by their
+#: original shape) on every lazytrain_qlora row
+QLORA_CAP, QLORA_MIN_TOKENS, QLORA_TOKENS_PER_S, QLORA_HOST_BYTES = 24, 32768, 800.0, 0.7
+
+
+def qlora_targets(doc: dict[str, Any], model: str) -> list[str]:
+    """QLoRA goals for `model`, each met / not met / not measured: at 24 GiB lazytrain_qlora (nf4, LoRA r 16 on
+    all-linear, >= 32k tokens per optimizer step: the best such ok row) >= 800 tokens/s; host bytes per base parameter
+    <= 0.7 on every ok lazytrain_qlora row (the largest decides). A target with no ok row shows the rows' statuses."""
+    rows = [r for r in doc["rows"] if r["model"] == model and r["system"] in QLORA_ORDER]
+
+    def claim(r: dict[str, Any]) -> bool:  # the row is of the stated configuration
+        e = r.get("extra") or {}
+        lora, q = e.get("lora") or {}, e.get("quantization") or {}
+        return (q.get("quant_type") == "nf4" and lora.get("r") == 16 and lora.get("target_modules") == "all-linear"
+                and (e.get("tokens_per_step") or 0) >= QLORA_MIN_TOKENS)
+
+    def where(r: dict[str, Any]) -> str:
+        e = r.get("extra") or {}
+        return (f"{_cap(r['gpu_cap_gib'])}, B={r['batch_size']} x {e.get('gradient_accumulation_steps')}, "
+                f"{e.get('tokens_per_step')} tokens/step, {e.get('base_params') or 0:,} base params"
+                + (f", {r['source']}" if r.get("source") else ""))
+
+    def statuses(rs: list[dict[str, Any]]) -> str:
+        return "; ".join(f"{_cap(r['gpu_cap_gib'])} B={r['batch_size']}: {r['status']}" for r in rs) or "-"
+
+    out = [f"| target ({model}, QLoRA) | measured | verdict |", "| --- | --- | --- |"]
+    capped = [r for r in rows if r["gpu_cap_gib"] == QLORA_CAP]
+    ok = [r for r in capped if r["status"] == "ok" and r["tokens_per_s"] and claim(r)]
+    name = (f"{QLORA_CAP} GiB: lazytrain_qlora (nf4, LoRA r 16 on all linear layers, >= {QLORA_MIN_TOKENS // 1024}k "
+            f"tokens per optimizer step) >= {QLORA_TOKENS_PER_S:g} tokens/s")
+    if ok:
+        best = max(ok, key=lambda r: r["tokens_per_s"])
+        out.append(f"| {name} | {best['tokens_per_s']:,.0f} ({where(best)}) | "
+                   f"{'met' if best['tokens_per_s'] >= QLORA_TOKENS_PER_S else 'not met'} |")
+    else:
+        out.append(f"| {name} | {statuses(capped)} | not measured |")
+    vals = [(e["host_bytes_per_base_param"], r) for r in rows if r["status"] == "ok"
+            and (e := r.get("extra") or {}).get("host_bytes_per_base_param") is not None]
+    name = (f"host bytes per base parameter <= {QLORA_HOST_BYTES} (lazytrain_qlora, 4-bit base; peak RSS less the "
+            "CPU tier's activation buffers)")
+    if vals:
+        v, r = max(vals, key=lambda x: x[0])
+        out.append(f"| {name} | {v:.2f} (largest: {where(r)}) | {'met' if v <= QLORA_HOST_BYTES else 'not met'} |")
+    else:
+        out.append(f"| {name} | {statuses(rows)} | not measured |")
     return out
 
 
@@ -280,6 +355,13 @@ LORA_FLOPS_TEXT = (
     "gradient); the embedding lookup none. `TFLOPS model` = (4 x N_frozen + 6 x N_trainable) x tokens / step time, "
     "LazyTrainer's logged figure. Host bytes per base parameter = (peak RSS - the CPU activation tier's host buffers) "
     "/ base parameters.")
+#: how QLoRA rows count parameters (benchmarks/worker.py)
+QLORA_TEXT = (
+    "QLoRA rows (`lazytrain_qlora`: the same adapters on a bitsandbytes 4-bit base, built module by module and "
+    "quantized as from_pretrained with that BitsAndBytesConfig would, then peft.prepare_model_for_kbit_training, which "
+    "keeps the embedding, norms and LM head in fp32) count every parameter as above with a 4-bit weight counted by its "
+    "original shape (two per packed byte), so `TFLOPS exec`, `TFLOPS model` and host bytes per base parameter use the "
+    "model's logical parameters.")
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[str]:
@@ -525,8 +607,11 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
              "Caps: torch.cuda.set_per_process_memory_fraction. LazyTrain's optimizer ms is the exposed part only "
              "(layer updates overlap the next forward); DeepSpeed steps inside backward.", ""]
     lora_rows = [r for r in doc["rows"] if r["system"] in LORA_ORDER]
-    if lora_rows:
+    qlora_rows = [r for r in doc["rows"] if r["system"] in QLORA_ORDER]
+    if lora_rows or qlora_rows:
         lines += [LORA_FLOPS_TEXT, ""]
+    if qlora_rows:
+        lines += [QLORA_TEXT, ""]
     if doc.get("notes"):
         lines += [f"Notes: {doc['notes']}", ""]
     if png:
@@ -540,8 +625,9 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
     for (model, cap), rows in _groups(doc["rows"]).items():
         if doc["suite"] == "hybrid":
             lines += [f"## {model}, GPU cap {_cap(cap)}", "", *hybrid_table(rows), ""]
-        elif all(r["system"] in LORA_ORDER for r in rows):
-            lines += [f"## {model}, GPU cap {_cap(cap)} (LoRA)", "", *lora_table(rows), ""]
+        elif all(r["system"] in ADAPTER_ORDER for r in rows):
+            kind = "QLoRA" if all(r["system"] in QLORA_ORDER for r in rows) else "LoRA"
+            lines += [f"## {model}, GPU cap {_cap(cap)} ({kind})", "", *lora_table(rows), ""]
         else:
             lines += [f"## {model}, GPU cap {_cap(cap)}", "", *table(rows), "", *ratios(rows), ""]
     if doc.get("max_batch"):
@@ -552,7 +638,9 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
             lines += [f"## Targets: {model}", "", *hybrid_targets(doc, model), ""]
     for model in sorted({r["model"] for r in lora_rows}):
         lines += [f"## Targets: LoRA on {model}", "", *lora_targets(doc, model), ""]
-    if any(r["model"] == "qwen2.5-7b" and r["system"] not in LORA_ORDER for r in doc["rows"]):
+    for model in sorted({r["model"] for r in qlora_rows}):
+        lines += [f"## Targets: QLoRA on {model}", "", *qlora_targets(doc, model), ""]
+    if any(r["model"] == "qwen2.5-7b" and r["system"] not in ADAPTER_ORDER for r in doc["rows"]):
         lines += ["## Targets: LazyTrain vs the offloading systems", "", *targets(doc), ""]
         lines += ["## Targets: 24 GiB vs the uncapped stock Trainer", "", *targets_vs_stock(doc, docs), ""]
     return "\n".join(lines)

@@ -30,6 +30,13 @@ The lora suite (LoRA r 16 on every linear layer of a frozen base; systems lazytr
 fsdp2_cpu_offload_lora) runs tokens_per_step tokens per optimizer step (gradient accumulation per batch size,
 recorded per row), searches the uncapped stock PEFT run's largest batch (up to tokens_per_step / seq_len sequences)
 and measures it there; lora-smoke is its CPU shape (tests).
+
+    HARNESS_OUT=benchmarks/results/qlora-YYYYMMDD.json bash benchmarks/gpu_session.sh qlora --budget-s 540
+
+The qlora suite (system lazytrain_qlora: the lora suite's adapters and LazyTrainer on a bitsandbytes nf4 base with
+double quantization and bf16 compute, systems.QLORA_QUANT) trains a Llama-3-70B shape under 24 GiB at 32k tokens per
+optimizer step; the base is built 4-bit module by module on the GPU (a bf16 70B would not fit the 128 GiB host) and
+ends on the CPU, as from_pretrained(..., device_map="cpu") leaves it. qlora-smoke is its CPU shape (tests).
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ from .systems import (
     LORA_SYSTEMS,
     ONE_BATCH_PER_PROCESS,
     PRODUCT_DEFAULTS,
+    QLORA_QUANT,
+    QLORA_SYSTEMS,
     SYSTEMS,
     unsupported_reason,
 )
@@ -71,13 +80,15 @@ OFFLOAD = ("fsdp2_cpu_offload", "zero_offload")
 ORDER = (*LT, *STOCK, *OFFLOAD)
 #: run only where a suite (or --systems) names them
 LORA = LORA_SYSTEMS
+QLORA = QLORA_SYSTEMS
 
 #: name -> settings. batch[cap][system]: batch sizes per GPU cap (None = uncapped). timeout[system]: seconds.
 #: Optional: systems (default all), lazytrain (PRODUCT_DEFAULTS: LazyTrain rows as a user runs them; default the
 #: harness's settings), max_batch_caps (caps whose largest batch is searched without --find-max-batch), row_s[cap]
 #: (seconds a row takes: no row starts with less budget left, so a call's last minutes are not spent on a row the
 #: deadline kills), tokens_per_step (gradient accumulation: benchmarks/worker.py), lora (LoraConfig fields of the
-#: LoRA systems; default systems.LORA_DEFAULTS), max_batch_systems (the systems searched at max_batch_caps; default
+#: LoRA systems; default systems.LORA_DEFAULTS), quantization (BitsAndBytesConfig fields of the QLoRA systems' base;
+#: default systems.QLORA_QUANT), max_batch_systems (the systems searched at max_batch_caps; default
 #: all), max_batch_limit (the search's largest batch; --max-batch-limit overrides; a dict: per system, 512 for the
 #: others), measure_max_batch (measure each
 #: completed search's largest batch as a row too). A system a cap's batch dict gives [] does not run at that cap.
@@ -136,6 +147,22 @@ SUITES["lora-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], se
                             systems=list(LORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
                             batch={None: {**{s: [2] for s in LORA}, "lazytrain_lora": [1, 2]}},
                             timeout={s: 240 for s in LORA})
+# QLoRA: the lora suite's adapters (r 16 on every linear layer) and LazyTrainer (product defaults) on a Llama-3-70B
+# shape in nf4 with double quantization (70.6 B parameters, 68.5 B of them 4-bit: ~35 GB packed weights and state,
+# the embedding and LM head in fp32 after prepare_model_for_kbit_training, 8.4 GB) under 24 GiB, at 32k tokens per
+# optimizer step (B 32, one micro-batch). warmup 5 as the lora suite (calibration on steps 3-5). timeout / row_s: the
+# GPU build of the base (not measured yet: 68.5 B parameters filled and quantized on the GPU, ~35 GB copied down),
+# pinning it, then 10 steps of 32k tokens; at the 800 tokens/s target a step is 41 s, so the row needs the whole of one
+# --budget-s 540 call: it starts only at the head of one (row_s 500) and is killed at 540 s. A row killed there
+# records nothing; --steps 3 (8 steps, the timed ones after the re-plan) fits 40 s steps.
+SUITES["qlora"] = dict(device="cuda", models=["llama3-70b"], caps=[24], seq_len=1024, steps=5, warmup=5,
+                       systems=list(QLORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=32768, lora=LORA_DEFAULTS,
+                       quantization=QLORA_QUANT, batch={24: {"lazytrain_qlora": [32]}},
+                       timeout={"lazytrain_qlora": 540}, row_s={24: 500})
+SUITES["qlora-smoke"] = dict(device="cpu", models=["llama-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
+                             systems=list(QLORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
+                             quantization=QLORA_QUANT, batch={None: {"lazytrain_qlora": [2]}},
+                             timeout={"lazytrain_qlora": 240})
 SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
                       batch={**SUITES["7b"]["batch"],
                              None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
@@ -331,6 +358,8 @@ def _spec(args: argparse.Namespace, suite: dict[str, Any], system: str, model: s
         spec["tokens_per_step"] = suite["tokens_per_step"]
     if system in LORA_BASE:
         spec["lora"] = dict(suite.get("lora", LORA_DEFAULTS))
+    if system in QLORA_SYSTEMS:
+        spec["quantization"] = dict(suite.get("quantization", QLORA_QUANT))
     if spec["configuration"] == HARNESS_SETTINGS:  # the LazyTrain knobs of the 7b / full suites
         spec.update(rows_per_pass=args.rows_per_pass, checkpoint_every=4, master_weights="kahan",
                     loss_chunk_tokens=2048, embedding_states=args.embedding_states,
@@ -658,7 +687,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
         if other:  # the same reason, for LazyTrain rows
             raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows with {key}={other}, not {flag}: "
                              "pass another --out, or the same setting to resume it")
-    systems = [s for s in (*ORDER, *LORA) if s in (args.systems or suite.get("systems") or ORDER)]
+    systems = [s for s in (*ORDER, *LORA, *QLORA) if s in (args.systems or suite.get("systems") or ORDER)]
     searched = []
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         if args.log_dir:

@@ -18,6 +18,11 @@ LoRA (PEFT adapters on a frozen base; the worker wraps the model with `peft.get_
                           budget only; optim lazytrain_hybrid8), bf16.
 - stock_trainer_lora:     stock_trainer + PEFT: everything on the GPU, activation checkpointing, adamw_torch_fused.
 - fsdp2_cpu_offload_lora: fsdp2_cpu_offload + PEFT, one batch size per process.
+
+QLoRA (the same adapters on a bitsandbytes 4-bit base, `QLORA_QUANT`; the worker builds the base quantized layer by
+layer, `common.quantized_random_model`, then `peft.prepare_model_for_kbit_training` and `get_peft_model`):
+
+- lazytrain_qlora:        lazytrain_lora's LazyTrainer (product defaults, bf16) over the 4-bit base.
 """
 
 from __future__ import annotations
@@ -40,15 +45,22 @@ SYSTEMS = ("stock_trainer", "stock_trainer_bnb8", "fsdp2_cpu_offload", "zero_off
            "lazytrain_milp")
 #: systems whose Trainer is rebuilt per batch size in a fresh process (the wrapped model cannot be re-prepared)
 ONE_BATCH_PER_PROCESS = ("fsdp2_cpu_offload", "zero_offload")
-#: LoRA system -> the system it runs with PEFT adapters on a frozen base (lazytrain_lora: with the product defaults)
+#: LoRA system -> the system it runs with PEFT adapters on a frozen base (lazytrain_lora: with the product defaults;
+#: lazytrain_qlora: the same on a 4-bit base)
 LORA_BASE = {"lazytrain_lora": "lazytrain_milp", "stock_trainer_lora": "stock_trainer",
-             "fsdp2_cpu_offload_lora": "fsdp2_cpu_offload"}
-LORA_SYSTEMS = tuple(LORA_BASE)
-SYSTEMS = (*SYSTEMS, *LORA_SYSTEMS)
+             "fsdp2_cpu_offload_lora": "fsdp2_cpu_offload", "lazytrain_qlora": "lazytrain_milp"}
+#: LoRA systems on a 4-bit base (bitsandbytes, `QLORA_QUANT`)
+QLORA_SYSTEMS = ("lazytrain_qlora",)
+LORA_SYSTEMS = tuple(s for s in LORA_BASE if s not in QLORA_SYSTEMS)
+SYSTEMS = (*SYSTEMS, *LORA_SYSTEMS, *QLORA_SYSTEMS)
 ONE_BATCH_PER_PROCESS = (*ONE_BATCH_PER_PROCESS, "fsdp2_cpu_offload_lora")
 #: the LoRA suites' adapters: `peft.LoraConfig(**LORA_DEFAULTS)` (rank 16 on every linear layer of the decoder)
 LORA_DEFAULTS: dict[str, Any] = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
                                      task_type="CAUSAL_LM")
+#: the QLoRA suites' base: `transformers.BitsAndBytesConfig(**QLORA_QUANT)` (nf4, double quantization, bf16 compute;
+#: the compute dtype by name, so a spec stays JSON)
+QLORA_QUANT: dict[str, Any] = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype="bfloat16")
 #: identical optimizer hyper-parameters for every system (AdamW; LazyTrain's Hybrid8 takes the same ones)
 HPARAMS: dict[str, Any] = dict(learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                                weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0)
@@ -72,6 +84,12 @@ def unsupported_reason(system: str, device: str, check_imports: bool = True) -> 
                 import peft  # noqa: F401
             except ImportError as e:
                 return f"PEFT not importable ({e}): pip install peft"
+            if system in QLORA_SYSTEMS:
+                try:
+                    import bitsandbytes  # noqa: F401
+                except Exception as e:  # ImportError, or a library of another CUDA version
+                    return (f"bitsandbytes not importable ({type(e).__name__}: {str(e)[:160]}): pip install "
+                            "bitsandbytes (its CPU backend runs 4-bit on the CPU)")
         return unsupported_reason(LORA_BASE[system], device, check_imports)
     if device == "cpu" and system == "fsdp2_cpu_offload":
         return ("accelerate turns FSDP on only for a CUDA process group (distributed type MULTI_GPU); a CPU-only "

@@ -23,6 +23,15 @@ backward's input gradients 2·N_layer·tokens and adapter weight gradients 2·N_
 tflops_6nd is null (6·N counts weight gradients a frozen base does not compute). LazyTrain LoRA rows also record
 extra.host_bytes_per_base_param = (peak RSS - the CPU activation tier's host buffers, executor.pinned_bytes
 ["activations"]) / base parameters.
+
+QLoRA systems (lazytrain_qlora) also take quantization (`transformers.BitsAndBytesConfig` fields, default
+systems.QLORA_QUANT): the base is built 4-bit module by module (`common.quantized_random_model`; on the GPU when
+device is cuda, every tensor ending on the CPU), then `peft.prepare_model_for_kbit_training(use_gradient_checkpointing
+=False)` (the embedding, norms and LM head to fp32) and `get_peft_model`. Their rows record extra.quantization (quant
+type, double quantization, compute dtype, block size, storage, where it was quantized) and extra.base_build (seconds,
+the process's peak RSS through the build, the built base's host bytes); parameter counts (params, base_params,
+layer_params, frozen, the FLOPs above) count a 4-bit weight by its original shape (`common.logical_numel`), not its
+packed bytes.
 """
 
 from __future__ import annotations
@@ -39,10 +48,12 @@ from typing import Any
 
 import torch
 
-from .common import GIB, fast_random_model, gsm8k_token_rows, percentiles, row
+from .common import GIB, fast_random_model, gsm8k_token_rows, logical_numel, percentiles, quantized_random_model, row
 from .systems import (
     LORA_BASE,
     ONE_BATCH_PER_PROCESS,
+    QLORA_QUANT,
+    QLORA_SYSTEMS,
     StepTimer,
     accumulation,
     build_args,
@@ -191,6 +202,38 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
     return fields
 
 
+def quantized_base(model: str, quantization: dict[str, Any], device: str) -> tuple[Any, dict[str, Any]]:
+    """The 4-bit base of a QLoRA row (`common.quantized_random_model`, quantized on `device`) and the row's
+    extra.quantization (what the built weights hold) and extra.base_build (seconds, the process's peak RSS through
+    the build, the base's host bytes: packed weights, their quantization state and the other parameters)."""
+    import resource
+
+    from lazytrain_hf.streaming.quant import is_4bit, quant_tensors
+
+    t0 = time.perf_counter()
+    base = quantized_random_model(model, quantization, device)
+    build_s = time.perf_counter() - t0
+    params = list({id(p): p for p in base.parameters()}.values())
+    four = [p for p in params if is_4bit(p)]
+    if not four:
+        raise RuntimeError(f"{model}: the quantized build holds no 4-bit weight")
+    qs = four[0].quant_state
+    host = sum(p.numel() * p.element_size() + sum(t.numel() * t.element_size() for _, t in quant_tensors(p))
+               for p in params)
+    extra = {"quantization": {"quant_type": qs.quant_type, "double_quant": bool(qs.nested),
+                              "compute_dtype": str(quantization.get("bnb_4bit_compute_dtype", "float32")),
+                              "blocksize": qs.blocksize, "nested_blocksize": qs.state2.blocksize if qs.nested else None,
+                              "quant_storage": str(four[0].dtype).removeprefix("torch."), "quantized_on": device,
+                              "four_bit_params": sum(logical_numel(p) for p in four),
+                              "prepare_model_for_kbit_training": True},
+             "base_build": {"build_s": round(build_s, 2), "base_host_gib": host / GIB,
+                            # ru_maxrss: KiB on Linux; the process's peak so far, i.e. through the build
+                            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}}
+    print(f"quantized base {model}: {build_s:.1f} s on {device}, {host / GIB:.2f} GiB on the host, peak RSS "
+          f"{extra['base_build']['peak_rss_gib']:.2f} GiB", file=sys.stderr, flush=True)
+    return base, extra
+
+
 def run(spec: dict[str, Any]) -> None:
     system, device = spec["system"], spec["device"]
     out = Path(spec["rows_out"])
@@ -206,22 +249,28 @@ def run(spec: dict[str, Any]) -> None:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
     t0 = time.perf_counter()
-    model = fast_random_model(spec["model"], torch.bfloat16)
+    quant_extra: dict[str, Any] = {}
+    if system in QLORA_SYSTEMS:
+        model, quant_extra = quantized_base(spec["model"], spec.get("quantization") or QLORA_QUANT, device)
+    else:
+        model = fast_random_model(spec["model"], torch.bfloat16)
     model.config.use_cache = False
     layers = model.model.layers
-    base_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    base_params = sum(logical_numel(p) for p in {id(p): p for p in model.parameters()}.values())
     if system in LORA_BASE:
         import peft
 
+        if system in QLORA_SYSTEMS:  # as the QLoRA tests and PEFT's QLoRA recipe: base frozen, the rest in fp32
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model = peft.get_peft_model(model, peft.LoraConfig(**spec["lora"]))
     unique = {id(p): p for p in model.parameters()}.values()
-    facts = {"params": sum(p.numel() for p in unique),
-             "layer_params": sum(p.numel() for p in layers.parameters()) / len(layers)}
+    facts = {"params": sum(logical_numel(p) for p in unique),
+             "layer_params": sum(logical_numel(p) for p in layers.parameters()) / len(layers)}
     if system in LORA_BASE:  # the counts of `lora_flops`
         head = model.get_output_embeddings()
         facts.update(base_params=base_params, trainable=sum(p.numel() for p in unique if p.requires_grad),
                      layer_trainable=sum(p.numel() for p in layers.parameters() if p.requires_grad) / len(layers),
-                     head_params=head.weight.numel(), head_trainable=int(head.weight.requires_grad))
+                     head_params=logical_numel(head.weight), head_trainable=int(head.weight.requires_grad))
         facts["frozen"] = facts["params"] - facts["trainable"]
     rows_needed = max(B * accumulation(spec, B) for B in spec["batch_sizes"]) * (spec["steps"] + spec["warmup"])
     ids = gsm8k_token_rows(spec["seq_len"], rows_needed, spec.get("data_dir"))
@@ -236,7 +285,7 @@ def run(spec: dict[str, Any]) -> None:
     trainer, build_extra, oom_at = None, {}, None
     for B in spec["batch_sizes"]:
         r = row(**base, params=facts["params"], batch_size=B, status="ok",
-                extra={"num_hidden_layers": model.config.num_hidden_layers})
+                extra={"num_hidden_layers": model.config.num_hidden_layers, **quant_extra})
         if os.environ.get("HARNESS_PROFILE_STEP"):  # one profiled step per row (it counts among the timed ones)
             timer.profile_step = int(os.environ["HARNESS_PROFILE_STEP"])
             timer.profile_path = (Path(os.environ.get("HARNESS_PROFILE_DIR", ".")) /
