@@ -32,6 +32,12 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0][:200] if str(e) else ""
 
 
+def times_are_this_runs(executor: Any) -> bool:
+    """Whether the plan's predicted times describe this run: on CUDA; on the CPU device the planner plans with a
+    GPU's figures (H200 defaults), so its stall and step times say nothing about the run and no hint is drawn."""
+    return executor.device.type == "cuda"
+
+
 class RunPlans:
     """The plans of one LazyTrainer run.
 
@@ -122,7 +128,7 @@ class RunPlans:
                     s.rows_per_pass or cfg.max_rows_per_pass or "all", s.resident,
                     f", predicted step {predicted:.1f} ms" if predicted else "")
         bound = plan.optimizer_bound_line(s.predicted, tr.args.per_device_train_batch_size,
-                                          tr.args.gradient_accumulation_steps)
+                                          tr.args.gradient_accumulation_steps) if times_are_this_runs(ex) else None
         if bound:
             logger.warning(bound)
         return s

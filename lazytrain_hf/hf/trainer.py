@@ -27,6 +27,7 @@ from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
 from ..streaming.packing import check_collator, prepare_batch
+from ..streaming.quant import logical_numel
 from . import checkpoint, peft_support, preflight, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
@@ -154,8 +155,8 @@ class LazyTrainerMixin(TRLHooks):
         self.run_deferred_ref_logps()  # hf/trl_hooks.py
         self.plans = RunPlans(self)
         params = {id(p): p for p in self.model.parameters()}.values()
-        self.meter = StepMeter(sum(p.numel() for p in params if p.requires_grad), device,
-                               frozen_params=sum(p.numel() for p in params if not p.requires_grad))
+        self.meter = StepMeter(sum(logical_numel(p) for p in params if p.requires_grad), device,
+                               frozen_params=sum(logical_numel(p) for p in params if not p.requires_grad))
         self.add_callback(LazyTrainCallback(self))
         self.add_callback(self.longrun)  # after the plan: its train-begin checks read it
 

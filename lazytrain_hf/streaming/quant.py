@@ -9,12 +9,13 @@ layer i into a slot copies layer i's state with its weights: a slot never comput
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["is_4bit", "quant_tensors", "set_quant_tensor", "quant_key", "keep_packing", "template_copy"]
+__all__ = ["is_4bit", "quant_tensors", "set_quant_tensor", "quant_key", "keep_packing", "template_copy", "logical_numel"]
 
 
 def is_4bit(p: torch.Tensor) -> bool:
@@ -104,3 +105,9 @@ def template_copy(layer: nn.Module) -> nn.Module:
             memo[id(p.quant_state)] = qs
             memo[id(p)] = new
     return copy.deepcopy(layer, memo)
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Elements of the weight `p` stands for: a 4-bit weight's original shape (its packed data holds two per byte),
+    else `p.numel()`."""
+    return math.prod(p.quant_state.shape) if is_4bit(p) else p.numel()

@@ -73,9 +73,13 @@ def test_one_short_plan_line_names_what_bounds_the_step():
 
 def test_the_trainer_logs_one_line_per_bucket_and_the_optimizer_bound_fix(tmp_path, monkeypatch, caplog):
     """A CPU optimizer far slower than the compute: the plans are optimizer-bound and the run says so once, with the
-    accumulation that the plan's own figures say hides the update; every INFO line of the planner is short."""
+    accumulation that the plan's own figures say hides the update; every INFO line of the planner is short. (On the
+    CPU device the figures are a GPU's, so the hint needs a run whose times are its own: emulated here.)"""
+    from lazytrain_hf.hf import plans
+
     slow = dataclasses.replace(plan.H200_DEFAULTS, cpu_optim_params_per_s=2e6)
     monkeypatch.setattr(plan, "H200_DEFAULTS", slow)
+    monkeypatch.setattr(plans, "times_are_this_runs", lambda ex: True)
     model = load_model("qwen3-tiny", "float32", seed=3)
     args = LazyTrainingArguments(**_common(tmp_path, "slow", max_steps=1, per_device_train_batch_size=4,
                                            gradient_accumulation_steps=1),
@@ -94,3 +98,18 @@ def test_the_trainer_logs_one_line_per_bucket_and_the_optimizer_bound_fix(tmp_pa
     assert len(bound) == 1 and all(r.levelno == logging.WARNING for r in records if "optimizer-bound" in r.getMessage())
     _, k = plan.optimizer_bound(t.plans.current.predicted, 1)
     assert f"gradient_accumulation_steps={k} (now 1)" in bound[0], bound
+
+
+def test_no_optimizer_bound_hint_from_a_gpus_figures_on_the_cpu_device(tmp_path, caplog):
+    """On the CPU device the plan is made with H200 figures: the hint would be about another machine."""
+    slow = dataclasses.replace(plan.H200_DEFAULTS, cpu_optim_params_per_s=2e6)
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    args = LazyTrainingArguments(**_common(tmp_path, "cpu", max_steps=1, per_device_train_batch_size=4),
+                                 lazytrain_config={**EXACT, "policy": "milp"})
+    t = LazyTrainer(model=model, args=args, train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
+    import unittest.mock
+
+    with unittest.mock.patch.object(plan, "H200_DEFAULTS", slow), caplog.at_level(logging.INFO, logger="lazytrain_hf"):
+        t.train()
+    assert plan.optimizer_bound(t.plans.current.predicted, 1) is not None  # the figures are optimizer-bound
+    assert not [r for r in caplog.records if "optimizer-bound" in r.getMessage()]

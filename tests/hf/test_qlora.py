@@ -145,6 +145,11 @@ def test_cost_model_counts_the_4bit_bytes(tmp_path):
                                                                lazytrain_config=dict(EXACT)),
                        train_dataset=tiny_dataset(model.config.vocab_size), data_collator=_collate)
     costs = frozen_costs(lazy.executor)
+    # the logged TFLOPS count a 4-bit weight by its original shape (the packed data holds 2 per byte)
+    logical = {n: math.prod(p.quant_state.shape) if type(p).__name__ == "Params4bit" else p.numel()
+               for n, p in model.named_parameters() if not p.requires_grad}
+    assert lazy.meter.frozen_params == sum(logical.values()) > sum(p.numel() for p in model.parameters()
+                                                                   if not p.requires_grad)
     for layer, (q, b) in zip(lazy.executor.layers, costs["quantized"], strict=True):
         four = _four_bit(layer)
         assert q == sum(math.prod(p.quant_state.shape) for _, p in four) == 2 * sum(p.numel() for _, p in four)
