@@ -129,7 +129,7 @@ def _field_var(group: str, f: dataclasses.Field) -> EnvVar:
 
         accepted = "true or false (also 1 / 0, yes / no, on / off)"
     elif f.name in SIZE_FIELDS:
-        parse, accepted = parse_bytes, "a size such as '24GiB', '80GB' or a byte count"
+        parse, accepted = parse_bytes, "a size with its unit, such as '24GiB', '80GB' or '4096B'"
     elif hint.startswith("int"):
         parse, accepted = int, "an integer"
     elif hint == "float":

@@ -205,3 +205,15 @@ def test_a_saved_schedule_loads_through_either_spelling(tmp_path):
 def test_committed_docs_equal_the_rendered_tables():
     assert DOC.read_text() == render_markdown(), "regenerate: python -m lazytrain_hf.config > " + str(DOC)
 
+
+
+def test_a_size_string_needs_its_unit_in_python_and_the_environment_too(monkeypatch):
+    """A number is a byte count (tiny models' budgets are small); a string is what a person typed or an environment
+    variable holds, so "24" is refused with the fix instead of planning for 24 bytes."""
+    assert LazyTrainConfig(gpu_memory_budget=24 << 30).gpu_memory_budget == 24 << 30
+    assert LazyTrainConfig(gpu_memory_budget="24B").gpu_memory_budget == 24
+    with pytest.raises(ValueError, match=r"'24' has no unit \(it would be 24 bytes\); give one, e.g. '24GiB'"):
+        LazyTrainConfig(gpu_memory_budget="24")
+    monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_BUDGET", "24")
+    with pytest.raises(ValueError, match="LAZYTRAIN_GPU_MEMORY_BUDGET must be a size with its unit"):
+        LazyTrainConfig()
