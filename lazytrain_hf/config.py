@@ -253,7 +253,8 @@ class PlanningConfig(_Group):
 @_records_given
 @dataclass
 class MemoryConfig(_Group):
-    """The memory budgets the plan must fit (sizes take a unit, e.g. "24GiB" or "80GB", or are a byte count given as a number)."""
+    """The memory budgets the plan must fit (sizes take a unit, e.g. "24GiB" or "80GB", or are a byte count given
+    as a number)."""
 
     GROUP: ClassVar[str] = "memory"
 
@@ -621,7 +622,8 @@ def render_markdown() -> str:
         "`LazyTrainConfig(planning={\"policy\": \"milp\"})` or `LazyTrainConfig(planning=PlanningConfig(policy=\"milp\"))`.",
         "A key you give is used as given; a key not given is read from `LAZYTRAIN_<KEY>` (the key's flat name in upper",
         "case) when that variable is set ([environment.md](environment.md)), else takes its default. All problems are",
-        "reported together in one error. Sizes take a unit (`\"24GiB\"`, `\"80GB\"`) or are a byte count given as a number (a string without a unit is refused).", "",
+        "reported together in one error. Sizes take a unit (`\"24GiB\"`, `\"80GB\"`) or are a byte count given as a "
+        "number (a string without a unit is refused).", "",
         "```yaml", "lazytrain:", "  planning:", "    policy: milp", "  memory:", "    gpu_memory_budget: 24GiB",
         "```", ""]
     for g, cls in GROUPS.items():
