@@ -98,6 +98,7 @@ def train(args: argparse.Namespace) -> int:
             raise ValueError(f"--resume last: no complete checkpoint-N/ in {targs.output_dir!r} (every one there is "
                              "incomplete: see the warnings); drop --resume to start a new run")
     if resume:
+        _check_resume_has_steps_left(Path(resume), targs.max_steps)
         logger.info("resuming from %s", resume)
     t0 = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume)
@@ -163,6 +164,24 @@ def merged_model(trainer: Any, model: Any) -> Any:
     if ex is not None:
         ex.close()
     return model.to("cpu").merge_and_unload()
+
+
+def _check_resume_has_steps_left(checkpoint: Path, max_steps: int) -> None:
+    """Refuse to resume a run that already reached `max_steps`: the Trainer would train no step and this command
+    would overwrite final/ and metrics.json with an empty run's.
+
+    Raises:
+        ValueError: the checkpoint's global_step is >= max_steps (> 0), naming the step and the fix.
+    """
+    state = checkpoint / "trainer_state.json"
+    if max_steps <= 0 or not state.is_file():
+        return
+    step = int(json.loads(state.read_text()).get("global_step", 0))
+    if step >= max_steps:
+        raise ValueError(f"--resume {checkpoint}: that run already reached step {step} of training.max_steps="
+                         f"{max_steps}; nothing is left to train (final/ and metrics.json are kept as they are). "
+                         f"Continue it with --set training.max_steps={step + max(1, max_steps // 2)} (any value above "
+                         f"{step}), or drop --resume to start a new run")
 
 
 def _preflight(recipe: Any, resume: str | None) -> None:

@@ -198,3 +198,13 @@ def test_sigterm_exits_143_with_a_checkpoint_and_resume_last_continues_exactly(t
            if "loss" in h and h["step"] > 2}
     assert sorted(got) == [3, 4]
     assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-6)
+    # resuming a run that already reached max_steps is refused before it overwrites what that run wrote
+    done = out / "checkpoint-done"
+    done.mkdir()
+    (done / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    before = (out / "metrics.json").read_bytes()
+    capsys.readouterr()
+    assert cli.main([*common, "--set", f"training.output_dir={out}", "--resume", str(done)]) == 2
+    err = capsys.readouterr().err
+    assert "already reached step 4 of training.max_steps=4" in err and "--set training.max_steps=" in err, err
+    assert (out / "metrics.json").read_bytes() == before
