@@ -39,8 +39,8 @@ _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4
 
 def parse_bytes(value: int | float | str | None) -> int | None:
     """Parse a memory size such as ``"24GiB"``, ``"80 GB"`` or ``25769803776`` into bytes. A number is a byte
-    count; a string needs its unit ("24" from an environment variable or a text field would be 24 bytes, surely not
-    meant: "24B" says bytes).
+    count; a string other than "0" needs its unit ("24" from an environment variable or a text field would be 24
+    bytes, surely not meant: "24B" says bytes).
 
     Raises:
         ValueError: the string is not a number followed by one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
@@ -52,7 +52,7 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     if isinstance(value, (int, float)):
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if m and not m.group(2):
+    if m and not m.group(2) and float(m.group(1)) > 0:  # "0" is 0 in any unit
         raise ValueError(f"{value!r} has no unit (it would be {m.group(1)} bytes); give one, e.g. '{m.group(1)}GiB' "
                          f"(or '{m.group(1)}B' for bytes)")
     if not m or m.group(2).lower() not in _UNITS:

@@ -212,6 +212,7 @@ def test_a_size_string_needs_its_unit_in_python_and_the_environment_too(monkeypa
     variable holds, so "24" is refused with the fix instead of planning for 24 bytes."""
     assert LazyTrainConfig(gpu_memory_budget=24 << 30).gpu_memory_budget == 24 << 30
     assert LazyTrainConfig(gpu_memory_budget="24B").gpu_memory_budget == 24
+    assert LazyTrainConfig(prepared_states_budget="0").prepared_states_budget == 0  # 0 in any unit
     with pytest.raises(ValueError, match=r"'24' has no unit \(it would be 24 bytes\); give one, e.g. '24GiB'"):
         LazyTrainConfig(gpu_memory_budget="24")
     monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_BUDGET", "24")
