@@ -269,11 +269,15 @@ def test_plan_host_budget_is_shared_by_local_ranks(monkeypatch) -> None:
     from types import SimpleNamespace
 
     from lazytrain_hf.config import LazyTrainConfig
+    from lazytrain_hf.hf import plan
     from lazytrain_hf.hf.plan import machine_budgets
     from lazytrain_hf.planning.request import resolve_budgets
+    from lazytrain_hf.profiling.limits import Limit
 
     trainer = SimpleNamespace(lazy_config=LazyTrainConfig(device="cpu"),
                               executor=SimpleNamespace(device=torch.device("cpu")))
+    # a fixed limit: the live one (available memory) moves between two reads on a busy host
+    monkeypatch.setattr(plan, "host_memory_limit", lambda: Limit(24 << 30, "test"))
 
     def host_bytes() -> int:
         return resolve_budgets(None, None, None, nvme=False, margin=0.0, **machine_budgets(trainer)[1]).host_bytes
