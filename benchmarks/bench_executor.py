@@ -22,6 +22,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -364,7 +365,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         run_lazytrain(args, args.system.split("_", 1)[1])
     if args.world > 1:
+        dist.barrier()  # every rank is past its last collective before the group goes
         dist.destroy_process_group()
+        # skip interpreter teardown: under torchrun both gloo ranks once died of SIGABRT after the results were
+        # written (the CPU update worker and gloo's destructors at exit), which fails the launch
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
