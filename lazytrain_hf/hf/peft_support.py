@@ -74,20 +74,11 @@ def clip_resident(executor: StreamingExecutor, max_norm: float, norm: torch.Tens
 
 
 def frozen_costs(executor: StreamingExecutor) -> dict[str, Any]:
-    """`analytic_cost_model`'s frozen-part arguments for what `executor` runs: which layers are streamed read-only,
-    how many trainable parameters those layers keep resident (LoRA adapters), whether the embedding / LM head
-    are frozen (weights only), and, with a 4-bit base, each layer's 4-bit parameters and their streamed bytes."""
-    store = getattr(executor, "store", None)  # (a stand-in executor of planning code: every layer trains)
-    if store is None:
+    """`analytic_cost_model`'s frozen-part arguments for what `executor` runs (`model_frozen_costs` of its model:
+    the executor streams the model's own parameters, so the layout is the same before and after it is built)."""
+    if getattr(executor, "store", None) is None:  # a stand-in executor of planning code: every layer trains
         return {}
-    adapters = {id(p): p.numel() for b in store.buffers for _, p in b.resident}
-    parts = executor.resident
-    out = {"frozen": list(executor.frozen), "adapter_params": sum(adapters.values()),
-           "frozen_embed": not parts.embed.weight.requires_grad, "frozen_head": not parts.head.weight.requires_grad}
-    quantized = [_quantized(layer, b) for layer, b in zip(executor.layers, store.buffers)]
-    if any(q for q, _ in quantized):
-        out["quantized"] = quantized
-    return out
+    return model_frozen_costs(executor.model)
 
 
 def model_frozen_costs(model: torch.nn.Module) -> dict[str, Any]:
@@ -112,17 +103,6 @@ def model_frozen_costs(model: torch.nn.Module) -> dict[str, Any]:
     if any(q for q, _ in quantized):
         out["quantized"] = quantized
     return out
-
-
-def _quantized(layer: torch.nn.Module, buffers: Any) -> tuple[int, int]:
-    """(parameters of `layer` held as 4-bit weights, their host bytes: packed data + quantization state)."""
-    names = {s.name for s in buffers.quant}
-    if not names:
-        return 0, 0
-    params = dict(layer.named_parameters())
-    logical = sum(math.prod(params[n].quant_state.shape) for n in names)
-    nbytes = sum(s.numel * s.dtype.itemsize for s in buffers.specs + buffers.quant if s.name in names)
-    return logical, nbytes
 
 
 def frozen_layout(executor: StreamingExecutor) -> dict[str, Any] | None:
