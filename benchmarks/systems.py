@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -137,6 +138,7 @@ class StepTimer(TrainerCallback):
         self.alloc_counts: list[tuple[int, int, int]] = []
         self._h2d0 = 0
         self.update_ms: dict[str, list[float | None]] = {k: [] for k in UPDATE_COUNTERS}  # one entry per step
+        self.op_ms: list[dict[str, list[float]]] = []  # per step: the last micro-batch's GPU time per op and layer
         self.rss_peak = 0
         self.skipped = 0  # optimizer steps skipped for a non-finite gradient norm (Hybrid8's `last_step_skipped`)
         self.rows: list[int] = []  # batch rows embedded per optimizer step (needs watch())
@@ -214,6 +216,7 @@ class StepTimer(TrainerCallback):
                 self.h2d_weight_bytes.append(ex.streamer.h2d_bytes - self._h2d0)
             for key, vals in self.update_ms.items():  # deferred CPU updates: blocked time, worker time, ...
                 vals.append(ex.stats.extra.get(key))  # None when absent (no update ran yet), not a zero
+            self.op_ms.append(ex.stats.op_ms)
 
     def _write_profile(self) -> None:
         """Stop the profiler; write its per-name table (by device time on CUDA, CPU time otherwise) with the step's
@@ -452,6 +455,38 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
             "cpu_update_params": x.get("cpu_update_params"), "prepared_update_ms": x.get("cpu_update_prepared_ms"),
             "prepared_update_params": x.get("cpu_update_prepared_params")}
     return row, extra
+
+
+def op_times(op_ms: list[dict[str, list[float]]], kinds: list[str], step_s: list[float],
+             planned: dict[str, dict[str, float]] | None) -> dict[str, Any] | None:
+    """The timed steps' GPU time per executor op and layer kind (median ms over the steps, from
+    `StepStats.op_ms`), with the train-begin plan's figure for each (`planning.estimate.op_times`) and their ratio;
+    busy_ms = their sum, idle_ms = the step's wall time minus it (waits, launch gaps, the optimizer step, the
+    embedding). None when no step was timed per op (not an instrumented CUDA run)."""
+    steps = [(m, t) for m, t in zip(op_ms, step_s) if m]
+    if not steps:
+        return None
+    per_step: list[dict[str, float]] = []
+    for m, _ in steps:
+        agg: dict[str, float] = {}
+        for op, per_layer in m.items():
+            for i, ms in enumerate(per_layer):
+                key = f"{op} {'all' if op == 'head' else kinds[i]}"
+                agg[key] = agg.get(key, 0.0) + ms
+        per_step.append(agg)
+    out: dict[str, Any] = {}
+    for key in per_step[0]:
+        med = statistics.median([a.get(key, 0.0) for a in per_step])
+        op, kind = key.split(" ", 1)
+        plan = (planned or {}).get(op, {}).get(kind)
+        if med <= 0 and not plan:
+            continue
+        out[key] = {"measured_ms": round(med, 2), "planned_ms": None if plan is None else round(plan, 2),
+                    "ratio": round(med / plan, 4) if plan else None}
+    busy = [sum(a.values()) for a in per_step]
+    out["busy_ms"] = round(statistics.median(busy), 1)
+    out["idle_ms"] = round(statistics.median([t * 1e3 - b for (_, t), b in zip(steps, busy)]), 1)
+    return out
 
 
 def executed_flops(config: Any, n_params: int, tokens: int, seq_len: int, fwd_passes_per_layer: float,

@@ -61,6 +61,7 @@ from .systems import (
     executed_flops,
     lazytrain_metrics,
     lora_flops,
+    op_times,
     unsupported_reason,
 )
 
@@ -105,7 +106,9 @@ def fmt_row(r: dict[str, Any]) -> str:
             + (f" pred {r['predicted_step_s']:.3f}s" if r.get("predicted_step_s") else "")
             + (f" cpu_upd {r['extra']['cpu_update_ms']:.0f}ms wait {r['extra'].get('optimizer_wait_ms', 0):.0f}ms"
                f" (GPU idle {r['extra'].get('exposed_update_wait_ms', 0):.0f}ms)"
-               if "cpu_update_ms" in r.get("extra", {}) else ""))
+               if "cpu_update_ms" in r.get("extra", {}) else "")
+            + (f" ops busy {extra['gpu_op_ms']['busy_ms']:.0f}ms idle {extra['gpu_op_ms']['idle_ms']:.0f}ms"
+               if extra.get("gpu_op_ms") else ""))
 
 
 def recoveries(timer: StepTimer, warm: int) -> dict[str, int]:
@@ -182,6 +185,16 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         extra.update({k: statistics.median(v) for k, v in timed.items() if v})
         fwd = (L + (L - lt_extra["retained"]) + lt_extra["recomputed_layers"]) / L
         extra["optimizer_note"] = "exposed part only: streamed layers' updates overlap the next forward"
+        sched = trainer.executor.schedule
+        planned = sched.solver.get("op_ms")  # the running plan's, at the profiled costs (before its compute scale)
+        scale = sched.solver.get("compute_scale") or 1.0
+        if planned:
+            planned = {op: {k: v / scale for k, v in by_kind.items()} for op, by_kind in planned.items()}
+        kinds = ["linear_attention" if t == "linear_attention" else "full_attention"  # the cost model's kinds
+                 for t in (getattr(model_config, "layer_types", None) or ["full_attention"] * L)[:L]]
+        ops = op_times(timer.op_ms[warm:], kinds, timer.step_s[warm:], planned)
+        if ops is not None:
+            extra["gpu_op_ms"] = ops
     else:
         fwd = 2.0  # forward + recompute in backward (checkpointing every layer)
     if lora:

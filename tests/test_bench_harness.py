@@ -639,3 +639,24 @@ def test_lora_suite_measures_the_stock_runs_searched_largest_batch(tmp_path, mon
                         ("stock_trainer_lora", None, fits)]
     assert res.get(("stock_trainer_lora", run.SUITES["lora"]["models"][0], None, fits))["status"] == "ok"
     assert all(r["system"] != "lazytrain_lora" or r["gpu_cap_gib"] == 24 for r in res.doc["rows"])
+
+
+def test_op_times_set_measured_gpu_ops_against_the_plan_per_layer_kind():
+    """benchmarks.systems.op_times: medians over the steps per (op, layer kind), the plan's figure and their ratio,
+    the busy sum and the idle rest of each step's wall time; None when no step was timed per op."""
+    from benchmarks.systems import op_times
+
+    kinds = ["linear_attention", "full_attention"]
+    steps = [{"fwd": [2.0, 1.0], "recompute": [0.0, 0.0], "bwd": [6.0, 3.0], "head": [1.0]},
+             {"fwd": [4.0, 1.0], "recompute": [0.0, 0.0], "bwd": [6.0, 5.0], "head": [1.0]},
+             {"fwd": [3.0, 1.0], "recompute": [0.0, 0.0], "bwd": [6.0, 4.0], "head": [1.0]}]
+    planned = {"fwd": {"linear_attention": 2.0, "full_attention": 1.0}, "recompute": {},
+               "bwd": {"linear_attention": 5.0, "full_attention": 4.0}, "head": {"all": 2.0}}
+    out = op_times(steps, kinds, [0.020, 0.025, 0.030], planned)
+    assert out["fwd linear_attention"] == {"measured_ms": 3.0, "planned_ms": 2.0, "ratio": 1.5}
+    assert out["bwd full_attention"]["measured_ms"] == 4.0 and out["bwd full_attention"]["ratio"] == 1.0
+    assert out["head all"]["ratio"] == 0.5
+    assert not any(k.startswith("recompute") for k in out)  # neither ran nor planned
+    assert out["busy_ms"] == 15.0  # per-step sums 13, 17, 15
+    assert out["idle_ms"] == 8.0  # 20-13, 25-17, 30-15
+    assert op_times([{}, {}], kinds, [1.0, 1.0], planned) is None

@@ -10,6 +10,7 @@ import torch
 
 from ..config import GIB
 from ..planning.buckets import BucketSchedules
+from ..planning.estimate import op_times
 from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
 from ..planning.planner import make_schedule, rows_options, search_plans
 from ..planning.request import PlanRequest, resolve_request, same_tokens_batch
@@ -18,6 +19,7 @@ from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
 from ..profiling.limits import disk_free, host_memory_limit
+from ..streaming.layer_calls import plan_ops
 from . import peft_support, preflight
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
@@ -262,6 +264,7 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
                                                                 rows_per_pass=rows) from None
     schedule.resident, schedule.rows_per_pass = resident, rows
     schedule.solver.update(seq_len_bucket=T, layer_costs=layer_costs, compute_scale=compute_scale,
+                           op_ms=op_times(cm, schedule, plan_ops(schedule)),
                            gpu_budget_bytes=int(cm.gpu_bytes),
                            cpu_optim_params_per_s=cm.cpu_optim_params_per_s,
                            fingerprint_inputs=input_hashes(inputs))

@@ -48,7 +48,7 @@ from .cost_model import CostModel
 from .schedule import Schedule
 
 __all__ = ["Lin", "UnitTerms", "MemoryTerms", "PlanEstimate", "unit_terms", "memory_terms", "decision_values",
-           "evaluate", "peak_bytes", "recompute_flags", "layer_units", "workspace_slack_ms"]
+           "evaluate", "peak_bytes", "recompute_flags", "layer_units", "workspace_slack_ms", "op_times"]
 
 Key = tuple[str, int]
 
@@ -450,6 +450,22 @@ def evaluate(cm: CostModel, schedule: Schedule, *, units: list[UnitTerms] | None
     peak, _ = peak_bytes(mem, vals, cm.num_layers)
     return PlanEstimate(step, compute, recompute, gopt, exposed_opt, exposed_transfer, peak,
                         mem.host.value(vals), mem.nvme.value(vals), times)
+
+
+def op_times(cm: CostModel, schedule: Schedule, ops: list[tuple[str, int]]) -> dict[str, dict[str, float]]:
+    """The compute the plan prices per executor op and layer kind (ms per micro-batch), to set against the GPU time
+    the executor measures per op (streaming/stats.py `OpTimer`): {"fwd" | "recompute" | "bwd": {kind: ms}, "head":
+    {"all": ms}}. `ops`: the step's op list (streaming/layer_calls.py `plan_ops`). A non-retained layer's "bwd"
+    holds its re-forward with grad; "head" includes the embedding, which the executor's head op does not."""
+    out: dict[str, dict[str, float]] = {"fwd": {}, "recompute": {}, "bwd": {}}
+    for op, i in ops:
+        if op == "load":
+            continue
+        ms = cm.fwd_ms[i] if op != "bwd" else cm.bwd_ms[i] + (0.0 if schedule.layers[i].retain else cm.fwd_ms[i])
+        kind = cm.layer_kind[i]
+        out[op][kind] = out[op].get(kind, 0.0) + ms
+    out["head"] = {"all": cm.head_ms}
+    return out
 
 
 def peak_bytes(mem: MemoryTerms, vals: Mapping[Key, float], num_layers: int) -> tuple[float, str]:

@@ -66,7 +66,7 @@ from .packing import check_packed
 from .resident import ResidentParts, initial_placement
 from .rng import LayerRng
 from .shard import ShardedUpdates
-from .stats import UPDATE_COUNTERS, StepStats, step_extra
+from .stats import UPDATE_COUNTERS, OpTimer, StepStats, step_extra
 from .tiers import ActivationStash
 from .updates import LayerUpdater
 from .weights import Slot, WeightStreamer
@@ -620,11 +620,13 @@ class StreamingExecutor:
         inputs: dict[int, torch.Tensor] = {}
         g: torch.Tensor | None = None
         recomputed = 0
+        timer = OpTimer(self.device, self.streamer.instrument, self.num_layers)
         for op, i in self._ops:
             if op == "fwd":
                 if lay[i].checkpoint:
                     self.stash.put(i, h, lay[i].tier)
                 slot = self.streamer.acquire(i)
+                timer.start(op, i)
                 if lay[i].retain:
                     parts = self._forward_retained(slot, h, calls[i], i)
                     retained[i] = (parts, slot)
@@ -632,10 +634,13 @@ class StreamingExecutor:
                 else:
                     with torch.no_grad():
                         h = self._forward(slot, h, calls[i], i)
+                timer.stop()
                 self.streamer.release(slot)
                 if i == self.num_layers - 1:
                     self.device_updater.release_staging()  # every GPU-side update ran at its layer's forward load
+                    timer.start("head", -1)
                     g = yield h  # the caller's head: dL/dh
+                    timer.stop()
                     del h
             elif op == "load":
                 inputs = {i: self.stash.get(i)}
@@ -644,8 +649,10 @@ class StreamingExecutor:
                         inputs[j + 1] = retained_output(retained[j][0])
             elif op == "recompute":
                 slot = self.streamer.acquire(i)
+                timer.start(op, i)
                 with torch.no_grad():
                     inputs[i + 1] = self._forward(slot, inputs[i], calls[i], i)
+                timer.stop()
                 self.streamer.release(slot)
                 recomputed += 1
             else:  # "bwd"
@@ -656,6 +663,7 @@ class StreamingExecutor:
                     parts, grad_slot = retained.pop(i)
                     if not self.frozen[i]:
                         self.grads.prepare(grad_slot)
+                    timer.start(op, i)
                     self._unpack_slot = slot
                     gx = torch.empty_like(g) if len(parts) > 1 else None
                     for x, y, (a, b) in parts:
@@ -671,7 +679,9 @@ class StreamingExecutor:
                     grad_slot = slot
                     if not self.frozen[i]:
                         self.grads.prepare(grad_slot)
+                    timer.start(op, i)
                     g = self._backward(slot, inputs.pop(i), g, calls[i], i)
+                timer.stop()
                 if not self.frozen[i]:  # a frozen layer's adapter gradients went to the resident parameters' .grad
                     self.grads.push(grad_slot, i)
                 self.streamer.release(slot)
@@ -684,7 +694,7 @@ class StreamingExecutor:
         self.grads.flush()
         self.stash.clear()
         extra = step_extra(self.updater, self.streamer, self.grads, self._update_stalls, self.device, h2d0)
-        self.stats = StepStats(
+        self.stats = StepStats(op_ms=timer.totals(),
             tokens=int(input_ids.numel()), h2d_weight_bytes=self.streamer.h2d_bytes - h2d0,
             d2h_grad_bytes=self.grads.d2h_bytes - d2h0, act_d2h_bytes=self.stash.d2h_bytes, act_h2d_bytes=self.stash.h2d_bytes,
             weight_loads=self.streamer.loads - loads0, recomputed_layers=recomputed,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepStats", "UPDATE_COUNTERS", "step_extra"]
+__all__ = ["OpTimer", "StepStats", "UPDATE_COUNTERS", "step_extra"]
 
 #: `StepStats.extra` keys about the deferred CPU updates (ms, ms, count, ms): the training thread's wait on them, the
 #: worker's wall time for the previous step's updates and their parameters, the GPU idle time during the waits (the
@@ -30,6 +30,50 @@ class StepStats:
     recomputed_layers: int = 0
     seconds: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    #: instrumented CUDA runs: GPU time of each op on the compute stream (ms), `OpTimer.totals`; empty otherwise
+    op_ms: dict[str, list[float]] = field(default_factory=dict)
+
+
+class OpTimer:
+    """GPU time of each executor op of a micro-batch on the compute stream (CUDA events; a no-op unless `on` and
+    CUDA). An op is timed from when the stream reaches it, after its waits on weight loads and gradient buffers, to
+    its end: the sum over ops is the stream's busy time for the layers and the head, set against the plan's
+    per-layer forward / backward times (benchmarks/systems.py `op_times`) to tell a profile that is off from
+    idle gaps between the ops."""
+
+    OPS = ("fwd", "recompute", "bwd", "head")
+
+    def __init__(self, device: torch.device, on: bool, num_layers: int) -> None:
+        self.on = bool(on) and device.type == "cuda"
+        self.num_layers = num_layers
+        self._events: list[tuple[str, int, Any, Any]] = []
+        self._open: tuple[str, int, Any] | None = None
+
+    def start(self, op: str, layer: int) -> None:
+        if self.on:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self._open = (op, layer, e)
+
+    def stop(self) -> None:
+        if self.on and self._open is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            op, layer, s = self._open
+            self._events.append((op, layer, s, e))
+            self._open = None
+
+    def totals(self) -> dict[str, list[float]]:
+        """{op: ms per layer} for fwd / recompute / bwd (summed over a layer's runs), {"head": [ms]}; empty when
+        off. Call after the stream reached the last op (the instrumented step end synchronizes)."""
+        if not self.on:
+            return {}
+        out = {op: [0.0] * self.num_layers for op in self.OPS[:3]}
+        out["head"] = [0.0]
+        for op, layer, s, e in self._events:
+            out[op][max(layer, 0)] += s.elapsed_time(e)
+        self._events.clear()
+        return out
 
 
 def step_extra(up: Any, streamer: Any, grads: Any, update_stalls: list, device: torch.device,

@@ -3,6 +3,7 @@ recompute rule, memory accounting, and agreement with the linear model on varied
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -114,3 +115,26 @@ def test_kept_gradients_skip_pcie_and_hold_gpu_memory_to_the_next_update():
 def test_mismatched_layer_count_is_an_error(cm4):
     with pytest.raises(ValueError, match="layers"):
         simulate(cm4, Schedule("t", [LayerPlan(True)] * 3))
+
+
+def test_op_times_sum_to_the_estimates_compute():
+    """`op_times` prices the executor's own op list; its total is the linear model's compute + re-forwards for any
+    schedule, so the per-op figures a benchmark sets against the GPU's measured op times add up to the plan."""
+    from lazytrain_hf.planning.estimate import op_times
+
+    plan_ops = pytest.importorskip("lazytrain_hf.streaming.executor").plan_ops
+    rng = random.Random(5)
+    kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2
+    cm = CostModel.uniform(8, fwd_ms=3.0, bwd_ms=7.0, param_bytes=P, act_bytes=GIB // 8, saved_bytes=GIB // 2,
+                           head_ms=11.0, gpu_bytes=64 * GIB, pinned_host_bytes=64 * GIB)
+    cm = dataclasses.replace(cm, layer_kind=kinds, fwd_ms=[3.0 + i for i in range(8)],
+                             bwd_ms=[7.0 + 2 * i for i in range(8)])
+    for _ in range(30):
+        s = Schedule("t", [LayerPlan(i == 0 or rng.random() < 0.4, "gpu", rng.random() < 0.3) for i in range(8)])
+        ops = op_times(cm, s, plan_ops(s))
+        est = evaluate(cm, s)
+        total = sum(v for by_kind in ops.values() for v in by_kind.values())
+        assert total == pytest.approx(est.compute_ms + est.recompute_ms, rel=1e-9)
+        assert set(ops["fwd"]) == set(kinds)
+        assert ops["fwd"]["full_attention"] == pytest.approx(cm.fwd_ms[3] + cm.fwd_ms[7])
+        assert ops["head"] == {"all": 11.0}

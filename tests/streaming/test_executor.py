@@ -596,3 +596,27 @@ def test_loading_optimizer_states_applies_pending_updates_first():
         weights[load] = _final_weights(ex, model)
     for name, w in weights[False].items():
         assert torch.equal(weights[True][name], w), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_instrumented_steps_time_every_op_on_the_gpu(device):
+    """`StepStats.op_ms` (streaming/stats.py OpTimer): on an instrumented CUDA run, GPU time per op and layer for
+    exactly the ops the plan runs (every layer's forward and backward, the re-forwards of `plan_ops`, the head),
+    summing to less than the step's wall time; off the GPU it stays empty."""
+    model = load_model("qwen3-tiny", "float32", seed=2)
+    L = model.config.num_hidden_layers
+    sched = Schedule("t", [LayerPlan(i % 3 == 0, "gpu", i == L - 1) for i in range(L)])
+    ex = StreamingExecutor(model, LazyTrainConfig(), device, sched)
+    ex.instrument()
+    ids, mask, labels = random_batch(model.config.vocab_size)
+    ex.forward_backward(ids, labels, mask)
+    if device == "cpu":
+        assert ex.stats.op_ms == {}
+        return
+    m = ex.stats.op_ms
+    assert set(m) == {"fwd", "recompute", "bwd", "head"}
+    assert all(t > 0 for t in m["fwd"] + m["bwd"] + m["head"])
+    rebuilt = {i for op, i in plan_ops(sched) if op == "recompute"}
+    assert rebuilt and {i for i, t in enumerate(m["recompute"]) if t > 0} == rebuilt
+    assert sum(sum(v) for v in m.values()) < ex.stats.seconds * 1e3
+    ex.close()
