@@ -186,13 +186,13 @@ def _check_resume_has_steps_left(checkpoint: Path, max_steps: int) -> None:
 
 def _preflight(recipe: Any, resume: str | None) -> None:
     """The recipe's inputs that can be checked without torch / transformers / datasets, all problems at once:
-    the model name (registry name, local directory, or a Hub id the Hub or the cache has: one short request),
-    local data files, a local tokenizer path and the --resume target.
+    the model and tokenizer names (registry name / "qwen-offline", local directory, or a Hub id the Hub or the cache
+    has: one short request each, after every local check passed), local data files and the --resume target.
 
     Raises:
         ValueError: the problems, one per line, each naming its fix.
     """
-    from .sources import check_data_columns, check_tokenizer_path, local_data_file, locate_model
+    from .sources import check_data_columns, check_tokenizer_path, local_data_file, locate_model, locate_tokenizer
 
     problems = []
     d = recipe.data
@@ -207,7 +207,7 @@ def _preflight(recipe: Any, resume: str | None) -> None:
             break
     try:
         check_tokenizer_path(recipe.tokenizer.name_or_path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         problems.append(f"tokenizer.name_or_path: {e}")
     out = Path(recipe.training["output_dir"])
     if resume == "last" and not list(out.glob("checkpoint-*")):
@@ -216,11 +216,13 @@ def _preflight(recipe: Any, resume: str | None) -> None:
     elif resume not in (None, "last") and not Path(resume).is_dir():
         problems.append(f"--resume {resume}: no such checkpoint directory; pass a checkpoint-N/ directory written "
                         "by an earlier run, or 'last' for the newest in training.output_dir")
-    if not problems:  # the Hub request only when everything local is right
-        try:
-            locate_model(recipe.model.name_or_path)
-        except ValueError as e:
-            problems.append(f"model.name_or_path: {e}")
+    if not problems:  # the Hub requests only when everything local is right
+        for key, locate, name in (("model.name_or_path", locate_model, recipe.model.name_or_path),
+                                  ("tokenizer.name_or_path", locate_tokenizer, recipe.tokenizer.name_or_path)):
+            try:
+                locate(name)
+            except ValueError as e:
+                problems.append(f"{key}: {e}")
     if problems:
         raise ValueError(f"recipe {recipe.path}:\n  - " + "\n  - ".join(problems))
 

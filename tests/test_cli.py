@@ -53,6 +53,8 @@ def _write_recipe(tmp_path: Path, **changes) -> Path:
     for dotted, value in changes.items():
         sec, key = dotted.split("__")
         raw.setdefault(sec, {})
+        if isinstance(raw[sec], str):  # the short form `tokenizer: NAME`
+            raw[sec] = {"name_or_path": raw[sec]}
         if value is None:
             raw[sec].pop(key, None)
         else:
@@ -76,6 +78,8 @@ def _bad_jsonl(tmp_path: Path) -> str:
     ({"training__gradient_checkpointing": True}, "gradient_checkpointing=True conflicts"),
     ({"data__source": "/nonexistent/gsm8k"}, "/nonexistent/gsm8k"),
     ({"model__name_or_path": "gpt2-tiny-unknown-arch"}, None),
+    # a misspelt tokenizer: no Hub request (before: ~64 s of huggingface_hub retries without network)
+    ({"tokenizer__name_or_path": "qwen-ofline"}, r"tokenizer\.name_or_path: .*did you mean 'qwen-offline'"),
 ])
 def test_bad_input_one_clear_error(tmp_path, capsys, no_model_load, changes, match):
     recipe = _write_recipe(tmp_path, **changes)
