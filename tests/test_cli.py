@@ -93,6 +93,16 @@ def test_bad_input_one_clear_error(tmp_path, capsys, no_model_load, changes, mat
 
 
 @requires_gsm8k
+def test_device_cuda_on_a_cpu_torch_is_one_error_before_the_model_loads(tmp_path, capsys, no_model_load, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = _write_recipe(tmp_path, lazytrain__device="cuda")
+    assert cli.main(["train", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "lazytrain.device" in err and "set device to 'cpu'" in err, err
+    assert "CUDA build of torch" in err and "AssertionError" not in err, err
+
+
+@requires_gsm8k
 def test_data_with_neither_schema(tmp_path, capsys, no_model_load):
     recipe = _write_recipe(tmp_path)
     assert cli.main(["train", "--config", str(recipe), "--set", f"data.source={_bad_jsonl(tmp_path)}"]) == 2

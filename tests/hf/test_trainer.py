@@ -371,3 +371,15 @@ def test_a_loaded_schedules_kept_gradients_follow_this_runs_settings(tmp_path):
                                                              max_steps=1), lazytrain_config=cfg))
         t.train()
         assert t.executor.schedule.keep_grads == bool(kept) and t.executor.grads.keep_layers == kept, name
+
+
+def test_device_cuda_without_a_cuda_torch_is_one_error_naming_the_fix(tmp_path, monkeypatch):
+    """Before: the executor's first copy to the GPU raised "AssertionError: Torch not compiled with CUDA enabled"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cfg in ({"device": "cuda"}, {"streaming": {"device": "cuda"}}):
+        with pytest.raises(ValueError, match=r"lazytrain_config.device='cuda' \(recipe: lazytrain.device\), but "
+                                             r"this torch .*Fix: set device to 'cpu'.*install a CUDA build of torch"):
+            LazyTrainingArguments(**_common(tmp_path, "cuda"), lazytrain_config=cfg)
+    assert LazyTrainingArguments(**_common(tmp_path, "cpu"), lazytrain_config={"device": "cpu"}).lazy_config.device \
+        == "cpu"
+
