@@ -344,6 +344,7 @@ class LazyTrainerMixin(TRLHooks):
     # ---- one micro-batch -----------------------------------------------------------------------------------
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        check_token_ids(inputs, self.model)
         if self.executor is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
@@ -528,6 +529,38 @@ class LazyTrainerMixin(TRLHooks):
         if self.executor is not None and "loss" in logs and self.meter.last:
             logs = {**logs, **self.meter.last}
         super().log(logs, *args, **kwargs)
+
+
+def check_token_ids(inputs: dict[str, Any], model: nn.Module) -> None:
+    """Refuse a batch whose `input_ids` (or `labels`, -100 aside) hold ids outside the model's embedding rows
+    [0, vocab_size), before any layer runs: the embedding would fail with a bare "IndexError: index out of range
+    in self" deep in the step (on CUDA a device-side assert). One min / max reduction per micro-batch.
+
+    Raises:
+        ValueError: naming the largest (or negative) id, the model's vocab_size and the tokenizer / model fix.
+    """
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None)
+    ids, labels = inputs.get("input_ids"), inputs.get("labels")
+    if rows is None or not torch.is_tensor(ids) or not ids.numel():
+        return
+    parts = [ids.min(), ids.max()]
+    if torch.is_tensor(labels) and labels.numel():
+        kept = labels.masked_fill(labels == -100, 0)
+        parts += [kept.min(), kept.max()]
+    lo, hi, *lab = torch.stack([p.to(ids.device, torch.long) for p in parts]).tolist()
+    bad = [(key, lo_, hi_) for key, lo_, hi_ in (("input_ids", lo, hi), ("labels", *(lab or (0, 0))))
+           if lo_ < 0 or hi_ >= rows]
+    if not bad:
+        return
+    key, lo, hi = bad[0]
+    vocab = getattr(model.config, "vocab_size", rows)
+    what = f"a negative id ({lo})" if lo < 0 else f"token id {hi}"
+    raise ValueError(f"the batch's {key} hold {what}, outside the model's vocabulary: vocab_size={vocab} "
+                     f"({rows} embedding rows, ids 0..{rows - 1}). The data was tokenized with another tokenizer than "
+                     "the model's. Fix: tokenize with the model's own tokenizer (or pick a model whose vocabulary "
+                     "covers the tokenizer), or grow the embedding to the tokenizer: "
+                     "model.resize_token_embeddings(len(tokenizer)).")
 
 
 def _refuse_forward_options(model: nn.Module, args: Any) -> None:

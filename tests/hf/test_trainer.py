@@ -383,3 +383,27 @@ def test_device_cuda_without_a_cuda_torch_is_one_error_naming_the_fix(tmp_path, 
     assert LazyTrainingArguments(**_common(tmp_path, "cpu"), lazytrain_config={"device": "cpu"}).lazy_config.device \
         == "cpu"
 
+
+def test_token_ids_outside_the_vocabulary_are_one_error_at_the_first_batch(tmp_path):
+    """Before: "IndexError: index out of range in self" from the embedding deep in the step (as the stock Trainer)."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    ds = _dataset(vocab + 1000, seed=1)
+    top = max(max(r) for r in ds["input_ids"])
+    assert top >= vocab
+    lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "ids"),
+                                                               lazytrain_config=dict(EXACT)),
+                       train_dataset=ds, data_collator=_collate)
+    with pytest.raises(ValueError, match=rf"input_ids hold token id \d+, outside the model's vocabulary: "
+                                         rf"vocab_size={vocab} .*resize_token_embeddings"):
+        lazy.train()
+    assert lazy.state.global_step == 0
+    # labels alone out of range (input_ids fine): named as labels
+    batch = _collate([{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [-100, 2, vocab]}])
+    from lazytrain_hf.hf.trainer import check_token_ids
+
+    with pytest.raises(ValueError, match=rf"labels hold token id {vocab},"):
+        check_token_ids(batch, model)
+    check_token_ids(_collate([{"input_ids": [0, vocab - 1], "attention_mask": [1, 1], "labels": [-100, vocab - 1]}]),
+                    model)
+
