@@ -72,7 +72,12 @@ def train(args: argparse.Namespace) -> int:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model {recipe.model.name_or_path!r} has "
                          f"vocab_size={config.vocab_size}; pick a model whose vocabulary covers the tokenizer "
                          "(e.g. qwen3-tiny-vocab with the qwen-offline tokenizer)")
-    train_ds = tokenize_for_sft(train_raw, tokenizer, d.max_length)
+    try:
+        train_ds = tokenize_for_sft(train_raw, tokenizer, d.max_length)
+    except ValueError as e:  # every example dropped by the length filter: named as the recipe names it
+        text = str(e).replace("Fix: increase max_length.", f"Fix: raise data.max_length (now {d.max_length}), e.g. "
+                              f"--set data.max_length={2 * d.max_length}.")
+        raise ValueError(f"data.source {d.source!r} (split {d.train_split!r}): {text}") from e
     lora = lora_config(recipe.peft) if recipe.peft is not None else None
 
     model = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed)

@@ -80,6 +80,9 @@ def _bad_jsonl(tmp_path: Path) -> str:
     ({"model__name_or_path": "gpt2-tiny-unknown-arch"}, None),
     # a misspelt tokenizer: no Hub request (before: ~64 s of huggingface_hub retries without network)
     ({"tokenizer__name_or_path": "qwen-ofline"}, r"tokenizer\.name_or_path: .*did you mean 'qwen-offline'"),
+    # every example filtered out by the length limit: the data set and the recipe key named
+    ({"data__max_length": 8, "data__train_limit": 16},
+     r"data\.source '.*gsm8k' \(split 'train'\): .*all 16 examples were dropped.*raise data\.max_length \(now 8\)"),
 ])
 def test_bad_input_one_clear_error(tmp_path, capsys, no_model_load, changes, match):
     recipe = _write_recipe(tmp_path, **changes)

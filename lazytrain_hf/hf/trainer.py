@@ -59,7 +59,7 @@ class LazyTrainerMixin(TRLHooks):
 
     Raises (at construction, before any training time is spent):
         TypeError: `args` is not a TrainingArguments.
-        ValueError: unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
+        ValueError: an empty `train_dataset`, unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
             lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, or invalid
             `lazytrain_config` (or one given both to the trainer and in LazyTrainingArguments).
 
@@ -92,6 +92,7 @@ class LazyTrainerMixin(TRLHooks):
         #: fp16=True's dynamic loss scale (hf/loss_scale.py; None without fp16 or with policy "none"). Its
         #: `scale` / `growth_interval` / ... may be set before `train()`; a resume restores its state
         self.loss_scaler: LossScaler | None = None
+        _check_not_empty(named.get("train_dataset"))
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -561,6 +562,29 @@ def check_token_ids(inputs: dict[str, Any], model: nn.Module) -> None:
                      "the model's. Fix: tokenize with the model's own tokenizer (or pick a model whose vocabulary "
                      "covers the tokenizer), or grow the embedding to the tokenizer: "
                      "model.resize_token_embeddings(len(tokenizer)).")
+
+
+def _check_not_empty(train_dataset: Any) -> None:
+    """Refuse a sized `train_dataset` with no rows when the trainer is built (the stock Trainer fails only in
+    `train()`, with the sampler's "num_samples should be a positive integer value"); an unsized (iterable) one is
+    not checked.
+
+    Raises:
+        ValueError: naming the data set and the filters that commonly empty one.
+    """
+    try:
+        rows = len(train_dataset)
+    except TypeError:  # None, or an IterableDataset
+        return
+    if rows:
+        return
+    info = getattr(train_dataset, "info", None)
+    named = ", ".join(f"{k} {v!r}" for k, v in (("name", getattr(info, "dataset_name", None)),
+                                               ("split", getattr(train_dataset, "split", None))) if v)
+    raise ValueError(f"train_dataset ({type(train_dataset).__name__}{', ' + named if named else ''}) has no rows: "
+                     "nothing to train on. Was every row filtered out (a length filter such as tokenize_for_sft's "
+                     "max_length, a Dataset.filter, a limit of 0)? Fix: check the data set's source and its filters, "
+                     "or raise the length limit.")
 
 
 def _refuse_forward_options(model: nn.Module, args: Any) -> None:

@@ -407,3 +407,18 @@ def test_token_ids_outside_the_vocabulary_are_one_error_at_the_first_batch(tmp_p
     check_token_ids(_collate([{"input_ids": [0, vocab - 1], "attention_mask": [1, 1], "labels": [-100, vocab - 1]}]),
                     model)
 
+
+def test_an_empty_train_dataset_is_refused_before_the_executor_is_built(tmp_path, monkeypatch):
+    """Before: the executor copied the model to host memory, then train() failed in the sampler with "num_samples
+    should be a positive integer value, but got num_samples=0" (the stock Trainer's error too)."""
+    import lazytrain_hf.hf.trainer as trainer_module
+
+    def no_executor(*a, **k):
+        raise AssertionError("the executor was built before the empty data set was refused")
+    monkeypatch.setattr(trainer_module, "StreamingExecutor", no_executor)
+    model = load_model("qwen3-tiny", "float32")
+    empty = _dataset(model.config.vocab_size).filter(lambda r: len(r["input_ids"]) > 10_000)
+    with pytest.raises(ValueError, match=r"train_dataset \(Dataset.*\) has no rows.*filtered out"):
+        LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "empty"),
+                                                            lazytrain_config=dict(EXACT)),
+                    train_dataset=empty, data_collator=_collate)
