@@ -294,6 +294,11 @@ def test_metrics_in_logs(tmp_path):
     # optim_args are checked here, before LazyTrainer builds the executor (not when train() creates the optimizer)
     (dict(optim_args="block_size=100,blocksize=3"), r"(?s)'blocksize' is not understood.*power of two"),
     (dict(optim_args="block_size"), "comma-separated key=value pairs"),
+    # ';' as separator (was "too many values to unpack"): the format, what was read and the corrected string
+    (dict(optim_args="block_size=256,master_weights=kahan;state_dtype=fp32"),
+     r"the format is comma-separated key=value pairs \(as TrainingArguments.optim_args.*"
+     r"\['master_weights=kahan;state_dtype=fp32'\] is not one key=value pair \(';' is no separator\); read so far: "
+     r"\{'block_size': '256'\}. Fix: optim_args='block_size=256,master_weights=kahan,state_dtype=fp32'"),
 ])
 def test_bad_arguments_fail_before_training(tmp_path, bad, match):
     kw = _common(tmp_path, "bad")
