@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="as lazytrain-hf -v (accepted after the command too)")
         add(sp)
     args = parser.parse_args(argv)
+    from .envvars import warn_unknown
+
+    warn_unknown()  # a misspelt LAZYTRAIN_* variable, whichever command reads the environment
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
