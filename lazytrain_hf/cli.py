@@ -72,7 +72,12 @@ def train(args: argparse.Namespace) -> int:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model {recipe.model.name_or_path!r} has "
                          f"vocab_size={config.vocab_size}; pick a model whose vocabulary covers the tokenizer "
                          "(e.g. qwen3-tiny-vocab with the qwen-offline tokenizer)")
-    train_ds = tokenize_for_sft(train_raw, tokenizer, d.max_length)
+    try:
+        train_ds = tokenize_for_sft(train_raw, tokenizer, d.max_length)
+    except ValueError as e:  # every example dropped by the length filter: named as the recipe names it
+        text = str(e).replace("Fix: increase max_length.", f"Fix: raise data.max_length (now {d.max_length}), e.g. "
+                              f"--set data.max_length={2 * d.max_length}.")
+        raise ValueError(f"data.source {d.source!r} (split {d.train_split!r}): {text}") from e
     lora = lora_config(recipe.peft) if recipe.peft is not None else None
 
     model = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed)
@@ -186,13 +191,13 @@ def _check_resume_has_steps_left(checkpoint: Path, max_steps: int) -> None:
 
 def _preflight(recipe: Any, resume: str | None) -> None:
     """The recipe's inputs that can be checked without torch / transformers / datasets, all problems at once:
-    the model name (registry name, local directory, or a Hub id the Hub or the cache has: one short request),
-    local data files, a local tokenizer path and the --resume target.
+    the model and tokenizer names (registry name / "qwen-offline", local directory, or a Hub id the Hub or the cache
+    has: one short request each, after every local check passed), local data files and the --resume target.
 
     Raises:
         ValueError: the problems, one per line, each naming its fix.
     """
-    from .sources import check_data_columns, check_tokenizer_path, local_data_file, locate_model
+    from .sources import check_data_columns, check_tokenizer_path, local_data_file, locate_model, locate_tokenizer
 
     problems = []
     d = recipe.data
@@ -207,7 +212,7 @@ def _preflight(recipe: Any, resume: str | None) -> None:
             break
     try:
         check_tokenizer_path(recipe.tokenizer.name_or_path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         problems.append(f"tokenizer.name_or_path: {e}")
     out = Path(recipe.training["output_dir"])
     if resume == "last" and not list(out.glob("checkpoint-*")):
@@ -216,11 +221,13 @@ def _preflight(recipe: Any, resume: str | None) -> None:
     elif resume not in (None, "last") and not Path(resume).is_dir():
         problems.append(f"--resume {resume}: no such checkpoint directory; pass a checkpoint-N/ directory written "
                         "by an earlier run, or 'last' for the newest in training.output_dir")
-    if not problems:  # the Hub request only when everything local is right
-        try:
-            locate_model(recipe.model.name_or_path)
-        except ValueError as e:
-            problems.append(f"model.name_or_path: {e}")
+    if not problems:  # the Hub requests only when everything local is right
+        for key, locate, name in (("model.name_or_path", locate_model, recipe.model.name_or_path),
+                                  ("tokenizer.name_or_path", locate_tokenizer, recipe.tokenizer.name_or_path)):
+            try:
+                locate(name)
+            except ValueError as e:
+                problems.append(f"{key}: {e}")
     if problems:
         raise ValueError(f"recipe {recipe.path}:\n  - " + "\n  - ".join(problems))
 
@@ -309,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="as lazytrain-hf -v (accepted after the command too)")
         add(sp)
     args = parser.parse_args(argv)
+    from .envvars import warn_unknown
+
+    warn_unknown()  # a misspelt LAZYTRAIN_* variable, whichever command reads the environment
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -83,6 +83,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "H200 figures; default: this machine's cached probe if any, else the H200 figures")
     parser.add_argument("--max-batch", type=int, default=1024,
                         help="upper end of the largest-feasible-batch search (0 skips it)")
+    parser.add_argument("--master-weights", choices=("fp32", "kahan", "none"), default="fp32",
+                        help="the optimizer's master weights (lazytrain_config.master_weights; 'auto' plans as fp32 "
+                             "for bf16 weights): fp32 4 bytes per trained parameter in host memory, kahan 2, none 0 "
+                             "(default fp32)")
+    lora = parser.add_argument_group("LoRA / QLoRA (as a recipe's peft: section; needs peft)")
+    lora.add_argument("--lora-r", type=int, default=None,
+                      help="plan a LoRA run of this rank (peft.r): the base is frozen (streamed read-only, 2 bytes "
+                           "per parameter in host memory, no gradients or optimizer states), the adapters stay on "
+                           "the GPU")
+    lora.add_argument("--lora-target-modules", default=None,
+                      help="peft.target_modules: comma-separated module names (q_proj,v_proj) or all-linear "
+                           "(default: PEFT's default for the architecture)")
+    lora.add_argument("--load-in-4bit", action="store_true",
+                      help="QLoRA: the base loaded with BitsAndBytesConfig(load_in_4bit=True): the decoder layers' "
+                           "linear weights 4-bit (about 0.5 byte per parameter plus the quantization state)")
+    lora.add_argument("--bnb-4bit-use-double-quant", action="store_true",
+                      help="with --load-in-4bit: BitsAndBytesConfig(bnb_4bit_use_double_quant=True)")
     parser.add_argument("--out-dir", default=None,
                         help="write schedule JSON, cost model JSON and timeline PNG here, named after the model, "
                              "batch, sequence length, policy and every non-default option (the paths are printed)")
@@ -134,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"lazytrain-hf plan: --model {args.model!r}: {e}", file=sys.stderr)
         return 2
     shape = model_shape(config, args.model)
+    try:
+        frozen = _lora_costs(args, config)
+    except (ImportError, ValueError) as e:
+        print(f"lazytrain-hf plan: {e}", file=sys.stderr)
+        return 2
     # budgets and defaults as the Trainer resolves them, with the hardware profile standing in for the device
     request = resolve_request(
         config.to_dict(), shape, batch_size=args.batch_size, seq_len=args.seq_len, hardware=hardware,
@@ -143,10 +165,13 @@ def run(args: argparse.Namespace) -> int:
         fixed={k: getattr(args, k) for k in _FIXED_DEFAULTS}, rows_per_pass=args.rows_per_pass,
         resident=args.resident, gpu_optimizer=args.gpu_optimizer,
         gradient_accumulation_steps=args.gradient_accumulation_steps, time_limit_s=args.time_limit,
-        mip_rel_gap=args.mip_gap, name=args.model, **_OPTIMIZER_LAYOUT)
+        mip_rel_gap=args.mip_gap, name=args.model, frozen=_frozen_layout(frozen),
+        **{**_OPTIMIZER_LAYOUT, "master_weights": args.master_weights})
 
-    def build(batch: int, resident: str, rows: int | None = args.rows_per_pass) -> Any:
-        return analytic_cost_model(shape, batch, args.seq_len, hardware, **request.cost_model_kwargs(rows, resident))
+    def build(batch: int, resident: str, rows: int | None = args.rows_per_pass, seq: int = args.seq_len,
+              **changes: Any) -> Any:
+        return analytic_cost_model(shape, batch, seq, hardware, **{**request.cost_model_kwargs(rows, resident),
+                                                                   **frozen, **changes})
 
     allowed = resident_placements(shape)
     if args.resident not in ("auto", *allowed):
@@ -162,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     cm = build(args.batch_size, candidates[0])
     inputs = request.inputs()
     fp = request.fingerprint()
-    _print_header(args, shape, cm, hardware)
+    _print_header(args, shape, cm, hardware, frozen)
     tried: list[tuple[int, str, float | None]] = []  # (rows per pass, placement, predicted ms or None: no plan)
     built: dict[tuple[int, str], Any] = {}
 
@@ -178,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
         tried.append((rows, resident, s.predicted["step_ms"]))
         return s
 
+    def one_row() -> int | None:  # the leanest rows per pass this run may take
+        return 1 if args.policy == "milp" and not args.rows_per_pass else args.rows_per_pass
+
     # policy milp: the largest rows per pass with a plan (unless --rows-per-pass), the fastest placement there
     rows = rows_options(args.batch_size, args.rows_per_pass) if args.policy == "milp" else [
         args.rows_per_pass or args.batch_size]
@@ -190,12 +218,14 @@ def run(args: argparse.Namespace) -> int:
             others = [p for p in allowed if p not in candidates and p != "gpu"]  # an explicit placement: leaner ones
             batch = 0
             if args.batch_size > 1:  # the largest batch with a plan at these budgets, in the leanest setting tried
-                one = 1 if args.policy == "milp" and not args.rows_per_pass else args.rows_per_pass
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    batch = largest_feasible_batch(lambda b: build(b, candidates[-1], one), args.policy,
+                    batch = largest_feasible_batch(lambda b: build(b, candidates[-1], one_row()), args.policy,
                                                    max_batch=args.batch_size - 1, **request.fixed)
-            print(f"\nNo plan ({_tried_summary(tried)}): {e.facts} Fix: {cli_fix(args, e, batch, others)}.")
+            lean = lambda **kw: build(kw.pop("batch", args.batch_size), candidates[-1], one_row(), **kw)  # noqa: E731
+            host = host_fixes(args, e, lean, batch)
+            print(f"\nNo plan ({_tried_summary(tried)}): {e.facts} Fix: "
+                  f"{cli_fix(args, e, batch, others, host, request.budgets.gpu_total)}.")
             return 1
     cm = built[sched.rows_per_pass, sched.resident]
     sched.solver["fingerprint_inputs"] = input_hashes(inputs)
@@ -222,17 +252,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cli_fix(args: argparse.Namespace, e: Any, batch: int = 0, leaner: list[str] | tuple[str, ...] = ()) -> str:
-    """The fix for the planning error `e` (`InfeasiblePlanError`) in `plan`'s flags, from its numbers: the budgets to
-    pass, a batch of at most `batch` (the largest with a plan at the given budgets; 0: none or not searched) with
-    the gradient accumulation that keeps the rows per optimizer step, fewer rows per pass, a `leaner` embedding / LM head placement, a
-    shorter sequence."""
+def cli_fix(args: argparse.Namespace, e: Any, batch: int = 0, leaner: list[str] | tuple[str, ...] = (),
+            host: list[str] | tuple[str, ...] = (), gpu_total: int | None = None) -> str:
+    """The fix for the planning error `e` (`InfeasiblePlanError`) in `plan`'s flags, from its numbers.
+
+    When the host budget is below what the host takes regardless of the plan (`e.host_too_small`) the fixes are
+    host-side: the --host-memory that fits (with a --gpu-memory only when that is above `gpu_total`, the GPU budget
+    planned with, before the margin) and the `host` fixes (`host_fixes`: each one checked to lower the host bytes).
+    Otherwise: the GPU budget to pass, a batch of at most `batch` (the largest with a plan at the given budgets; 0:
+    none or not searched) with the gradient accumulation that keeps the rows per optimizer step, fewer rows per pass,
+    a `leaner` embedding / LM head placement, the `host` fixes, a shorter sequence."""
     fixes = []
     need = e.needed_gpu_bytes
     gpu = f"--gpu-memory {_flag_size(need)}" if need is not None else ""
     if e.host_too_small and e.min_host_bytes:
-        fixes.append(f"--host-memory {_flag_size(e.min_host_bytes)}" + (f" {gpu}" if gpu else ""))
-    elif gpu:
+        above = need is not None and (gpu_total is None or need > gpu_total)
+        fixes.append(f"--host-memory {_flag_size(e.min_host_bytes)}" + (f" {gpu}" if above else ""))
+        return "pass " + ", or ".join(fixes + list(host))
+    if gpu:
         fixes.append(gpu)
     if batch:
         from .planning.request import same_tokens_batch
@@ -245,8 +282,112 @@ def cli_fix(args: argparse.Namespace, e: Any, batch: int = 0, leaner: list[str] 
     if leaner:
         fixes.append(f"--resident {leaner[-1]} (or auto: the embedding and LM head in host memory need less GPU "
                      "memory)")
+    fixes += list(host)
     fixes.append(f"a shorter --seq-len (now {args.seq_len})")
     return "pass " + ", or ".join(fixes)
+
+
+#: master-weight modes from the most host memory per trained parameter to the least (fp32 4 bytes, kahan 2, none 0)
+_MASTER_WEIGHTS = ("fp32", "kahan", "none")
+
+
+def host_fixes(args: argparse.Namespace, e: Any, build: Any, batch: int = 0) -> list[str]:
+    """The host-side fixes for the planning error `e`, each checked on the cost models `build(**changes)` makes
+    (`analytic_cost_model` of the leanest setting tried, with `batch`, `seq` or `master_weights` changed):
+
+    * host budget below the host's fixed part (`e.host_too_small`): a leaner --master-weights (the first that fits
+      the budget, else the leanest with the --host-memory it needs), and a smaller --batch-size (`batch`: the largest
+      with a plan) or --seq-len only when it lowers the host's fixed part enough to fit (a host-placed embedding's
+      staging buffer follows the tokens; weights, gradients and states do not);
+    * a GPU budget that fits with more host memory for CPU-tier boundaries (`e.min_gpu_bytes_any_host`): the
+      --host-memory that holds them, and the NVMe tier (--nvme-dir) when it has none.
+    """
+    fixes: list[str] = []
+    budget = e.host_budget_bytes
+    if budget is None:
+        return fixes
+    if e.host_too_small:
+        here = build().host_fixed_bytes
+        lean = []
+        for mode in _MASTER_WEIGHTS[_MASTER_WEIGHTS.index(args.master_weights) + 1:]:
+            lean.append((mode, build(master_weights=mode).host_fixed_bytes))
+            if lean[-1][1] <= budget:
+                break
+        # (one that needs a --host-memory as large as the plain fix's, as printed, is no fix)
+        if lean and lean[-1][1] < here and (lean[-1][1] <= budget or
+                                            _flag_size(lean[-1][1]) != _flag_size(e.min_host_bytes or here)):
+            mode, nbytes = lean[-1]
+            what = {"kahan": "a compensated bf16 copy, 2 bytes per parameter",
+                    "none": "updates in the weights' dtype, no master copy"}[mode]
+            fits = "fits the host budget" if nbytes <= budget else f"with --host-memory {_flag_size(nbytes)}"
+            fixes.append(f"--master-weights {mode} ({what}: host fixed part {nbytes / _GIB:.2f} GiB, {fits})")
+        if batch and build(batch=batch).host_fixed_bytes <= budget:
+            from .planning.request import same_tokens_batch
+
+            b, ga = same_tokens_batch(args.batch_size, args.gradient_accumulation_steps, batch)
+            fixes.append(f"--batch-size {b} --gradient-accumulation-steps {ga} (the same rows per optimizer step)")
+        seq = _largest(lambda t: build(seq=t).host_fixed_bytes <= budget, args.seq_len - 1)
+        if seq:
+            fixes.append(f"--seq-len {seq} (now {args.seq_len}: the host-placed embedding's staging buffer follows it)")
+        return fixes
+    any_host, gpu_budget = e.min_gpu_bytes_any_host, e.gpu_budget_bytes
+    if any_host is not None and gpu_budget is not None and any_host <= gpu_budget:
+        from .planning.infeasible import min_gpu_bytes
+
+        cm = build()
+        room = sum(cm.act_bytes) + 4 * max(cm.act_bytes)  # every boundary, as infeasible_error's unlimited host
+        fits = lambda c: (min_gpu_bytes(c, time_limit_s=args.time_limit) or gpu_budget + 1) <= gpu_budget  # noqa: E731
+        if fits(cm.with_budgets(pinned_host_bytes=cm.host_fixed_bytes + room)):
+            fixes.append(f"--host-memory {_flag_size(cm.host_fixed_bytes + room)} (room for CPU-tier boundaries: "
+                         "then this GPU budget fits)")
+        if not args.nvme_dir and fits(cm.with_budgets(nvme_bytes=room)):
+            fixes.append(f"--nvme-dir DIR with {_flag_size(room)} free (boundaries on NVMe instead of host memory)")
+    return fixes
+
+
+def _largest(ok: Any, hi: int) -> int:
+    """The largest n in [1, hi] with ok(n), for ok monotone (true up to some n); 0 when ok(1) is false."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _lora_costs(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    """`analytic_cost_model`'s frozen-part arguments of the LoRA run `args` describe (`--lora-r`; {} without it).
+
+    Raises:
+        ImportError: peft is not installed (the message names the install).
+        ValueError: PEFT refuses the LoraConfig (named with the flag).
+    """
+    if args.lora_r is None:
+        return {}
+    try:
+        import peft  # noqa: F401
+
+        from .hf.peft_support import planned_lora_costs
+    except ImportError as e:
+        raise ImportError(f"--lora-r needs peft ({e}): pip install peft") from None
+    targets = args.lora_target_modules
+    if targets is not None and targets != "all-linear" and "," in targets:
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    try:
+        return planned_lora_costs(config, args.lora_r, targets, args.load_in_4bit, args.bnb_4bit_use_double_quant)
+    except ValueError as e:
+        given = f"--lora-target-modules {args.lora_target_modules}" if args.lora_target_modules else \
+            "PEFT's default target modules (no --lora-target-modules)"
+        raise ValueError(f"--lora-r {args.lora_r} with {given}: PEFT cannot wrap {args.model!r} so: {e}. Fix: pass "
+                         "--lora-target-modules (e.g. all-linear, or q_proj,v_proj)") from None
+
+
+def _frozen_layout(frozen: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan input of the frozen layout (as the Trainer's `peft_support.frozen_layout`), None without LoRA."""
+    if not frozen:
+        return None
+    from .hf.peft_support import layout_of
+
+    return layout_of(frozen)
 
 
 def _flag_size(nbytes: float) -> str:
@@ -310,6 +451,16 @@ def _check_numbers(args: argparse.Namespace) -> list[str]:
         problems.append(f"--mip-gap must be in [0, 1) (0.01 = within 1%), but got {args.mip_gap}")
     if args.max_batch < 0:
         problems.append(f"--max-batch must be >= 0 (0 skips the search), but got {args.max_batch}")
+    if args.lora_r is not None and args.lora_r < 1:
+        problems.append(f"--lora-r must be >= 1, but got {args.lora_r}")
+    if args.lora_r is None:
+        given = [f for f, v in (("--lora-target-modules", args.lora_target_modules),
+                                ("--load-in-4bit", args.load_in_4bit)) if v]
+        if given:
+            problems.append(f"{' and '.join(given)} shape a LoRA plan: add --lora-r N (a 4-bit base trains adapters "
+                            "only)")
+    if args.bnb_4bit_use_double_quant and not args.load_in_4bit:
+        problems.append("--bnb-4bit-use-double-quant needs --load-in-4bit")
     return problems
 
 
@@ -367,9 +518,17 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any) -> None:
+def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any,
+                  frozen: dict[str, Any] | None = None) -> None:
     print(f"model {args.model} ({shape.model_type}): {_count(shape.num_params)} params, {cm.num_layers} decoder "
           f"layers ({', '.join(f'{shape.layer_kinds.count(k)} {k}' for k in sorted(set(shape.layer_kinds)))})")
+    if frozen:
+        base = "4-bit" + (" (double quantization)" if args.bnb_4bit_use_double_quant else "") if args.load_in_4bit \
+            else "bf16"
+        print(f"LoRA r {args.lora_r} on {args.lora_target_modules or 'PEFT default modules'}: "
+              f"{_count(int(frozen['adapter_params']))} adapter params on the GPU; the {base} base frozen "
+              f"({sum(frozen['frozen'])} of {cm.num_layers} layers streamed read-only: weights only in host memory, "
+              "no gradients or optimizer states)")
     margin = args.gpu_memory_margin
     kept = f" ({margin:.0%} of the GPU budget kept free: --gpu-memory-margin)" if margin else ""
     print(f"batch {args.batch_size} x seq {args.seq_len} = {cm.tokens_per_step} tokens/step; budgets: GPU "
@@ -428,7 +587,10 @@ def _print_resident(sched: Any, cm: Any, tried: list[str]) -> None:
 
 def _print_prediction(sched: Any, cm: Any) -> None:
     p, s = sched.predicted, sched.solver
-    flops = 6 * cm.num_params_total() * cm.tokens_per_step / (p["step_ms"] / 1e3) / 1e12
+    # 6 FLOPs per trained parameter and token, 4 per frozen one (no weight gradient), as the Trainer logs tflops
+    trained = cm.num_params_total()
+    frozen = max(0, int(cm.meta.get("num_params", trained)) + int(cm.meta.get("adapter_params", 0)) - trained)
+    flops = (6 * trained + 4 * frozen) * cm.tokens_per_step / (p["step_ms"] / 1e3) / 1e12
     kept = sum(lp.retain for lp in sched.layers)
     rebuilt = p.get("recomputed_layers", 0)
     on_gpu = sum(lp.optimizer_device == "gpu" for lp in sched.layers)
@@ -444,7 +606,7 @@ def _print_prediction(sched: Any, cm: Any) -> None:
           f"backward {kept} layers kept, {len(sched.layers) - kept - rebuilt} re-forwarded, {rebuilt} rebuilt; "
           f"{on_gpu} layers updated on the GPU{grads}")
     print(f"predicted step {p['step_ms']:.1f} ms (simulated {p.get('simulated_step_ms', float('nan')):.1f} ms), "
-          f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS (6ND)")
+          f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS ({'6ND' if not frozen else '6ND, 4ND frozen'})")
     print(f"  compute {p['compute_ms']:.1f} ms + re-forward / rebuild {p['recompute_ms']:.1f} ms + GPU optimizer "
           f"{p['gpu_optim_ms']:.1f} ms + exposed transfer {p['exposed_transfer_ms']:.1f} ms + exposed CPU optimizer "
           f"{p['exposed_optimizer_ms']:.1f} ms")
@@ -482,6 +644,11 @@ def output_stem(args: argparse.Namespace, policy: str) -> str:
         parts.append(f"ga{args.gradient_accumulation_steps}")
     if args.rows_per_pass is not None:
         parts.append(f"rows{args.rows_per_pass}")
+    if args.master_weights != "fp32":
+        parts.append(f"master-{args.master_weights}")
+    if args.lora_r is not None:
+        parts.append(f"lora{args.lora_r}" + (f"-{args.lora_target_modules}" if args.lora_target_modules else "")
+                     + ("-4bit" if args.load_in_4bit else "") + ("-dq" if args.bnb_4bit_use_double_quant else ""))
     nvme_named = policy == "fixed" and args.tier == "nvme"  # "every4-nvme-prefetch1" says it already
     if args.nvme_dir and (args.nvme_budget or not nvme_named):
         parts.append("nvme" + (args.nvme_budget or ""))

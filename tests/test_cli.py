@@ -53,6 +53,8 @@ def _write_recipe(tmp_path: Path, **changes) -> Path:
     for dotted, value in changes.items():
         sec, key = dotted.split("__")
         raw.setdefault(sec, {})
+        if isinstance(raw[sec], str):  # the short form `tokenizer: NAME`
+            raw[sec] = {"name_or_path": raw[sec]}
         if value is None:
             raw[sec].pop(key, None)
         else:
@@ -76,6 +78,11 @@ def _bad_jsonl(tmp_path: Path) -> str:
     ({"training__gradient_checkpointing": True}, "gradient_checkpointing=True conflicts"),
     ({"data__source": "/nonexistent/gsm8k"}, "/nonexistent/gsm8k"),
     ({"model__name_or_path": "gpt2-tiny-unknown-arch"}, None),
+    # a misspelt tokenizer: no Hub request (before: ~64 s of huggingface_hub retries without network)
+    ({"tokenizer__name_or_path": "qwen-ofline"}, r"tokenizer\.name_or_path: .*did you mean 'qwen-offline'"),
+    # every example filtered out by the length limit: the data set and the recipe key named
+    ({"data__max_length": 8, "data__train_limit": 16},
+     r"data\.source '.*gsm8k' \(split 'train'\): .*all 16 examples were dropped.*raise data\.max_length \(now 8\)"),
 ])
 def test_bad_input_one_clear_error(tmp_path, capsys, no_model_load, changes, match):
     recipe = _write_recipe(tmp_path, **changes)
@@ -86,6 +93,16 @@ def test_bad_input_one_clear_error(tmp_path, capsys, no_model_load, changes, mat
     if match:
         import re
         assert re.search(match, err), err
+
+
+@requires_gsm8k
+def test_device_cuda_on_a_cpu_torch_is_one_error_before_the_model_loads(tmp_path, capsys, no_model_load, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = _write_recipe(tmp_path, lazytrain__device="cuda")
+    assert cli.main(["train", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "lazytrain.device" in err and "set device to 'cpu'" in err, err
+    assert "CUDA build of torch" in err and "AssertionError" not in err, err
 
 
 @requires_gsm8k

@@ -205,3 +205,35 @@ def test_a_bad_lookup_fails_when_the_optimizer_is_built_and_is_logged_at_kernel_
     with caplog.at_level(logging.WARNING, logger=K.__name__):
         assert K._configure_lookup(lib).startswith("table reads: gather (measured")
     assert "LAZYTRAIN_CPU_LOOKUP must be one of" in caplog.text and "measuring both" in caplog.text
+
+
+def test_unknown_variables_name_the_closest_known_one():
+    env = {"LAZYTRAIN_CPU_KERNL": "cpp", "LAZYTRAIN_CPU_KERNEL": "cpp", "LAZYTRAIN_ZZZ": "1", "PATH": "/bin"}
+    assert envvars.unknown_variables(env) == {"LAZYTRAIN_CPU_KERNL": "LAZYTRAIN_CPU_KERNEL", "LAZYTRAIN_ZZZ": None}
+    assert envvars.unknown_variables({name: "1" for name in envvars.table()}) == {}
+
+
+def test_a_misspelt_variable_warns_once_naming_the_closest(monkeypatch, recwarn):
+    """Before: LAZYTRAIN_CHECKPOINT_EVRY=3 was silently ignored (the default 4 used)."""
+    import warnings
+
+    from lazytrain_hf import cli
+
+    monkeypatch.setattr(envvars, "_WARNED", set())
+    monkeypatch.setenv("LAZYTRAIN_CHECKPOINT_EVRY", "3")
+    with pytest.warns(UserWarning, match="LAZYTRAIN_CHECKPOINT_EVRY is not one lazytrain_hf reads and is ignored; "
+                                         "did you mean LAZYTRAIN_CHECKPOINT_EVERY?"):
+        assert LazyTrainConfig().checkpoint_every == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        LazyTrainConfig()
+    # the command checks at start, whatever it reads later
+    monkeypatch.setattr(envvars, "_WARNED", set())
+    monkeypatch.setenv("LAZYTRAIN_CPU_TREADS", "2")
+    with pytest.warns(UserWarning) as caught:
+        assert cli.main(["probe", "--device", "tpu"]) == 2
+    assert [str(w.message).split(";")[1] for w in caught if "LAZYTRAIN_" in str(w.message)] == \
+        [" did you mean LAZYTRAIN_CHECKPOINT_EVERY? The known ones are listed in docs/environment.md "
+         "(python -m lazytrain_hf.envvars).",
+         " did you mean LAZYTRAIN_CPU_THREADS? The known ones are listed in docs/environment.md "
+         "(python -m lazytrain_hf.envvars)."]

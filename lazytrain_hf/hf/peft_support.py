@@ -20,7 +20,7 @@ from ..streaming.quant import quant_tensors
 from .register import OPTIM_NAME
 
 __all__ = ["is_hybrid8", "check_quantized", "check_optimizer", "clip_resident", "frozen_costs", "frozen_layout",
-           "model_frozen_costs"]
+           "model_frozen_costs", "planned_lora_costs", "layout_of", "four_bit_bytes"]
 
 
 def is_hybrid8(optimizer: Any) -> bool:
@@ -109,11 +109,63 @@ def frozen_layout(executor: StreamingExecutor) -> dict[str, Any] | None:
     """The frozen layout a plan depends on (`planning.schedule.plan_inputs`' `frozen`): the frozen decoder layers'
     indices, the trainable parameters they keep resident, a frozen embedding / LM head and, with a 4-bit base, each
     layer's (4-bit parameters, streamed bytes); None when everything trains."""
-    costs = frozen_costs(executor)
+    return layout_of(frozen_costs(executor))
+
+
+def layout_of(costs: dict[str, Any]) -> dict[str, Any] | None:
+    """`frozen_layout` of frozen-part arguments (`model_frozen_costs`, `planned_lora_costs`)."""
     if not any(costs.get("frozen", ())):
         return None
     out = {"layers": [i for i, f in enumerate(costs["frozen"]) if f], "adapter_params": int(costs["adapter_params"]),
            "embed": bool(costs["frozen_embed"]), "head": bool(costs["frozen_head"])}
     if "quantized" in costs:
         out["quantized"] = [list(q) for q in costs["quantized"]]
+    return out
+
+
+#: bitsandbytes' 4-bit layout (`bnb.functional.quantize_4bit`): elements per absmax block, and with double
+#: quantization (`bnb_4bit_use_double_quant`) absmax values per block of the nested 8-bit quantization
+_BNB_BLOCK, _BNB_NESTED_BLOCK = 64, 256
+
+
+def four_bit_bytes(numel: int, double_quant: bool = False) -> int:
+    """Bytes of one weight of `numel` elements held as a bitsandbytes 4-bit `Params4bit` (nf4 or fp4), as the
+    executor streams it (`streaming/quant.py`): the packed data (2 elements per byte), the fp32 absmax per block of
+    64 and the 16-entry fp32 code; with double quantization the absmax in 8 bits plus the nested state (its fp32
+    offset, absmax per 256 blocks and 256-entry code)."""
+    packed = (numel + 1) // 2
+    blocks = -(-numel // _BNB_BLOCK)
+    if not double_quant:
+        return packed + 4 * blocks + 4 * 16
+    return packed + blocks + 4 * 16 + 4 + 4 * -(-blocks // _BNB_NESTED_BLOCK) + 4 * 256
+
+
+def planned_lora_costs(config: Any, r: int, target_modules: str | list[str] | None = None,
+                       load_in_4bit: bool = False, double_quant: bool = False) -> dict[str, Any]:
+    """`model_frozen_costs` of the model of `config` wrapped as a recipe's peft section wraps it (`get_peft_model`
+    with ``LoraConfig(r, target_modules, task_type="CAUSAL_LM")``), built on the meta device (nothing allocated):
+    for `lazytrain-hf plan --lora-r`. With `load_in_4bit` (QLoRA: `BitsAndBytesConfig(load_in_4bit=True)`) every
+    nn.Linear weight of the decoder layers counts as 4-bit (`four_bit_bytes`); biases and norms stay 2 bytes.
+
+    Raises:
+        ValueError: PEFT refuses the LoraConfig (e.g. target modules this model does not have).
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        quantized = None
+        if load_in_4bit:
+            quantized = []
+            for layer in find_decoder(model)[0].layers:
+                weights = [m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+                quantized.append((sum(weights), sum(four_bit_bytes(n, double_quant) for n in weights)))
+        try:
+            model = get_peft_model(model, LoraConfig(r=r, target_modules=target_modules, task_type="CAUSAL_LM"))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(str(e).splitlines()[0]) from e
+    out = model_frozen_costs(model)
+    if quantized is not None:
+        out["quantized"] = quantized
     return out

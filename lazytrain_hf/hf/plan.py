@@ -24,12 +24,19 @@ from . import peft_support, preflight
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
            "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError",
-           "plan_line", "bound_by", "optimizer_bound", "optimizer_bound_line", "EXPOSED_SHARE"]
+           "plan_line", "bound_by", "optimizer_bound", "optimizer_bound_line", "EXPOSED_SHARE", "plan_log_level"]
 
 logger = logging.getLogger(__name__)
 
 #: the share of a step that exposed transfers or CPU optimizer updates may take before a plan is called bound by them
 EXPOSED_SHARE = 0.10
+
+
+def plan_log_level(trainer: Any, level: int = logging.INFO) -> int:
+    """`level` on the main process, DEBUG on the other data-parallel ranks: every rank plans the same run, so their
+    plan lines would repeat rank 0's."""
+    main = getattr(trainer, "is_world_process_zero", None)
+    return level if main is None or main() else logging.DEBUG
 
 
 def bound_by(predicted: dict[str, Any], gradient_accumulation_steps: int = 1) -> str:
@@ -153,8 +160,8 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
         max_buckets=cfg.plan_buckets if cfg.policy == "milp" else 1,
         frozen=peft_support.frozen_layout(trainer.executor), resident_states=resident_states(trainer))
     if machine["ranks_per_host"] > 1 and not cfg.host_memory_budget:
-        logger.info("planning with %.1f GiB host memory per rank (%d ranks on this host)",
-                    request.budgets.host_bytes / GIB, machine["ranks_per_host"])
+        logger.log(plan_log_level(trainer), "planning with %.1f GiB host memory per rank (%d ranks on this host)",
+                   request.budgets.host_bytes / GIB, machine["ranks_per_host"])
     return request
 
 
@@ -370,15 +377,16 @@ def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
     except InfeasiblePlanError as e:
         raise trainer_error(trainer, e, placements[-1]) from None
     if len(tried) > 1:
-        logger.info("LazyTrain: %s rows per pass, embedding / LM head %s, for every sequence-length bucket (the "
-                    "fastest of %d tried)", longest.rows_per_pass or "all", longest.resident, len(tried))
+        logger.log(plan_log_level(trainer), "LazyTrain: %s rows per pass, embedding / LM head %s, for every "
+                   "sequence-length bucket (the fastest of %d tried)", longest.rows_per_pass or "all",
+                   longest.resident, len(tried))
         logger.debug("LazyTrain: planned %s", "; ".join(tried))
     rates.update(resident=longest.resident, rows=longest.rows_per_pass)
     plans = {buckets[-1]: longest}
     for b in buckets[:-1]:  # shorter sequences: smaller activations, always feasible when the longest is
         plans[b] = plan_for_trainer(trainer, b, prefetch_depths=(longest.prefetch_depth,), **rates)
     for b in buckets:
-        logger.info(plan_line(plans[b], B, b, trainer.args.gradient_accumulation_steps))
+        logger.log(plan_log_level(trainer), plan_line(plans[b], B, b, trainer.args.gradient_accumulation_steps))
     return BucketSchedules(plans)
 
 

@@ -98,15 +98,16 @@ class RunPlans:
 
         tr = self.trainer
         ex, cfg = tr.executor, tr.lazy_config
+        level = plan.plan_log_level(tr)  # data parallel: the main process logs the plan
         if cfg.schedule_path:
             schedule = Schedule.from_json(cfg.schedule_path)
             # the kept gradients' memory is freed; the update workspaces stage gradients again (up to (depth + 1)
             # gradient copies per layer kind in forward, far less than the kept ones at the step boundary)
             if schedule.keep_grads and not plan._kept_grads(tr):
                 schedule.keep_grads = False
-                logger.info("LazyTrain: the schedule at %s keeps GPU-updated layers' gradients on the GPU; this run "
-                            "sends them to the host (keep_gpu_grads=%s, gradient_accumulation_steps=%d)",
-                            cfg.schedule_path, cfg.keep_gpu_grads, tr.args.gradient_accumulation_steps)
+                logger.log(level, "LazyTrain: the schedule at %s keeps GPU-updated layers' gradients on the GPU; this "
+                           "run sends them to the host (keep_gpu_grads=%s, gradient_accumulation_steps=%d)",
+                           cfg.schedule_path, cfg.keep_gpu_grads, tr.args.gradient_accumulation_steps)
             ex.set_schedule(schedule)
             self.check_fingerprint(ex.schedule, cfg.schedule_path)
         elif cfg.policy == "milp":
@@ -115,22 +116,22 @@ class RunPlans:
             steps = cfg.calibrate_steps if cfg.calibrate_steps is not None else (3 if ex.device.type == "cuda" else 0)
             self.calibration = Calibration(steps, skip=2 if cfg.overlap_optimizer else 1)
             if len(plans.buckets) > 1:
-                logger.info("LazyTrain: %d sequence-length buckets %s, one plan each", len(plans.buckets),
-                            plans.buckets)
+                logger.log(level, "LazyTrain: %d sequence-length buckets %s, one plan each", len(plans.buckets),
+                           plans.buckets)
         elif cfg.policy == "fixed":
             ex.set_schedule(plan.fixed_plan_for_trainer(tr))
         s = ex.schedule
         predicted = s.predicted.get("step_ms")
-        logger.info("LazyTrain schedule: policy=%s, %d layers, %d checkpoints (tiers %s), %d retained, "
-                    "prefetch_depth=%d, %s rows per pass, embedding / LM head: %s%s", s.policy, s.num_layers,
-                    sum(lp.checkpoint for lp in s.layers), sorted({lp.tier for lp in s.layers if lp.checkpoint}),
-                    sum(lp.retain for lp in s.layers), s.prefetch_depth,
-                    s.rows_per_pass or cfg.max_rows_per_pass or "all", s.resident,
-                    f", predicted step {predicted:.1f} ms" if predicted else "")
+        logger.log(level, "LazyTrain schedule: policy=%s, %d layers, %d checkpoints (tiers %s), %d retained, "
+                   "prefetch_depth=%d, %s rows per pass, embedding / LM head: %s%s", s.policy, s.num_layers,
+                   sum(lp.checkpoint for lp in s.layers), sorted({lp.tier for lp in s.layers if lp.checkpoint}),
+                   sum(lp.retain for lp in s.layers), s.prefetch_depth,
+                   s.rows_per_pass or cfg.max_rows_per_pass or "all", s.resident,
+                   f", predicted step {predicted:.1f} ms" if predicted else "")
         bound = plan.optimizer_bound_line(s.predicted, tr.args.per_device_train_batch_size,
                                           tr.args.gradient_accumulation_steps) if times_are_this_runs(ex) else None
         if bound:
-            logger.warning(bound)
+            logger.log(plan.plan_log_level(tr, logging.WARNING), bound)
         return s
 
     def check_fingerprint(self, schedule: Schedule, path: str) -> None:

@@ -73,12 +73,19 @@ def parse_optim_args_text(optim_args: str | None) -> dict[str, Any]:
     """
     from transformers.trainer_optimizer import _parse_optim_args
 
-    try:
-        split = _parse_optim_args(optim_args)
-    except ValueError as e:  # transformers' split: an entry without exactly one "="
-        raise ValueError(f"optim_args={optim_args!r} must be comma-separated key=value pairs, e.g. "
-                         f"'block_size=256' ({e})") from None
-    return parse_optim_args(split)
+    entries = (optim_args or "").replace(" ", "").split(",") if optim_args else []
+    bad = [e for e in entries if e.count("=") != 1 or ";" in e]  # transformers' split would fail or keep ';'
+    if bad:
+        read = dict(e.split("=") for e in entries if e not in bad)
+        fixed = ",".join(e.replace(";", ",") for e in entries)
+        fixed = fixed if ";" in optim_args and all(e.count("=") == 1 for e in fixed.split(",")) else None
+        raise ValueError(f"optim_args={optim_args!r}: the format is comma-separated key=value pairs (as "
+                         f"TrainingArguments.optim_args, split at ',' then '='), but {bad} "
+                         f"{'is' if len(bad) == 1 else 'are'} not one key=value pair"
+                         + (" (';' is no separator)" if ";" in optim_args else "") + f"; read so far: {read}. "
+                         + (f"Fix: optim_args={fixed!r}" if fixed else "Fix: e.g. optim_args='block_size=256,"
+                                                                       "master_weights=kahan'"))
+    return parse_optim_args(_parse_optim_args(optim_args))
 
 
 def _value_problems(parsed: dict[str, Any]) -> list[str]:

@@ -59,7 +59,7 @@ class LazyTrainerMixin(TRLHooks):
 
     Raises (at construction, before any training time is spent):
         TypeError: `args` is not a TrainingArguments.
-        ValueError: unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
+        ValueError: an empty `train_dataset`, unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
             lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, or invalid
             `lazytrain_config` (or one given both to the trainer and in LazyTrainingArguments).
 
@@ -92,6 +92,7 @@ class LazyTrainerMixin(TRLHooks):
         #: fp16=True's dynamic loss scale (hf/loss_scale.py; None without fp16 or with policy "none"). Its
         #: `scale` / `growth_interval` / ... may be set before `train()`; a resume restores its state
         self.loss_scaler: LossScaler | None = None
+        _check_not_empty(named.get("train_dataset"))
         if cfg.policy != "none":
             if model is None:
                 raise ValueError("LazyTrainer needs `model` (model_init is not supported with the executor)")
@@ -344,6 +345,7 @@ class LazyTrainerMixin(TRLHooks):
     # ---- one micro-batch -----------------------------------------------------------------------------------
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        check_token_ids(inputs, self.model)
         if self.executor is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
@@ -528,6 +530,61 @@ class LazyTrainerMixin(TRLHooks):
         if self.executor is not None and "loss" in logs and self.meter.last:
             logs = {**logs, **self.meter.last}
         super().log(logs, *args, **kwargs)
+
+
+def check_token_ids(inputs: dict[str, Any], model: nn.Module) -> None:
+    """Refuse a batch whose `input_ids` (or `labels`, -100 aside) hold ids outside the model's embedding rows
+    [0, vocab_size), before any layer runs: the embedding would fail with a bare "IndexError: index out of range
+    in self" deep in the step (on CUDA a device-side assert). One min / max reduction per micro-batch.
+
+    Raises:
+        ValueError: naming the largest (or negative) id, the model's vocab_size and the tokenizer / model fix.
+    """
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None)
+    ids, labels = inputs.get("input_ids"), inputs.get("labels")
+    if rows is None or not torch.is_tensor(ids) or not ids.numel():
+        return
+    parts = [ids.min(), ids.max()]
+    if torch.is_tensor(labels) and labels.numel():
+        kept = labels.masked_fill(labels == -100, 0)
+        parts += [kept.min(), kept.max()]
+    lo, hi, *lab = torch.stack([p.to(ids.device, torch.long) for p in parts]).tolist()
+    bad = [(key, lo_, hi_) for key, lo_, hi_ in (("input_ids", lo, hi), ("labels", *(lab or (0, 0))))
+           if lo_ < 0 or hi_ >= rows]
+    if not bad:
+        return
+    key, lo, hi = bad[0]
+    vocab = getattr(model.config, "vocab_size", rows)
+    what = f"a negative id ({lo})" if lo < 0 else f"token id {hi}"
+    raise ValueError(f"the batch's {key} hold {what}, outside the model's vocabulary: vocab_size={vocab} "
+                     f"({rows} embedding rows, ids 0..{rows - 1}). The data was tokenized with another tokenizer than "
+                     "the model's. Fix: tokenize with the model's own tokenizer (or pick a model whose vocabulary "
+                     "covers the tokenizer), or grow the embedding to the tokenizer: "
+                     "model.resize_token_embeddings(len(tokenizer)).")
+
+
+def _check_not_empty(train_dataset: Any) -> None:
+    """Refuse a sized `train_dataset` with no rows when the trainer is built (the stock Trainer fails only in
+    `train()`, with the sampler's "num_samples should be a positive integer value"); an unsized (iterable) one is
+    not checked.
+
+    Raises:
+        ValueError: naming the data set and the filters that commonly empty one.
+    """
+    try:
+        rows = len(train_dataset)
+    except TypeError:  # None, or an IterableDataset
+        return
+    if rows:
+        return
+    info = getattr(train_dataset, "info", None)
+    named = ", ".join(f"{k} {v!r}" for k, v in (("name", getattr(info, "dataset_name", None)),
+                                               ("split", getattr(train_dataset, "split", None))) if v)
+    raise ValueError(f"train_dataset ({type(train_dataset).__name__}{', ' + named if named else ''}) has no rows: "
+                     "nothing to train on. Was every row filtered out (a length filter such as tokenize_for_sft's "
+                     "max_length, a Dataset.filter, a limit of 0)? Fix: check the data set's source and its filters, "
+                     "or raise the length limit.")
 
 
 def _refuse_forward_options(model: nn.Module, args: Any) -> None:

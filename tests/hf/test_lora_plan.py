@@ -68,3 +68,33 @@ def test_a_full_training_schedule_loaded_into_a_lora_run_warns_naming_the_frozen
         assert len(got) == int(warns), (i, got)
         if warns:
             assert "these inputs differ: frozen" in got[0], got[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3-tiny", "qwen3.5-tiny"])
+def test_plan_lora_costs_equal_the_trainers_on_the_real_model(tmp_path, arch):
+    """`lazytrain-hf plan --lora-r` builds the frozen layout on the meta device (`planned_lora_costs`): it equals what
+    the Trainer reads from the wrapped model (`model_frozen_costs`), so a plan's frozen input matches the run's; with
+    --load-in-4bit the packed bytes equal bitsandbytes' own 4-bit layout (nf4, with and without double quantization)."""
+    from lazytrain_hf.hf.peft_support import layout_of, model_frozen_costs, planned_lora_costs
+    from lazytrain_hf.models import resolve_config
+
+    config = resolve_config(arch)
+    # (PEFT has no default target modules for Qwen3.5)
+    for targets in ((None,) if arch == "qwen3-tiny" else ()) + ("all-linear", ["q_proj", "v_proj"]):
+        real = peft.get_peft_model(load_model(arch, "float32"),
+                                   peft.LoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM"))
+        planned = planned_lora_costs(config, 4, targets)
+        assert planned == model_frozen_costs(real) and all(planned["frozen"]) and planned["adapter_params"] > 0
+        assert layout_of(planned) == layout_of(model_frozen_costs(real))
+    bnb = pytest.importorskip("bitsandbytes")  # noqa: F841  (its CPU backend quantizes the real base)
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    load_model(arch, "float32").save_pretrained(str(tmp_path / "base"))
+    for double in (False, True):
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=double,
+                                   bnb_4bit_compute_dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), quantization_config=quant,
+                                                    device_map="cpu", dtype=torch.float32)
+        real = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+        assert planned_lora_costs(config, 4, "all-linear", True, double) == model_frozen_costs(real)

@@ -113,3 +113,25 @@ def test_no_optimizer_bound_hint_from_a_gpus_figures_on_the_cpu_device(tmp_path,
         t.train()
     assert plan.optimizer_bound(t.plans.current.predicted, 1) is not None  # the figures are optimizer-bound
     assert not [r for r in caplog.records if "optimizer-bound" in r.getMessage()]
+
+
+def test_only_the_main_process_logs_the_plan_lines(tmp_path, monkeypatch, caplog):
+    """Data parallel: every rank plans the same run; rank 1 logged rank 0's plan lines again (now at DEBUG)."""
+    from lazytrain_hf.hf import plans
+
+    slow = dataclasses.replace(plan.H200_DEFAULTS, cpu_optim_params_per_s=2e6)  # optimizer-bound: the warning too
+    monkeypatch.setattr(plan, "H200_DEFAULTS", slow)
+    monkeypatch.setattr(plans, "times_are_this_runs", lambda ex: True)
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    args = LazyTrainingArguments(**_common(tmp_path, "rank1", max_steps=1, per_device_train_batch_size=4),
+                                 lazytrain_config={**EXACT, "policy": "milp"})
+    t = LazyTrainer(model=model, args=args, train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
+    monkeypatch.setattr(t, "is_world_process_zero", lambda: False)
+    with caplog.at_level(logging.DEBUG, logger="lazytrain_hf"):
+        t.train()
+    records = [r for r in caplog.records if r.name.startswith("lazytrain_hf.hf.plan")]
+    plan_lines = [r for r in records if r.getMessage().startswith(("LazyTrain plan seq ", "LazyTrain schedule:",
+                                                                  "LazyTrain: optimizer-bound"))]
+    assert len(plan_lines) >= 3 and all(r.levelno == logging.DEBUG for r in plan_lines), plan_lines
+    assert not [r.getMessage() for r in records if r.levelno >= logging.INFO]
+    assert plan.plan_log_level(t) == logging.DEBUG and plan.plan_log_level(object()) == logging.INFO

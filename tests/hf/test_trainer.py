@@ -294,6 +294,11 @@ def test_metrics_in_logs(tmp_path):
     # optim_args are checked here, before LazyTrainer builds the executor (not when train() creates the optimizer)
     (dict(optim_args="block_size=100,blocksize=3"), r"(?s)'blocksize' is not understood.*power of two"),
     (dict(optim_args="block_size"), "comma-separated key=value pairs"),
+    # ';' as separator (was "too many values to unpack"): the format, what was read and the corrected string
+    (dict(optim_args="block_size=256,master_weights=kahan;state_dtype=fp32"),
+     r"the format is comma-separated key=value pairs \(as TrainingArguments.optim_args.*"
+     r"\['master_weights=kahan;state_dtype=fp32'\] is not one key=value pair \(';' is no separator\); read so far: "
+     r"\{'block_size': '256'\}. Fix: optim_args='block_size=256,master_weights=kahan,state_dtype=fp32'"),
 ])
 def test_bad_arguments_fail_before_training(tmp_path, bad, match):
     kw = _common(tmp_path, "bad")
@@ -371,3 +376,54 @@ def test_a_loaded_schedules_kept_gradients_follow_this_runs_settings(tmp_path):
                                                              max_steps=1), lazytrain_config=cfg))
         t.train()
         assert t.executor.schedule.keep_grads == bool(kept) and t.executor.grads.keep_layers == kept, name
+
+
+def test_device_cuda_without_a_cuda_torch_is_one_error_naming_the_fix(tmp_path, monkeypatch):
+    """Before: the executor's first copy to the GPU raised "AssertionError: Torch not compiled with CUDA enabled"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cfg in ({"device": "cuda"}, {"streaming": {"device": "cuda"}}):
+        with pytest.raises(ValueError, match=r"lazytrain_config.device='cuda' \(recipe: lazytrain.device\), but "
+                                             r"this torch .*Fix: set device to 'cpu'.*install a CUDA build of torch"):
+            LazyTrainingArguments(**_common(tmp_path, "cuda"), lazytrain_config=cfg)
+    assert LazyTrainingArguments(**_common(tmp_path, "cpu"), lazytrain_config={"device": "cpu"}).lazy_config.device \
+        == "cpu"
+
+
+def test_token_ids_outside_the_vocabulary_are_one_error_at_the_first_batch(tmp_path):
+    """Before: "IndexError: index out of range in self" from the embedding deep in the step (as the stock Trainer)."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    ds = _dataset(vocab + 1000, seed=1)
+    top = max(max(r) for r in ds["input_ids"])
+    assert top >= vocab
+    lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "ids"),
+                                                               lazytrain_config=dict(EXACT)),
+                       train_dataset=ds, data_collator=_collate)
+    with pytest.raises(ValueError, match=rf"input_ids hold token id \d+, outside the model's vocabulary: "
+                                         rf"vocab_size={vocab} .*resize_token_embeddings"):
+        lazy.train()
+    assert lazy.state.global_step == 0
+    # labels alone out of range (input_ids fine): named as labels
+    batch = _collate([{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [-100, 2, vocab]}])
+    from lazytrain_hf.hf.trainer import check_token_ids
+
+    with pytest.raises(ValueError, match=rf"labels hold token id {vocab},"):
+        check_token_ids(batch, model)
+    check_token_ids(_collate([{"input_ids": [0, vocab - 1], "attention_mask": [1, 1], "labels": [-100, vocab - 1]}]),
+                    model)
+
+
+def test_an_empty_train_dataset_is_refused_before_the_executor_is_built(tmp_path, monkeypatch):
+    """Before: the executor copied the model to host memory, then train() failed in the sampler with "num_samples
+    should be a positive integer value, but got num_samples=0" (the stock Trainer's error too)."""
+    import lazytrain_hf.hf.trainer as trainer_module
+
+    def no_executor(*a, **k):
+        raise AssertionError("the executor was built before the empty data set was refused")
+    monkeypatch.setattr(trainer_module, "StreamingExecutor", no_executor)
+    model = load_model("qwen3-tiny", "float32")
+    empty = _dataset(model.config.vocab_size).filter(lambda r: len(r["input_ids"]) > 10_000)
+    with pytest.raises(ValueError, match=r"train_dataset \(Dataset.*\) has no rows.*filtered out"):
+        LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "empty"),
+                                                            lazytrain_config=dict(EXACT)),
+                    train_dataset=empty, data_collator=_collate)

@@ -203,3 +203,108 @@ def test_no_plan_names_the_flags_to_pass_and_each_named_fix_plans(capsys):
     assert cli_plan.run(_args(*base, "--gpu-memory", gpu, "--batch-size", "64")) == 0
     assert cli_plan.run(_args(*base, "--gpu-memory", "700MiB", "--batch-size", batch,
                               "--gradient-accumulation-steps", steps)) == 0
+
+
+def _fix(out: str) -> str:
+    return out[out.index("Fix: pass "):]
+
+
+def test_a_host_bound_plan_names_host_side_fixes_and_each_plans(capsys):
+    """Only the host budget is short (below the weights + gradients + states): the fix names the --host-memory and a
+    leaner --master-weights, not a --gpu-memory (the 24 GiB given is enough) and not a shorter --seq-len or fewer
+    rows per pass (neither lowers the host's fixed part). Before: "--host-memory 25.93GiB --gpu-memory ..GiB, or a
+    shorter --seq-len"."""
+    import re
+
+    base = ("--model", "qwen2.5-3b", "--gpu-memory", "24GiB", "--batch-size", "4", "--seq-len", "512",
+            "--resident", "gpu", "--max-batch", "0", "--hardware", "defaults")
+    assert cli_plan.run(_args(*base, "--host-memory", "20GiB")) == 1
+    fix = _fix(capsys.readouterr().out)
+    assert "--gpu-memory" not in fix and "--seq-len" not in fix and "--rows-per-pass" not in fix, fix
+    host = re.search(r"--host-memory ([0-9.]+GiB)", fix).group(1)
+    assert "--master-weights none (updates in the weights' dtype, no master copy: host fixed part" in fix, fix
+    assert cli_plan.run(_args(*base, "--host-memory", host)) == 0
+    capsys.readouterr()
+    assert cli_plan.run(_args(*base, "--host-memory", "20GiB", "--master-weights", "none")) == 0
+    capsys.readouterr()
+    # with 24 GiB kahan (2 bytes per parameter) is enough: the first leaner mode that fits is named
+    assert cli_plan.run(_args(*base, "--host-memory", "24GiB")) == 1
+    fix = _fix(capsys.readouterr().out)
+    assert "--master-weights kahan" in fix and "--master-weights none" not in fix, fix
+
+
+def test_a_shorter_sequence_is_named_for_the_host_only_where_it_lowers_the_host_bytes(capsys):
+    """A host-placed embedding's staging buffer follows the tokens: there a shorter --seq-len (and a smaller batch)
+    is a host-side fix, and the one named plans."""
+    import re
+
+    base = ("--model", "qwen3-tiny", "--gpu-memory", "24GiB", "--batch-size", "64", "--resident", "host",
+            "--max-batch", "0", "--hardware", "defaults", "--host-memory", "20MiB")
+    assert cli_plan.run(_args(*base, "--seq-len", "4096")) == 1
+    fix = _fix(capsys.readouterr().out)
+    assert "--gpu-memory" not in fix, fix
+    seq = re.search(r"--seq-len (\d+) \(now 4096: the host-placed embedding's staging buffer", fix).group(1)
+    batch, steps = re.search(r"--batch-size (\d+) --gradient-accumulation-steps (\d+)", fix).groups()
+    assert cli_plan.run(_args(*base, "--seq-len", seq)) == 0
+    assert cli_plan.run(_args(*base, "--seq-len", "4096", "--batch-size", batch,
+                              "--gradient-accumulation-steps", steps)) == 0
+
+
+def test_more_host_memory_for_boundaries_is_named_when_it_fits_the_gpu_budget(capsys):
+    """The host holds the fixed part but no CPU-tier boundaries, and with room for them the given GPU budget fits:
+    the fix names that --host-memory (next to the GPU-side fixes), and it plans."""
+    import re
+
+    base = ("--model", "qwen2.5-3b", "--gpu-memory", "15GiB", "--batch-size", "64", "--seq-len", "2048",
+            "--rows-per-pass", "1", "--resident", "gpu", "--max-batch", "0", "--hardware", "defaults")
+    assert cli_plan.run(_args(*base, "--host-memory", "25.93GiB")) == 1
+    fix = _fix(capsys.readouterr().out)
+    host = re.search(r"--host-memory ([0-9.]+GiB) \(room for CPU-tier boundaries", fix).group(1)
+    assert cli_plan.run(_args(*base, "--host-memory", host)) == 0
+
+
+def test_a_lora_plan_keeps_the_frozen_base_at_2_bytes_per_parameter(tmp_path, capsys):
+    """--lora-r plans as a recipe's peft section trains: the decoder layers' host part is their bf16 weights alone
+    (2 bytes per parameter, no gradients or optimizer states), the adapters on the GPU; --load-in-4bit packs them."""
+    import re
+
+    import pytest
+
+    pytest.importorskip("peft")
+    from lazytrain_hf.models import resolve_config
+    from lazytrain_hf.profiling import model_shape
+
+    base = ("--model", "qwen2.5-3b", "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--batch-size", "4",
+            "--seq-len", "512", "--resident", "gpu", "--max-batch", "0", "--hardware", "defaults")
+    printed, fixed = {}, {}
+    for name, extra in {"full": (), "lora": ("--lora-r", "16", "--lora-target-modules", "all-linear"),
+                        "qlora": ("--lora-r", "16", "--lora-target-modules", "all-linear", "--load-in-4bit")}.items():
+        assert cli_plan.run(_args(*base, *extra, "--out-dir", str(tmp_path / name))) == 0
+        out = capsys.readouterr().out
+        printed[name] = (float(re.search(r"\(fixed part ([0-9.]+) GiB\)", out).group(1)),
+                         float(re.search(r"; host ([0-9.]+) GiB of", out).group(1)))
+        fixed[name] = json.loads(next((tmp_path / name).glob("*.cost_model.json")).read_text())["host_fixed_bytes"]
+        if name != "full":
+            assert "LoRA r 16 on all-linear: " in out and "adapter params on the GPU" in out, out
+            assert "lora16-all-linear" in next((tmp_path / name).glob("*.schedule.json")).name
+    layers = sum(model_shape(resolve_config("qwen2.5-3b")).layer_params)
+    assert fixed["lora"] == 2 * layers  # the frozen base: 2 bytes per parameter, nothing else on the host
+    assert fixed["full"] > 6 * layers and fixed["qlora"] < 0.6 * layers
+    assert printed["full"][0] > printed["lora"][0] > printed["qlora"][0], printed  # the printed fixed part
+    assert printed["full"][1] > printed["lora"][1] > printed["qlora"][1], printed  # the printed host peak
+
+
+def test_lora_flag_mistakes_exit_2(capsys):
+    import pytest
+
+    pytest.importorskip("peft")
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--load-in-4bit", "--hardware", "defaults")) == 2
+    assert "add --lora-r N" in capsys.readouterr().err
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--lora-r", "0", "--hardware", "defaults")) == 2
+    assert "--lora-r must be >= 1" in capsys.readouterr().err
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--lora-r", "4", "--lora-target-modules", "no_such_proj",
+                              "--hardware", "defaults")) == 2
+    assert "--lora-target-modules no_such_proj: PEFT cannot wrap 'qwen3-tiny'" in capsys.readouterr().err
+    # PEFT has no default target modules for Qwen3.5: named with the fix
+    assert cli_plan.run(_args("--model", "qwen3.5-tiny", "--lora-r", "4", "--hardware", "defaults")) == 2
+    assert "PEFT's default target modules" in (err := capsys.readouterr().err) and "Fix: pass --lora-target" in err
