@@ -1,6 +1,7 @@
 """Long runs on real machines: the memory limit the process really has (emulated cgroups), the disk space of
 checkpoints, atomic checkpoints (a save failing at each file write leaves the previous one to resume from, exactly),
-damaged checkpoint files, and a graceful stop at a step boundary on SIGTERM."""
+damaged checkpoint files, a graceful stop at a step boundary on SIGTERM (one process and 2 gloo ranks), the
+interrupt grace period's fallback to the last periodic checkpoint, and the documented checkpoint sizes."""
 
 from __future__ import annotations
 
