@@ -41,7 +41,9 @@ def train(args: argparse.Namespace) -> int:
     Every input problem (recipe keys, data files, schema, architecture, conflicting flags) is raised before the
     model loads or training starts. On SIGTERM / SIGINT training stops at the next optimizer step with a complete
     checkpoint-N (hf/longrun.py) and this returns 128 + the signal number (143 for SIGTERM, 130 for SIGINT)
-    without writing final/ or evaluating; ``--resume last`` continues the run exactly.
+    without writing final/ or evaluating; ``--resume last`` continues the run exactly. With
+    ``lazytrain.interrupt_grace_period`` set and a save that would not finish within it, no checkpoint is written at
+    the stop and ``--resume last`` continues from the last periodic one (the log says which).
     """
     from .recipe import load_recipe
 
@@ -111,9 +113,9 @@ def train(args: argparse.Namespace) -> int:
         from .hf.longrun import exit_status
 
         status = exit_status(trainer.interrupted)
-        logger.warning("training stopped by signal %d at step %d (checkpoint-%d saved); exiting with status %d; "
-                       "continue with --resume last", trainer.interrupted, trainer.state.global_step,
-                       trainer.state.global_step, status)
+        logger.warning("training stopped by signal %d at step %d; exiting with status %d; --resume last continues "
+                       "from %s", trainer.interrupted, trainer.state.global_step, status,
+                       trainer.interrupt_checkpoint or "nothing (no checkpoint was saved)")
         return status
     out = Path(targs.output_dir)
     final = out / "final"

@@ -1,8 +1,8 @@
 """`LazyTrainConfig`: every knob of the executor, planner and optimizer, in validated groups by concern.
 
-Groups (one dataclass each): `planning`, `memory`, `streaming`, `optimizer`, `data_parallel`, `experimental`. Every
-field has short help in its metadata (``field(metadata={"help": ...})``, as transformers' TrainingArguments);
-docs/configuration.md is generated from it (``python -m lazytrain_hf.config > docs/configuration.md``).
+Groups (one dataclass each): `planning`, `memory`, `streaming`, `optimizer`, `data_parallel`, `interruption`,
+`experimental`. Every field has short help in its metadata (``field(metadata={"help": ...})``, as transformers'
+TrainingArguments); docs/configuration.md is generated from it (``python -m lazytrain_hf.config > docs/configuration.md``).
 
 Field names are unique across the groups, so each key also has a flat spelling, the field name alone: ``policy``
 means ``planning.policy`` in a dict / YAML / JSON config, as a keyword (``LazyTrainConfig(policy="milp")``), in
@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 from . import envvars
 
 __all__ = ["LazyTrainConfig", "PlanningConfig", "MemoryConfig", "StreamingConfig", "OptimizerConfig",
-           "DataParallelConfig", "ExperimentalConfig", "GROUPS", "FLAT_KEYS", "SIZE_FIELDS", "parse_bytes",
-           "format_bytes", "GIB", "did_you_mean", "cpu_threads", "config_fields", "render_markdown"]
+           "DataParallelConfig", "InterruptionConfig", "ExperimentalConfig", "GROUPS", "FLAT_KEYS", "SIZE_FIELDS",
+           "parse_bytes", "parse_duration", "format_bytes", "GIB", "did_you_mean", "cpu_threads", "config_fields", "render_markdown"]
 
 GIB = 1024**3
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
@@ -58,6 +58,30 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size such as '24GiB' or '80GB', but got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+_SECONDS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def parse_duration(value: int | float | str | None) -> float | None:
+    """Parse a duration such as ``"90s"``, ``"2min"``, ``"1.5h"`` or ``90`` (a number: seconds) into seconds. A string
+    needs its unit (s / sec, m / min, h), as sizes do.
+
+    Raises:
+        ValueError: not a number, nor a number followed by one of those units.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as '90s', but got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if m and not m.group(2):
+        raise ValueError(f"{value!r} has no unit; give one, e.g. '{m.group(1)}s' (or '{m.group(1)}min')")
+    if not m or m.group(2).lower() not in _SECONDS:
+        raise ValueError(f"expected a duration such as '90s', '2min' or '1h', but got {value!r}")
+    return float(m.group(1)) * _SECONDS[m.group(2).lower()]
 
 
 def did_you_mean(bad: list[str], known: Any, prefix: str = "") -> str:
@@ -181,6 +205,16 @@ def _check_field(obj: Any, f: dataclasses.Field, key: str, problems: list[str]) 
         setattr(obj, f.name, value)
         if value is not None and value < 0:
             problems.append(f"{key} must be a size >= 0 such as {meta['size']}, but got {value}")
+    elif "duration" in meta:
+        try:
+            value = parse_duration(value)
+        except ValueError as e:
+            problems.append(f"{key}: {e}")
+            return
+        setattr(obj, f.name, value)
+        if value is not None and not value > 0:
+            problems.append(f"{key} must be a duration > 0 such as {meta['duration']} (unset: no grace period), "
+                            f"but got {value!r}")
     elif "range" in meta and not (value is None and "None" in str(f.type)):
         _check_int(problems, key, value, *meta["range"])
 
@@ -329,6 +363,21 @@ class DataParallelConfig(_Group):
 
 @_records_given
 @dataclass
+class InterruptionConfig(_Group):
+    """The stop on SIGTERM / SIGINT: at the next optimizer-step boundary, with a checkpoint (hf/longrun.py)."""
+
+    GROUP: ClassVar[str] = "interruption"
+
+    interrupt_grace_period: float | str | None = field(default=None, metadata=_help(
+        'The time the platform allows between SIGTERM and killing the process, e.g. "90s" or "2min" (a number: '
+        "seconds). Set, the stop writes its checkpoint only when the save fits in what is left of it (the estimate: "
+        "the duration of the last timed save, of this run or recorded in the newest checkpoint's manifest); else "
+        "it writes none and says that a resume continues from the last periodic checkpoint. None: the checkpoint "
+        "is always written.", duration="'90s'"))
+
+
+@_records_given
+@dataclass
 class ExperimentalConfig(_Group):
     """Switches kept for measurements and comparisons; the defaults are what the benchmarks support."""
 
@@ -373,7 +422,8 @@ class ExperimentalConfig(_Group):
 
 #: group name -> its dataclass, in the order of LazyTrainConfig's fields
 GROUPS: dict[str, type[_Group]] = {cls.GROUP: cls for cls in (
-    PlanningConfig, MemoryConfig, StreamingConfig, OptimizerConfig, DataParallelConfig, ExperimentalConfig)}
+    PlanningConfig, MemoryConfig, StreamingConfig, OptimizerConfig, DataParallelConfig, InterruptionConfig,
+    ExperimentalConfig)}
 #: flat key -> "group.key"
 FLAT_KEYS: dict[str, str] = {f.name: f"{g}.{f.name}" for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 # the flat dataclass's field order: positional arguments and `to_dict()` follow it
@@ -383,7 +433,7 @@ _FLAT_ORDER = (
     "overlap_optimizer", "gpu_layer_updates", "keep_gpu_grads", "prepared_states_budget", "dp_updates",
     "loss_chunk_tokens", "schedule_path", "plan_buckets", "solver_time_limit_s", "profile_layers", "calibrate_steps",
     "solver_mip_rel_gap", "state_dtype", "master_weights", "block_size", "min_8bit_size", "fp32_state_modules",
-    "resident_placement", "compile_linear_attention")
+    "resident_placement", "compile_linear_attention", "interrupt_grace_period")
 assert sorted(_FLAT_ORDER) == sorted(FLAT_KEYS), "every field has one flat key, in _FLAT_ORDER"
 
 
@@ -426,6 +476,8 @@ class LazyTrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata=_help(OptimizerConfig.__doc__))
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig,
                                               metadata=_help(DataParallelConfig.__doc__))
+    interruption: InterruptionConfig = field(default_factory=InterruptionConfig,
+                                             metadata=_help(InterruptionConfig.__doc__))
     experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig,
                                              metadata=_help(ExperimentalConfig.__doc__))
 
@@ -513,6 +565,9 @@ class LazyTrainConfig:
     def __setstate__(self, state: dict[str, Any]) -> None:
         if set(state) <= set(GROUPS):
             self.__dict__.update(state)
+            for g, cls in GROUPS.items():  # pickled before the group existed: its defaults
+                if g not in self.__dict__:
+                    self.__dict__[g] = cls()
         else:  # pickled when LazyTrainConfig was one flat dataclass: its fields are the flat keys
             self._build({k: v for k, v in state.items() if not str(k).startswith("_")})
 
@@ -603,6 +658,8 @@ def _type_text(f: dataclasses.Field) -> str:
         return "one of " + ", ".join(f"`{c}`" for c in meta["choices"])
     if "size" in meta:
         return "size" + (" or `None`" if "None" in hint else "") + f", e.g. `{meta['size'].split()[0]}`"
+    if "duration" in meta:
+        return "duration" + (" or `None`" if "None" in hint else "") + f", e.g. `{meta['duration']}`"
     if "range" in meta:
         return f"`{hint}`, in [{meta['range'][0]}, {meta['range'][1]}]"
     return f"`{hint}`"

@@ -120,7 +120,7 @@ def field_env_name(field_name: str) -> str:
 
 
 def _field_var(group: str, f: dataclasses.Field) -> EnvVar:
-    from .config import _CHOICES, SIZE_FIELDS, parse_bytes
+    from .config import _CHOICES, SIZE_FIELDS, parse_bytes, parse_duration
 
     hint = str(f.type)
     if f.name in _CHOICES:
@@ -136,6 +136,8 @@ def _field_var(group: str, f: dataclasses.Field) -> EnvVar:
         accepted = "true or false (also 1 / 0, yes / no, on / off)"
     elif f.name in SIZE_FIELDS:
         parse, accepted = parse_bytes, "a size with its unit, such as '24GiB', '80GB' or '4096B'"
+    elif "duration" in f.metadata:
+        parse, accepted = parse_duration, "a duration with its unit, such as '90s', '2min' or '1h'"
     elif hint.startswith("int"):
         parse, accepted = int, "an integer"
     elif hint == "float":

@@ -34,7 +34,7 @@ CHANGED = {"policy": "milp", "device": "cpu", "checkpoint_every": 2, "activation
            "schedule_path": None, "plan_buckets": 2, "solver_time_limit_s": 3.0, "profile_layers": False,
            "calibrate_steps": 0, "solver_mip_rel_gap": 0.05, "state_dtype": "fp32", "master_weights": "kahan",
            "block_size": 128, "min_8bit_size": 16, "fp32_state_modules": ["q_proj"], "resident_placement": "host",
-           "compile_linear_attention": True}
+           "compile_linear_attention": True, "interrupt_grace_period": 90.0}
 
 
 @pytest.fixture(autouse=True)
@@ -218,3 +218,34 @@ def test_a_size_string_needs_its_unit_in_python_and_the_environment_too(monkeypa
     monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_BUDGET", "24")
     with pytest.raises(ValueError, match="LAZYTRAIN_GPU_MEMORY_BUDGET must be a size with its unit"):
         LazyTrainConfig()
+
+
+def test_a_grace_period_is_a_duration_in_python_yaml_and_the_environment(monkeypatch, tmp_path):
+    assert LazyTrainConfig().interrupt_grace_period is None
+    assert LazyTrainConfig(interrupt_grace_period="90s").interrupt_grace_period == 90.0
+    assert LazyTrainConfig(interruption={"interrupt_grace_period": "1.5min"}).interrupt_grace_period == 90.0
+    assert LazyTrainConfig(interrupt_grace_period=30).interrupt_grace_period == 30.0  # a number: seconds
+    with pytest.raises(ValueError) as e:
+        LazyTrainConfig(interrupt_grace_period="90")
+    assert "lazytrain_config.interrupt_grace_period: '90' has no unit; give one, e.g. '90s'" in str(e.value)
+    with pytest.raises(ValueError, match=r"interruption.interrupt_grace_period must be a duration > 0"):
+        LazyTrainConfig(interruption={"interrupt_grace_period": "0s"})
+    with pytest.raises(ValueError, match="expected a duration such as '90s'"):
+        LazyTrainConfig(interrupt_grace_period="2 days")
+    recipe = load_recipe(RECIPE, ["lazytrain.interrupt_grace_period=2min"])
+    assert LazyTrainConfig.from_any(recipe.lazytrain).interrupt_grace_period == 120.0
+    monkeypatch.setenv("LAZYTRAIN_INTERRUPT_GRACE_PERIOD", "45s")
+    assert LazyTrainConfig().interrupt_grace_period == 45.0
+    assert LazyTrainConfig(interrupt_grace_period=None).interrupt_grace_period is None  # given: the variable unread
+    monkeypatch.setenv("LAZYTRAIN_INTERRUPT_GRACE_PERIOD", "45")
+    with pytest.raises(ValueError, match="LAZYTRAIN_INTERRUPT_GRACE_PERIOD must be a duration with its unit"):
+        LazyTrainConfig()
+
+
+def test_a_config_pickled_before_a_group_existed_gets_its_defaults():
+    cfg = LazyTrainConfig(policy="milp", interrupt_grace_period="1min")
+    state = dict(cfg.__dict__)
+    del state["interruption"]
+    old = LazyTrainConfig.__new__(LazyTrainConfig)
+    old.__setstate__(state)
+    assert old.policy == "milp" and old.interrupt_grace_period is None and old == LazyTrainConfig(policy="milp")

@@ -5,7 +5,9 @@ into ``<output_dir>/.tmp-checkpoint-N/checkpoint-N``, adds the run's schedule an
 size (`MANIFEST_NAME`, written last), then renames it to ``<output_dir>/checkpoint-N`` and rotates old checkpoints
 (`save_total_limit`). A save that fails (a full disk, an injected error) removes its partial directory and raises one
 error (`CheckpointSaveError`: the bytes needed and free); a process killed during a save leaves only the staging
-directory, which no resume picks up (its name does not match ``checkpoint-N``) and the next save removes.
+directory, which no resume picks up (its name does not match ``checkpoint-N``) and the next save removes. The
+manifest also records how long the save took until it was written (``save_s``, `recorded_save_seconds`): a resumed
+run's grace-period estimate before it has timed a save of its own (hf/longrun.py).
 
 On resume, `resolve_resume` checks the checkpoint against its manifest (a missing or truncated file is named);
 ``resume_from_checkpoint=True`` and the CLI's ``--resume last`` take the newest complete checkpoint
@@ -22,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,7 +33,7 @@ from ..profiling.limits import ResourceLimitError, disk_free
 
 __all__ = ["MANIFEST_NAME", "STAGING_PREFIX", "CheckpointError", "CheckpointSaveError", "save_atomically",
            "checkpoint_problems", "last_complete_checkpoint", "resolve_resume", "naming_load_errors",
-           "remove_stale_staging"]
+           "remove_stale_staging", "recorded_save_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ def remove_stale_staging(run_dir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _manifest(ckpt: str, step: int) -> None:
+def _manifest(ckpt: str, step: int, save_s: float) -> None:
     files = {}
     for root, _dirs, names in os.walk(ckpt):
         for n in names:
@@ -79,7 +82,7 @@ def _manifest(ckpt: str, step: int) -> None:
             files[os.path.relpath(p, ckpt)] = os.path.getsize(p)
     path = os.path.join(ckpt, MANIFEST_NAME)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"step": step, "files": dict(sorted(files.items()))}, f, indent=1)
+        json.dump({"step": step, "save_s": round(save_s, 3), "files": dict(sorted(files.items()))}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -97,10 +100,12 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, trial: Any) -> None:
+def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, trial: Any,
+                    clock: Callable[[], float] = time.monotonic) -> float:
     """Run `save` (the Trainer's `_save_checkpoint`) into a staging directory and rename it into place when
     complete. Checks the free space first (`hf.preflight.check_checkpoint_space`). Hub pushes and hyperparameter
-    searches keep the stock layout (the push reads the directory as it is written).
+    searches keep the stock layout (the push reads the directory as it is written). Returns the seconds the save
+    took on `clock`; the manifest records them too (``save_s``, up to its own write).
 
     Raises:
         ResourceLimitError: less free space than the checkpoint's size (nothing was written).
@@ -112,9 +117,10 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
     from . import preflight
 
     args, state = trainer.args, trainer.state
+    t0 = clock()
     if args.push_to_hub or trial is not None or getattr(trainer, "hp_search_backend", None) is not None:
         save(model, trial)
-        return
+        return clock() - t0
     run_dir = args.output_dir
     name = f"checkpoint-{state.global_step}"
     stage_root = os.path.join(run_dir, STAGING_PREFIX + name)
@@ -149,7 +155,7 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
     if args.world_size > 1:
         trainer.accelerator.wait_for_everyone()  # every rank's files (RNG states) are in the staging directory
     if not main:
-        return
+        return clock() - t0
     best = state.best_model_checkpoint
     if best and os.path.abspath(best) == os.path.abspath(staged):
         state.best_model_checkpoint = final
@@ -159,7 +165,7 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
         from .callback import SCHEDULE_NAME
 
         ex.schedule.to_json(os.path.join(staged, SCHEDULE_NAME))
-    _manifest(staged, state.global_step)
+    _manifest(staged, state.global_step, clock() - t0)
     old = None
     if os.path.isdir(final):  # saved again at the same step: the new one replaces it whole
         old = os.path.join(run_dir, STAGING_PREFIX + "old-" + name)
@@ -172,6 +178,17 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
         shutil.rmtree(old, ignore_errors=True)
     rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
                        best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+    return clock() - t0
+
+
+def recorded_save_seconds(ckpt: str) -> float | None:
+    """The seconds the save of `ckpt` took (its manifest's ``save_s``); None without a manifest or that record."""
+    try:
+        with open(os.path.join(ckpt, MANIFEST_NAME), encoding="utf-8") as f:
+            seconds = float(json.load(f)["save_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return seconds if seconds > 0 else None
 
 
 # ---- resuming ---------------------------------------------------------------------------------------------------

@@ -88,6 +88,9 @@ class LazyTrainerMixin(TRLHooks):
         self._window = Window()  # this accumulation window's micro-batches, to run them again after an abort
         #: the signal (SIGTERM / SIGINT) that stopped the last `train` at a step boundary, None when it ran out
         self.interrupted: int | None = None
+        #: after an interrupted `train`: the checkpoint a resume continues from (the one written at the stop, or with
+        #: `interrupt_grace_period` too short for a save, the last complete one; None when there is none)
+        self.interrupt_checkpoint: str | None = None
         self._deferred_ref_logps: list = []  # DPOTrainer's reference log-probabilities, run once the executor is built
         #: fp16=True's dynamic loss scale (hf/loss_scale.py; None without fp16 or with policy "none"). Its
         #: `scale` / `growth_interval` / ... may be set before `train()`; a resume restores its state
@@ -171,7 +174,8 @@ class LazyTrainerMixin(TRLHooks):
             return super().train(resume, *pos, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        checkpoint.save_atomically(self, super()._save_checkpoint, model, trial)
+        seconds = checkpoint.save_atomically(self, super()._save_checkpoint, model, trial, clock=self.longrun.clock)
+        self.longrun.note_save(seconds)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         with checkpoint.naming_load_errors(resume_from_checkpoint):

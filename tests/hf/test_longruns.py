@@ -1,20 +1,24 @@
 """Long runs on real machines: the memory limit the process really has (emulated cgroups), the disk space of
 checkpoints, atomic checkpoints (a save failing at each file write leaves the previous one to resume from, exactly),
-damaged checkpoint files, and a graceful stop at a step boundary on SIGTERM."""
+damaged checkpoint files, a graceful stop at a step boundary on SIGTERM (one process and 2 gloo ranks), the
+interrupt grace period's fallback to the last periodic checkpoint, and the documented checkpoint sizes."""
 
 from __future__ import annotations
 
 import builtins
 import copy
 import errno
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers.modeling_utils
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 import lazytrain_hf  # noqa: F401
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
@@ -251,3 +255,242 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_resume_is_exact(
     got = _losses(resumed, after=3)
     assert sorted(got) == [4, 5, 6]
     assert [got[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-6)
+
+
+# ---- the grace period -------------------------------------------------------------------------------------------
+class Clock:
+    """The clock of the grace period and of save timing (`LongRunCallback.clock`), advanced by the test."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _slow_saves(monkeypatch, clock: Clock, seconds: float) -> None:
+    """Every checkpoint save takes `seconds` on `clock` (the stock save under the atomic one)."""
+    orig = Trainer._save_checkpoint
+
+    def slow(self, model, trial):
+        orig(self, model, trial)
+        clock.t += seconds
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", slow)
+
+
+class SigtermAndWait(SigtermAt):
+    """SIGTERM during step `step`, then `wait_s` on `clock` before the step ends (a long step)."""
+
+    def __init__(self, step: int, clock: Clock, wait_s: float = 0.0) -> None:
+        super().__init__(step)
+        self.clock, self.wait_s = clock, wait_s
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        super().on_step_begin(args, state, control, **kwargs)
+        if state.global_step == self.step - 1:
+            self.clock.t += self.wait_s
+
+
+def _grace_trainer(tmp_path, name, model, clock, grace, **kw):
+    tr = _trainer(tmp_path, name, copy.deepcopy(model), lazy={**EXACT, "interrupt_grace_period": grace},
+                  **{**GRACE, **kw})
+    tr.longrun.clock = clock
+    return tr
+
+
+GRACE = dict(max_steps=6, save_strategy="steps", save_steps=2)
+
+
+def test_a_save_that_cannot_finish_in_the_grace_period_falls_back_to_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """Saves take 50 s, the grace period is 30 s: SIGTERM in step 3 stops after step 3 without starting a checkpoint,
+    the line names checkpoint-2, and resuming from it gives the uninterrupted run's losses. The resumed run, started
+    afresh, takes the 50 s from checkpoint-2's manifest and falls back the same way."""
+    model = load_model("qwen3-tiny", "float32", seed=7)
+    ref = _trainer(tmp_path, "ref", copy.deepcopy(model), **GRACE)
+    ref.train()
+    want = _losses(ref)
+    out = tmp_path / "int"
+    clock = Clock()
+    with monkeypatch.context() as m:
+        _slow_saves(m, clock, 50.0)
+        tr = _grace_trainer(tmp_path, "int", model, clock, "30s")
+        tr.add_callback(SigtermAndWait(3, clock))
+        caplog.clear()
+        tr.train()
+    assert tr.interrupted == signal.SIGTERM and tr.state.global_step == 3
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]  # no checkpoint-3, nothing staged
+    assert tr.interrupt_checkpoint == str(out / "checkpoint-2")
+    lines = [r.getMessage() for r in caplog.records if "without a new checkpoint" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "takes about 50 s" in lines[0] and "30 s of the 30 s grace period" in lines[0]
+    assert f"continues from {out / 'checkpoint-2'} (step 3 runs again)" in lines[0] and "--resume last" in lines[0]
+    assert ckpt_mod.recorded_save_seconds(str(out / "checkpoint-2")) == 50.0
+
+    again = _grace_trainer(tmp_path, "int", model, Clock(), "30s")  # no slow saves now: the manifest's 50 s
+    again.add_callback(SigtermAt(3))
+    again.train(resume_from_checkpoint=True)
+    assert again.interrupted == signal.SIGTERM and again.interrupt_checkpoint == str(out / "checkpoint-2")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+
+    resumed = _grace_trainer(tmp_path, "int", model, Clock(), "30s")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.interrupted is None and resumed.state.global_step == 6
+    got = _losses(resumed, after=2)
+    assert sorted(got) == [3, 4, 5, 6]
+    assert [got[s] for s in got] == pytest.approx([want[s] for s in got], rel=1e-6)
+
+
+@pytest.mark.parametrize("grace, wait_s, keep_earlier, saved", [
+    ("1000s", 0.0, True, True),    # ample: saved as without a grace period
+    ("1000s", 980.0, True, False),  # a long step after the signal ate the grace period: 20 s left, 50 s needed
+    ("30s", 0.0, False, True),     # too short, but no earlier checkpoint to fall back to: saved anyway
+])
+def test_the_grace_period_counts_from_the_signal(tmp_path, monkeypatch, caplog, grace, wait_s, keep_earlier, saved):
+    model = load_model("qwen3-tiny", "float32", seed=7)
+    out = tmp_path / "g"
+    clock = Clock()
+
+    class DropCheckpoints(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2 and not keep_earlier:
+                import shutil
+
+                shutil.rmtree(out / "checkpoint-2")
+
+    with monkeypatch.context() as m:
+        _slow_saves(m, clock, 50.0)
+        tr = _grace_trainer(tmp_path, "g", model, clock, grace, max_steps=4)
+        tr.add_callback(DropCheckpoints())
+        tr.add_callback(SigtermAndWait(3, clock, wait_s))
+        tr.train()
+    assert tr.interrupted == signal.SIGTERM and tr.state.global_step == 3
+    assert (out / "checkpoint-3").is_dir() == saved
+    if saved:
+        assert not ckpt_mod.checkpoint_problems(str(out / "checkpoint-3"))
+        assert tr.interrupt_checkpoint == str(out / "checkpoint-3")
+        assert ("no earlier checkpoint to fall back to" in caplog.text) == (not keep_earlier)
+    else:
+        assert tr.interrupt_checkpoint == str(out / "checkpoint-2")
+        assert "20 s of the 1000 s grace period" in caplog.text
+
+
+def test_a_checkpoints_size_counts_the_optimizer_states_after_they_exist(tmp_path):
+    """`checkpoint_bytes` (the free-space check before each save, the grace-period estimate) after steps have run:
+    the states held count (they were left out once the first step had allocated them)."""
+    tr = _trainer(tmp_path, "s", max_steps=2, save_strategy="steps", save_steps=2)
+    tr.train()
+    ck = tmp_path / "s" / "checkpoint-2"
+    saved = (ck / "model.safetensors").stat().st_size + (ck / "optimizer.pt").stat().st_size
+    got = preflight.checkpoint_bytes(tr) - preflight.CHECKPOINT_OVERHEAD_BYTES
+    assert 0.95 * saved <= got <= saved
+
+
+# ---- data parallel: 2 gloo ranks (tests/hf/interrupt_worker.py) -------------------------------------------------
+INTERRUPT_WORKER = Path(__file__).with_name("interrupt_worker.py")
+
+
+def _torchrun(tmp: Path, launcher: tuple[str, ...] = (), worker: tuple[str, ...] = (),
+              check: bool = True) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[2]  # the checkout under test first (as tests/hf/test_ddp.py)
+    path = os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        *launcher, str(INTERRUPT_WORKER), "--out", str(tmp), *worker], cwd=tmp, env=env, capture_output=True,
+                       text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def interrupted_2_ranks(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("dp_interrupt")
+    _torchrun(tmp)
+    return tmp
+
+
+def _same_as_ref(ref: dict, got: dict, steps: list[int]) -> None:
+    assert sorted(got["logs"]) == steps
+    assert [got["logs"][s] for s in steps] == pytest.approx([ref["logs"][s] for s in steps], rel=1e-6)
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_sigterm_on_one_rank_stops_both_at_one_step_with_one_checkpoint(interrupted_2_ranks):
+    """SIGTERM reaches rank 1 only, in step 3: both ranks stop after step 3, checkpoint-3 is whole (the sharded
+    states gathered from both), and the resumed 2-rank run ends where the uninterrupted one did."""
+    tmp = interrupted_2_ranks
+    r0, r1 = (torch.load(tmp / f"rank{r}.pt") for r in (0, 1))
+    for res in (r0, r1):
+        run = res["term"]
+        assert run["interrupted"] == signal.SIGTERM and run["stopped_at"] == 3
+        assert run["files"] == ["checkpoint-2", "checkpoint-3"]
+        assert run["interrupt_checkpoint"] == str(tmp / "term" / "checkpoint-3")
+        assert run["resumed_interrupted"] is None
+        _same_as_ref(res["ref"], run, [4, 5, 6])
+    assert not ckpt_mod.checkpoint_problems(str(tmp / "term" / "checkpoint-3"))
+
+
+def test_ranks_agree_to_fall_back_when_one_ranks_save_would_not_fit_the_grace_period(interrupted_2_ranks):
+    """Grace period 30 s; rank 1's saves take 50 s (on the worker's clock), rank 0's none; SIGTERM reaches rank 0
+    only: both ranks stop after step 3 without a checkpoint (rank 0 alone would have started one, and the save's
+    collectives would wait for rank 1), and resuming from checkpoint-2 ends where the uninterrupted run did."""
+    tmp = interrupted_2_ranks
+    for rank in (0, 1):
+        res = torch.load(tmp / f"rank{rank}.pt")
+        run = res["grace"]
+        assert run["interrupted"] == signal.SIGTERM and run["stopped_at"] == 3
+        assert run["files"] == ["checkpoint-2"]
+        assert run["interrupt_checkpoint"] == str(tmp / "grace" / "checkpoint-2")
+        _same_as_ref(res["ref"], run, [3, 4, 5, 6])
+
+
+def test_sigterm_to_the_torchrun_launcher_reaches_both_ranks_and_leaves_one_checkpoint(interrupted_2_ranks):
+    """The launcher passes SIGTERM to every rank (killing them after --shutdown-timeout): both stop after the same
+    step S (3, or later when the signal arrives after step 3 ended), with checkpoint-S whole and holding the
+    uninterrupted run's losses up to S."""
+    tmp = interrupted_2_ranks / "launch"
+    tmp.mkdir()
+    r = _torchrun(tmp, ("--shutdown-timeout", "300"), ("--launcher-term",), check=False)  # the launcher: an error
+    assert all((tmp / f"launcher{rank}.pt").is_file() for rank in (0, 1)), r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [torch.load(tmp / f"launcher{rank}.pt") for rank in (0, 1)]
+    step = rows[0]["stopped_at"]
+    assert step >= 3 and all(r["stopped_at"] == step and r["interrupted"] == signal.SIGTERM for r in rows)
+    ck = tmp / "launcher" / f"checkpoint-{step}"
+    assert rows[0]["files"] == rows[1]["files"] == ["checkpoint-2", ck.name]
+    assert not ckpt_mod.checkpoint_problems(str(ck))
+    logged = {h["step"]: h["loss"] for h in json.loads((ck / "trainer_state.json").read_text())["log_history"]
+              if "loss" in h}
+    ref = torch.load(interrupted_2_ranks / "rank0.pt")["ref"]["logs"]
+    assert sorted(logged) == list(range(1, step + 1))
+    assert [logged[s] for s in logged] == pytest.approx([ref[s] for s in logged], rel=1e-6)
+
+
+def test_the_documented_checkpoint_sizes_are_what_the_optimizer_layout_gives():
+    """docs/trainer.md's table (GiB): bf16 weights of the registry's configs on the meta device, the Hybrid 8-bit
+    states its `state_specs` lists (embedding and LM head fp32), plus the preflight's allowance."""
+    import transformers
+
+    from lazytrain_hf.models import resolve_config
+    from lazytrain_hf.optim import Hybrid8bitOptimizer
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for line in doc.splitlines()
+            if (cells := line.split("|")) and len(cells) == 8 and cells[1].strip().startswith("qwen")}
+    assert sorted(rows) == ["qwen2.5-3b", "qwen2.5-7b", "qwen3-14b", "qwen3.6-27b"]
+    for name, cells in rows.items():
+        with torch.device("meta"):
+            m = transformers.AutoModelForCausalLM.from_config(resolve_config(name), dtype=torch.bfloat16)
+        params = list({id(p): p for p in m.parameters()}.values())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        fp32 = [m.get_input_embeddings().weight, m.get_output_embeddings().weight]
+        got = [f"{sum(p.numel() for p in params) / 1e9:.2f} B", f"{weights / GIB:.1f}"]
+        for master in ("fp32", "kahan"):
+            opt = Hybrid8bitOptimizer(params, lr=1e-5, master_weights=master, fp32_state_params=fp32)
+            states = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                         for _, s, d in opt.state_specs())
+            total = f"{(weights + states + preflight.CHECKPOINT_OVERHEAD_BYTES) / GIB:.1f}"
+            got += [f"{states / GIB:.1f}", total] if master == "fp32" else [total]
+        assert cells == got, name
