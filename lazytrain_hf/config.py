@@ -37,6 +37,10 @@ _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
 
+#: a number and its unit (letters, maybe none), as sizes and durations are written
+_NUMBER_UNIT = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+
+
 def parse_bytes(value: int | float | str | None) -> int | None:
     """Parse a memory size such as ``"24GiB"``, ``"80 GB"`` or ``25769803776`` into bytes. A number is a byte
     count; a string other than "0" needs its unit ("24" from an environment variable or a text field would be 24
@@ -51,7 +55,7 @@ def parse_bytes(value: int | float | str | None) -> int | None:
         raise ValueError(f"expected a size such as '24GiB', but got {value!r}")
     if isinstance(value, (int, float)):
         return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    m = _NUMBER_UNIT.fullmatch(str(value))
     if m and not m.group(2) and float(m.group(1)) > 0:  # "0" is 0 in any unit
         raise ValueError(f"{value!r} has no unit (it would be {m.group(1)} bytes); give one, e.g. '{m.group(1)}GiB' "
                          f"(or '{m.group(1)}B' for bytes)")
@@ -76,7 +80,7 @@ def parse_duration(value: int | float | str | None) -> float | None:
         raise ValueError(f"expected a duration such as '90s', but got {value!r}")
     if isinstance(value, (int, float)):
         return float(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    m = _NUMBER_UNIT.fullmatch(str(value))
     if m and not m.group(2):
         raise ValueError(f"{value!r} has no unit; give one, e.g. '{m.group(1)}s' (or '{m.group(1)}min')")
     if not m or m.group(2).lower() not in _SECONDS:

@@ -10,7 +10,7 @@
   train` then exits with status 128 + the signal number (143 for SIGTERM, 130 for SIGINT) without writing the final
   model.
 - Grace period (`lazytrain_config.interrupt_grace_period`): the time the platform allows between SIGTERM and the
-  kill. At the boundary the save's duration is estimated (`save_estimate_s`: the duration of the newest timed save,
+  kill. At the boundary the save's duration is estimated (`last_save_s`: the duration of the newest timed save,
   this run's or the one the newest checkpoint's manifest records; a run's checkpoints all have the same size); when
   it does not fit in what is left, no checkpoint is started (it would be cut half way) and the line names the last
   complete checkpoint, which `--resume last` continues from. Ranks agree on the decision: the earliest receipt of the signal
@@ -123,22 +123,18 @@ class LongRunCallback(TrainerCallback):
         return self.trainer.lazy_config.interrupt_grace_period
 
     def note_save(self, seconds: float) -> None:
-        """Record a checkpoint save that took `seconds` (`save_estimate_s`), with one info line."""
+        """Record a checkpoint save that took `seconds` (`last_save_s`, the grace period's estimate), with one info line."""
         need = preflight.checkpoint_bytes(self.trainer)
         if seconds > 0:
             self.last_save_s = seconds
         logger.info("LazyTrain: checkpoint-%d saved in %.1f s (%s, %.2f GiB/s)", self.trainer.state.global_step,
                     seconds, format_bytes(need), need / GIB / seconds if seconds > 0 else float("inf"))
 
-    def save_estimate_s(self) -> float | None:
-        """Seconds a checkpoint save is expected to take: the newest timed save's; None before any was timed."""
-        return self.last_save_s
-
     def _agreed(self) -> tuple[int | None, float | None, float | None]:
         """(signal, seconds since it was received, save estimate in seconds), the same on every rank: the signal
         received on any rank (the largest number), the earliest receipt, the longest estimate; None: none."""
         elapsed = self.clock() - self.received_at if self.received_at is not None else -1.0
-        estimate = self.save_estimate_s() if self.grace_period_s is not None else None
+        estimate = self.last_save_s if self.grace_period_s is not None else None
         dist = _dist()
         if dist is None:
             return self.received, None if self.received is None else elapsed, estimate

@@ -123,32 +123,23 @@ def check_plan(trainer: Any, schedule: Any) -> None:
 
 def checkpoint_bytes(trainer: Any) -> int:
     """A checkpoint's size: the model's parameters (each tensor once, as saved) and the optimizer's states of every
-    parameter it updates (the states held, and for parameters without them yet, or held by another rank under
-    sharded updates, the layout their first step allocates: `Hybrid8bitOptimizer._state_layout`; another optimizer
-    without states yet: two fp32 moments per trainable parameter), plus a small allowance for the other files."""
+    parameter it updates (the states held, plus, for parameters without them yet or held by another rank under
+    sharded updates, what their first step allocates: the optimizer's `state_specs`; another optimizer without
+    states yet: two fp32 moments per trainable parameter), plus a small allowance for the other files."""
     import torch
 
     params = {id(p): p for p in trainer.model.parameters()}.values()
     model = sum(p.numel() * p.element_size() for p in params)
     opt = getattr(trainer, "optimizer", None)
     inner = getattr(opt, "optimizer", opt)
-    layout = getattr(inner, "_state_layout", None)
     held = getattr(inner, "state", None) or {}
-
-    def tensor_bytes(st: Any) -> int:
-        return sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-
-    if layout is not None:
-        states = 0
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = held.get(p)
-                states += tensor_bytes(st) if st else sum(
-                    int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-                    for shape, dt in layout(p, group).values())
-    elif held:
-        states = sum(tensor_bytes(st) for st in held.values())
-    else:
+    states = sum(v.numel() * v.element_size() for st in held.values() for v in st.values()
+                 if isinstance(v, torch.Tensor))
+    specs = getattr(inner, "state_specs", None)
+    if specs is not None:
+        states += sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+                      for _p, shape, dt in specs())
+    elif not held:
         states = 8 * sum(p.numel() for p in params if p.requires_grad)
     if getattr(trainer.args, "save_only_model", False):
         states = 0

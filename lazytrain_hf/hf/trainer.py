@@ -91,6 +91,7 @@ class LazyTrainerMixin(TRLHooks):
         #: after an interrupted `train`: the checkpoint a resume continues from (the one written at the stop, or with
         #: `interrupt_grace_period` too short for a save, the last complete one; None when there is none)
         self.interrupt_checkpoint: str | None = None
+        self._device_ids_checked = False  # this train()'s first micro-batch on the GPU had its token ids checked
         self._deferred_ref_logps: list = []  # DPOTrainer's reference log-probabilities, run once the executor is built
         #: fp16=True's dynamic loss scale (hf/loss_scale.py; None without fp16 or with policy "none"). Its
         #: `scale` / `growth_interval` / ... may be set before `train()`; a resume restores its state
@@ -170,6 +171,7 @@ class LazyTrainerMixin(TRLHooks):
         skipped with a warning) and stopping at a step boundary with a checkpoint on SIGTERM / SIGINT
         (`interrupted` is then the signal)."""
         resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        self._device_ids_checked = False
         with self.longrun.handling_signals():
             return super().train(resume, *pos, **kwargs)
 
@@ -349,7 +351,12 @@ class LazyTrainerMixin(TRLHooks):
     # ---- one micro-batch -----------------------------------------------------------------------------------
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        check_token_ids(inputs, self.model)
+        ids = inputs.get("input_ids")
+        # a batch on the GPU (accelerate puts it there) is checked at its first micro-batch only: reading the
+        # reduction back waits for the GPU, which would drain the executor's queued work every micro-batch
+        if not (torch.is_tensor(ids) and ids.device.type != "cpu" and self._device_ids_checked):
+            check_token_ids(inputs, self.model)
+            self._device_ids_checked = True
         if self.executor is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
@@ -539,7 +546,7 @@ class LazyTrainerMixin(TRLHooks):
 def check_token_ids(inputs: dict[str, Any], model: nn.Module) -> None:
     """Refuse a batch whose `input_ids` (or `labels`, -100 aside) hold ids outside the model's embedding rows
     [0, vocab_size), before any layer runs: the embedding would fail with a bare "IndexError: index out of range
-    in self" deep in the step (on CUDA a device-side assert). One min / max reduction per micro-batch.
+    in self" deep in the step (on CUDA a device-side assert). One min / max reduction, read back to the host.
 
     Raises:
         ValueError: naming the largest (or negative) id, the model's vocab_size and the tokenizer / model fix.
