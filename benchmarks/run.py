@@ -45,6 +45,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -58,7 +59,7 @@ from typing import Any
 
 from lazytrain_hf.config import LazyTrainConfig
 
-from .common import depth_overrides, git_commit, gsm8k_dir, parse_model, row
+from .common import depth_overrides, git_commit, gsm8k_dir, model_overrides, parse_model, row
 from .systems import (
     HARNESS_SETTINGS,
     LORA_BASE,
@@ -90,8 +91,8 @@ QLORA = QLORA_SYSTEMS
 #: LoRA systems; default systems.LORA_DEFAULTS), quantization (BitsAndBytesConfig fields of the QLoRA systems' base;
 #: default systems.QLORA_QUANT), max_batch_systems (the systems searched at max_batch_caps; default
 #: all), max_batch_limit (the search's largest batch; --max-batch-limit overrides; a dict: per system, 512 for the
-#: others), measure_max_batch (measure each
-#: completed search's largest batch as a row too). A system a cap's batch dict gives [] does not run at that cap.
+#: others), max_batch_guess (LazyTrain searches start at the planner's largest batch: `planned_max_batch`),
+#: measure_max_batch (measure each completed search's largest batch as a row too). A system a cap's batch dict gives [] does not run at that cap.
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                   batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
@@ -109,12 +110,13 @@ SUITES: dict[str, dict[str, Any]] = {
 # (8.6 B parameters, 2.5 B of them embedding + head): LazyTrain with the product's defaults. warmup 6: by default
 # the MILP calibrates after 3 measured steps that follow 2 unused ones (hf/callback.py), so the re-plan lands after
 # step 5 and step 6 (the one after it waits on no update) is not timed either: the 5 timed steps run one plan.
-# At 24 GiB the MILP is measured at B=8 and B=32 and its search stops at 32 (its plans reach ~94, a search there costs
-# ~100 s a probe); the fixed policy's search runs to adjacent sizes (its plans stop at ~12): the claim is the MILP's
-# largest >= the fixed policy's + 1. row_s[24]: B=32 ran 11 steps of ~8.5 s plus setup.
+# At 24 GiB the MILP is measured at B=8 and B=32, and both policies' largest batches are searched to adjacent sizes
+# from the planner's largest (max_batch_guess: `planned_max_batch`; analytic, H200 figures: fixed 73, MILP 94), probes
+# of 1 warm-up + 1 timed step (~2 min each at these batches): the claim is the MILP's largest >= the fixed policy's + 1.
+# row_s[24]: B=32 ran 11 steps of ~8.5 s plus setup.
 SUITES["hybrid"] = dict(device="cuda", models=["qwen3.6-27b:layers=16"], caps=[80, 24], seq_len=1024, steps=5,
                         warmup=6, systems=list(LT), lazytrain=PRODUCT_DEFAULTS, max_batch_caps=[24],
-                        max_batch_limit={"lazytrain_milp": 32},
+                        max_batch_guess=True,
                         batch={80: {s: [72] for s in LT}, 24: {"lazytrain_milp": [8, 32], "lazytrain_fixed": [8]}},
                         timeout={s: 480 for s in LT}, row_s={80: 270, 24: 170})
 # The paper's dense range (3B to 14B) with the product's defaults, under 24 GiB and 80 GiB: LazyTrain MILP / fixed
@@ -124,7 +126,7 @@ SUITES["hybrid"] = dict(device="cuda", models=["qwen3.6-27b:layers=16"], caps=[8
 SUITES["paper"] = dict(device="cuda", models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "qwen2.5-14b", "qwen3-14b"],
                        caps=[24, 80], seq_len=1024, steps=5, warmup=6,
                        systems=["lazytrain_milp", "lazytrain_fixed", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
-                       max_batch_caps=[24],
+                       max_batch_caps=[24], max_batch_guess=True,
                        batch={24: {**{s: [8, 16, 32] for s in LT}, "stock_trainer": [8, 16, 32]},
                               80: {**{s: [32, 64] for s in LT}, "stock_trainer": [8, 16, 32]}},
                        timeout={**{s: 540 for s in LT}, "stock_trainer": 300}, row_s={24: 150, 80: 240})
@@ -220,6 +222,12 @@ class Results:
         if command not in self.doc["commands"]:
             self.doc["commands"].append(command)
         self.doc.setdefault("max_batch", [])
+        self.commit = git_commit()
+
+    def _stamp(self, entry: dict[str, Any]) -> None:
+        """A row or search written at another commit than the file's header names its own (extra.git_commit)."""
+        if self.commit != self.doc.get("git_commit"):
+            entry.setdefault("extra", {})["git_commit"] = self.commit
 
     def get(self, key: tuple) -> dict[str, Any] | None:
         return next((r for r in self.doc["rows"] if _key(r) == key), None)
@@ -233,11 +241,13 @@ class Results:
             depth = _depth(r["model"])
             if depth is not None:  # also on rows no worker wrote (timeout, crash)
                 r.setdefault("extra", {}).setdefault("num_hidden_layers", depth)
+            self._stamp(r)
             self.doc["rows"] = [x for x in self.doc["rows"] if _key(x) != _key(r)] + [r]
         self.save()
 
     def put_max_batch(self, entry: dict[str, Any]) -> None:
         k = (entry["system"], entry["model"], entry["gpu_cap_gib"])
+        self._stamp(entry)
         self.doc["max_batch"] = [x for x in self.doc["max_batch"]
                                  if (x["system"], x["model"], x["gpu_cap_gib"]) != k] + [entry]
         self.save()
@@ -424,17 +434,33 @@ def probe_outcome(r: dict[str, Any]) -> tuple[bool | None, str | None]:
 
 
 def search_max_batch(probe: Callable[[int], bool | None], lo: int = 0, hi: int | None = None, limit: int = 512,
-                     resolution: float = 0.0,
-                     progress: Callable[[int, int | None], None] | None = None) -> tuple[int, int | None, bool]:
+                     resolution: float = 0.0, progress: Callable[[int, int | None], None] | None = None,
+                     guess: int | None = None) -> tuple[int, int | None, bool]:
     """The largest batch `probe` finds feasible: doubling from `lo` (the largest known feasible batch, 0: none)
     up to `limit` until a size is infeasible, then bisection between the largest feasible and the smallest
     infeasible (`hi`, None: none known) until they are adjacent, or hi - lo <= lo x `resolution`.
 
+    `guess` (the planner's largest batch, `planned_max_batch`): probed first, then sizes away from it at offsets
+    1, 2, 4, ... (above it while it is feasible, below while it is not), then bisection: a right guess settles the
+    search in two probes, one off by k in about 2 log2(k) + 2.
+
     `probe(B)`: True feasible, False infeasible, None stop (an error, the budget); `progress(lo, hi)` is called
     after each probe that decided. Returns (largest feasible, 0 if none; smallest infeasible or None; complete:
     False when a probe stopped the search)."""
+
+    def open_(B: int) -> bool:  # not yet decided, within the limit
+        return lo < B <= limit and (hi is None or B < hi)
+
     while True:
-        if hi is None:
+        up = None if guess is None or hi is not None or lo < guess else min(limit, lo + max(1, lo - guess))
+        down = None if guess is None or hi is None or hi > guess else hi - max(1, guess - hi)
+        if guess is not None and open_(guess):
+            B = guess
+        elif up is not None and open_(up):
+            B = up
+        elif down is not None and open_(down):
+            B = down
+        elif hi is None:
             if lo >= limit:
                 return lo, hi, True
             B = min(limit, max(1, lo * 2))
@@ -460,7 +486,8 @@ def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results
     after every probe, so a search longer than one call resumes where it stopped."""
     key = (system, model, cap)
     entry = next((x for x in res.doc["max_batch"] if (x["system"], x["model"], x["gpu_cap_gib"]) == key), None)
-    if entry is not None and entry.get("complete"):
+    limit = args.max_batch_limits.get(system, args.max_batch_limit)
+    if entry is not None and entry.get("complete") and entry.get("limit") == limit:
         return
     if unsupported_reason(system, args.device, check_imports=False):
         return
@@ -472,12 +499,13 @@ def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results
     lo = max((B for B, ok in judged if ok), default=0)
     hi = min((B for B, ok in judged if ok is False and B > lo), default=None)
     timeout = args.timeout_s or suite["timeout"][system]
-
-    limit = args.max_batch_limits.get(system, args.max_batch_limit)
+    guess = entry.get("planned") if entry else None
+    if guess is None and suite.get("max_batch_guess") and system in LT:
+        guess = planned_max_batch(system, model, cap, suite["seq_len"], limit)
 
     def save(lo: int, hi: int | None, complete: bool) -> None:
         res.put_max_batch({"system": system, "model": model, "gpu_cap_gib": cap, "max_batch": lo or None,
-                           "first_infeasible": hi, "limit": limit, "complete": complete,
+                           "first_infeasible": hi, "limit": limit, "complete": complete, "planned": guess,
                            "probes": probes})
 
     def probe(B: int) -> bool | None:
@@ -496,8 +524,41 @@ def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results
         return ok
 
     lo, hi, complete = search_max_batch(probe, lo, hi, limit, args.max_batch_resolution,
-                                        progress=lambda lo, hi: save(lo, hi, False))
+                                        progress=lambda lo, hi: save(lo, hi, False), guess=guess)
     save(lo, hi, complete)
+
+
+def planned_max_batch(system: str, model: str, cap: float | None, seq_len: int, limit: int) -> int | None:
+    """The planner's largest feasible batch for a LazyTrain system (`lazytrain-hf plan --max-batch`: the analytic
+    costs, this machine's hardware profile, the product's defaults, `cap` GiB of GPU), the search's first probe;
+    None when it has none (no plan at batch 1, or the plan command failed)."""
+    import contextlib
+    import io
+
+    from lazytrain_hf import cli_plan
+
+    name, overrides = model_overrides(model)
+    policy = {"lazytrain_milp": "milp", "lazytrain_fixed": "fixed"}.get(system)
+    if policy is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as d:
+        target = name
+        if overrides:  # a reduced-depth harness model: its config on disk, as a user's local model would be
+            from lazytrain_hf.models import resolve_config
+
+            resolve_config(name, **overrides).save_pretrained(d)
+            target = d
+        argv = ["--model", target, "--batch-size", "1", "--seq-len", str(seq_len), "--policy", policy,
+                "--max-batch", str(limit)] + ([] if cap is None else ["--gpu-memory", f"{cap}GiB"])
+        p = argparse.ArgumentParser()
+        cli_plan.add_arguments(p)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            rc = cli_plan.run(p.parse_args(argv))
+    m = re.search(r"largest feasible batch \([a-z]+, seq \d+\): (\d+)", out.getvalue())
+    guess = int(m.group(1)) if rc == 0 and m else None
+    print(f"max-batch search {system} {model} cap={cap}: the planner's largest batch {guess}", flush=True)
+    return guess or None
 
 
 def searched_max_batch(res: Results, system: str, model: str, cap: float | None) -> int | None:

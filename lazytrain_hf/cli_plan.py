@@ -203,12 +203,12 @@ def run(args: argparse.Namespace) -> int:
         tried.append((rows, resident, s.predicted["step_ms"]))
         return s
 
-    def one_row() -> int | None:  # the leanest rows per pass this run may take
-        return 1 if args.policy == "milp" and not args.rows_per_pass else args.rows_per_pass
+    def one_row() -> int:  # the leanest rows per pass this run may take
+        return args.rows_per_pass or 1
 
-    # policy milp: the largest rows per pass with a plan (unless --rows-per-pass), the fastest placement there
-    rows = rows_options(args.batch_size, args.rows_per_pass) if args.policy == "milp" else [
-        args.rows_per_pass or args.batch_size]
+    # the largest rows per pass with a plan (unless --rows-per-pass), the fastest placement there; the fixed
+    # policy takes rows per pass by the same rule in the Trainer (hf/plan.py fixed_plan_for_trainer)
+    rows = rows_options(args.batch_size, args.rows_per_pass)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch > 0:
         # feasibility: the placement that needs the least GPU memory among those this run may take
         lean = candidates[-1] if args.policy == "milp" else sched.resident
-        one = 1 if args.policy == "milp" and not args.rows_per_pass else args.rows_per_pass  # the leanest pass
+        one = one_row()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             best = largest_feasible_batch(lambda b: build(b, lean, one), args.policy, max_batch=args.max_batch,

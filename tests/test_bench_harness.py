@@ -660,3 +660,29 @@ def test_op_times_set_measured_gpu_ops_against_the_plan_per_layer_kind():
     assert out["busy_ms"] == 15.0  # per-step sums 13, 17, 15
     assert out["idle_ms"] == 8.0  # 20-13, 25-17, 30-15
     assert op_times([{}, {}], kinds, [1.0, 1.0], planned) is None
+
+
+def test_max_batch_search_starts_at_the_planners_guess():
+    """A right guess settles the search in two probes (the guess, then guess + 1); a wrong one gallops away from it
+    (offsets 1, 2, 4, ...), then bisects to adjacent sizes."""
+    from benchmarks.run import search_max_batch
+
+    for largest, first in ((73, [73, 74]), (80, [73, 74, 75, 77, 81, 79, 80]), (60, [73, 72, 71, 69, 65, 57])):
+        seen: list[int] = []
+
+        def probe(B: int, seen: list[int] = seen, largest: int = largest) -> bool:
+            seen.append(B)
+            return B <= largest
+
+        assert search_max_batch(probe, guess=73, limit=512) == (largest, largest + 1, True), seen
+        assert seen[:len(first)] == first and len(set(seen)) == len(seen), seen
+        assert len(seen) == 2 or largest != 73, seen
+
+
+def test_planned_max_batch_reads_the_plan_commands_largest_batch():
+    from benchmarks.run import planned_max_batch
+
+    fixed = planned_max_batch("lazytrain_fixed", "qwen3-tiny", 1, 64, 256)
+    milp = planned_max_batch("lazytrain_milp", "qwen3-tiny", 1, 64, 256)
+    assert fixed is not None and milp is not None and 1 <= fixed <= milp <= 256, (fixed, milp)
+    assert planned_max_batch("stock_trainer", "qwen3-tiny", 1, 64, 256) is None

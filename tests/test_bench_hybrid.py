@@ -279,18 +279,20 @@ def test_hybrid_suite_cpu_smoke_and_report(tmp_path, monkeypatch):
         run.main([*argv[:-1], str(harness)])
 
 
-def test_the_hybrid_suite_searches_the_milp_only_to_its_limit(tmp_path, monkeypatch):
-    """A per-system search limit (the hybrid suite's MILP: 32): with a measured B=32 row the MILP's search is complete
-    at its limit without a probe, recorded as such; the fixed policy searches to adjacent sizes."""
+def test_the_hybrid_suite_searches_both_policies_from_the_planners_largest_batch(tmp_path, monkeypatch):
+    """Both policies' searches start at the planner's largest batch (`planned_max_batch`, recorded as "planned")
+    and end at adjacent sizes: a right guess takes two probes, a wrong one doubles / bisects from the probes."""
     from benchmarks import run
     from benchmarks.common import row
 
+    largest = {"lazytrain_milp": 94, "lazytrain_fixed": 78}
+    monkeypatch.setattr(run, "planned_max_batch", lambda system, *a: {"lazytrain_milp": 94, "lazytrain_fixed": 73}[system])
     monkeypatch.setattr(run, "run_process", lambda spec, *a, **k: [
         row(system=spec["system"], batch_size=spec["batch_sizes"][0],
-            status="ok" if spec["batch_sizes"][0] <= 12 else "oom")])
+            status="ok" if spec["batch_sizes"][0] <= largest[spec["system"]] else "oom")])
     out = tmp_path / "h.json"
     args = run.parse_args(["--suite", "hybrid", "--device", "cpu", "--out", str(out)])
-    assert args.max_batch_limits == {"lazytrain_milp": 32} and args.max_batch_limit == 512
+    assert args.max_batch_limits == {} and args.max_batch_limit == 512
     res = run.Results(out, "hybrid", "test")
     model = "qwen3.6-27b:layers=16"
     res.put([row(system=s, model=model, gpu_cap_gib=24, batch_size=B, status="ok")
@@ -299,10 +301,10 @@ def test_the_hybrid_suite_searches_the_milp_only_to_its_limit(tmp_path, monkeypa
         run.find_max_batch(args, run.SUITES["hybrid"], res, system, model, 24, time.time() + 1000, tmp_path)
     entries = {e["system"]: e for e in json.loads(out.read_text())["max_batch"]}
     milp, fixed = entries["lazytrain_milp"], entries["lazytrain_fixed"]
-    assert (milp["max_batch"], milp["first_infeasible"], milp["limit"], milp["complete"], milp["probes"]) == \
-        (32, None, 32, True, [])
-    assert (fixed["max_batch"], fixed["first_infeasible"], fixed["limit"], fixed["complete"]) == (12, 13, 512, True)
-    assert [p["batch_size"] for p in fixed["probes"]] == [16, 12, 14, 13]
+    assert (milp["max_batch"], milp["first_infeasible"], milp["planned"], milp["complete"]) == (94, 95, 94, True)
+    assert [p["batch_size"] for p in milp["probes"]] == [94, 95]
+    assert (fixed["max_batch"], fixed["first_infeasible"], fixed["planned"], fixed["complete"]) == (78, 79, 73, True)
+    assert [p["batch_size"] for p in fixed["probes"]][:2] == [73, 74]
 
 
 def test_hybrid_targets_read_the_rows_and_searches():

@@ -395,21 +395,29 @@ def fixed_plan_for_trainer(trainer: Any) -> Schedule:
     every layer re-forwarded), with its two simple rules: the embedding / LM head where the executor put them
     (`planning.fixed.fixed_resident`), and the largest rows per pass (`max_rows_per_pass` if set, else the batch,
     then halves) at which the schedule fits the budgets by the cost model; its prediction in `predicted`. When no
-    row count fits, the whole batch per pass with a warning (a baseline runs as configured)."""
+    row count fits, the fewest rows tried (one, unless `max_rows_per_pass`) with a warning: a baseline runs in its
+    leanest configuration, so that its largest batch is where it runs out of memory, not where the model says it
+    would."""
+    import warnings
+
     request = trainer.plans.request
     resident = trainer.executor.resident.placement
+    rows = rows_options(request.batch_size, request.rows_per_pass)
 
-    def solve(rows: int, placement: str) -> Schedule:
+    def solve(rows: int, placement: str, strict: bool = True) -> Schedule:
         cm, _, inputs = _cost_model_and_inputs(trainer, request.seq_len, resident=placement, rows=rows)
-        return make_schedule(cm, "fixed", **request.fixed, fingerprint=plan_fingerprint(inputs), strict=True,
+        return make_schedule(cm, "fixed", **request.fixed, fingerprint=plan_fingerprint(inputs), strict=strict,
                              simulate_check=False)
 
     try:
-        return search_plans(solve, rows_options(request.batch_size, request.rows_per_pass), [resident])
+        return search_plans(solve, rows, [resident])
     except InfeasiblePlanError as e:
-        logger.warning("LazyTrain fixed policy: %s Running it as configured: expect CUDA out of memory", e)
-        sched = trainer.executor.schedule
-        sched.rows_per_pass = request.rows_per_pass
+        logger.warning("LazyTrain fixed policy: %s Running it at %d rows per pass: expect CUDA out of memory", e,
+                       rows[-1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sched = solve(rows[-1], resident, strict=False)
+        sched.resident, sched.rows_per_pass = resident, rows[-1]
         return sched
 
 

@@ -9,6 +9,7 @@ the micro-batch and the optimizer step to it; the callback reports the step's ti
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ class RunPlans:
         self.step_peak_reset = False
         self.step_predicted_peak = 0
         self._request: PlanRequest | None = None
+        self._request_shape: tuple[Any, ...] | None = None
 
     # ---- what is planned --------------------------------------------------------------------------------
     @property
@@ -70,8 +72,30 @@ class RunPlans:
             from . import plan
 
             self._request = plan.request_for_trainer(self.trainer)
+            self._request_shape = self._shape()
         self._request = self._request.with_gpu_reduction(self.gpu_reduction_bytes)
         return self._request
+
+    def _shape(self) -> tuple[Any, ...]:
+        """What of the run the request reads from TrainingArguments and the data (not the budgets): a later
+        `train()` on the same trainer with another batch size, accumulation or dataset plans for it."""
+        from . import plan
+
+        args = self.trainer.args
+        return (*plan.run_shape(self.trainer), args.gradient_accumulation_steps, id(self.trainer.train_dataset))
+
+    def refresh(self) -> None:
+        """Re-resolve the request when the run's shape (`_shape`) changed since it was built, keeping its budgets
+        (the first plan's free GPU memory stays the default budget: the executor holds part of it now)."""
+        if self._request is None or self._shape() == self._request_shape:
+            return
+        from . import plan
+
+        old = self._request
+        self._request = dataclasses.replace(plan.request_for_trainer(self.trainer), budgets=old.budgets)
+        self._request_shape = self._shape()
+        logger.log(plan.plan_log_level(self.trainer), "LazyTrain: planning again for batch %d x %d (was %d x %d)",
+                   self._request.batch_size, self._request.seq_len, old.batch_size, old.seq_len)
 
     @property
     def current(self) -> Schedule:
@@ -99,6 +123,7 @@ class RunPlans:
         tr = self.trainer
         ex, cfg = tr.executor, tr.lazy_config
         level = plan.plan_log_level(tr)  # data parallel: the main process logs the plan
+        self.refresh()
         if cfg.schedule_path:
             schedule = Schedule.from_json(cfg.schedule_path)
             # the kept gradients' memory is freed; the update workspaces stage gradients again (up to (depth + 1)

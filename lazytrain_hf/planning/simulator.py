@@ -199,15 +199,19 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
     starts = [i for i in range(L) if lp[i].checkpoint]
     segments = list(zip(starts, starts[1:] + [L]))
     fetches_nvme: list[int] = []  # fetch tasks of NVMe boundaries, in issue order (staging buffers)
-    for s_, e_ in reversed(segments):
+    done: list[int] = []  # the last backward task of each segment, in backward order
+    for n, (s_, e_) in enumerate(reversed(segments)):
         fetch = fetch_buf = None
+        # at most `d` boundaries fetched ahead of the segment in backward (the planner's memory bound): segment n's
+        # fetch waits for segment n - d - 1 (the head: for n = d)
+        ahead = head if n == d else done[n - d - 1] if n > d else None
         if tiered[s_]:
             read = None
             if nvme[s_]:
                 staging = fetches_nvme[-2] if len(fetches_nvme) >= 2 else None
                 read = g.task("nvme", cm.act_bytes[s_] / (cm.nvme_read_gbps * 1e6), f"read A{s_}",
                               [write[s_], staging])
-            fetch = g.task("h2d", cm.act_bytes[s_], f"fetch A{s_}", [read, fwd[-1]])
+            fetch = g.task("h2d", cm.act_bytes[s_], f"fetch A{s_}", [read, fwd[-1], ahead])
             if nvme[s_]:
                 fetches_nvme.append(fetch)
             fetch_buf = g.buffer(cm.act_bytes[s_], fetch, [])
@@ -247,6 +251,7 @@ def _build(cm: CostModel, s: Schedule) -> _Graph:
                 g.buffers[rec_out[j]] = (g.buffers[rec_out[j]][0], g.buffers[rec_out[j]][1], [b])
         if fetch is not None and fetch_buf is not None:
             g.buffers[fetch_buf] = (g.buffers[fetch_buf][0], fetch, [bwd_end[s_]])
+        done.append(bwd_end[s_])
     # GPU-tier boundaries live until the backward of their layer
     for i in range(L):
         if gpu_b[i]:

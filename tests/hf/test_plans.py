@@ -59,3 +59,17 @@ def test_the_trainer_names_a_batch_with_the_same_rows_per_step(tmp_path, monkeyp
     msg = str(info.value)
     assert "per_device_train_batch_size=2 with gradient_accumulation_steps=2 (now 4 and 1" in msg, msg
     assert "lazytrain_config.max_rows_per_pass=1 (now 2)" in msg, msg
+
+
+def test_a_second_train_with_another_batch_size_plans_for_it(tmp_path):
+    t = _trainer(tmp_path, "again", gpu_memory_budget="1GiB")
+    t.train()
+    budgets = t.plans.request.budgets
+    t.args.per_device_train_batch_size = 2
+    t._train_batch_size = 2
+    t.train()
+    fresh = _trainer(tmp_path, "fresh", gpu_memory_budget="1GiB")
+    fresh.args.per_device_train_batch_size = 2
+    fresh.train()
+    assert t.plans.request.batch_size == 2 and t.plans.request.budgets == budgets
+    assert t.executor.schedule.fingerprint == fresh.executor.schedule.fingerprint

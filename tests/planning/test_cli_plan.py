@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from lazytrain_hf import cli_plan
@@ -308,3 +309,18 @@ def test_lora_flag_mistakes_exit_2(capsys):
     # PEFT has no default target modules for Qwen3.5: named with the fix
     assert cli_plan.run(_args("--model", "qwen3.5-tiny", "--lora-r", "4", "--hardware", "defaults")) == 2
     assert "PEFT's default target modules" in (err := capsys.readouterr().err) and "Fix: pass --lora-target" in err
+
+
+def test_fixed_policy_takes_fewer_rows_per_pass_as_the_trainer_does(capsys):
+    """The fixed policy's rows per pass: the batch, then halves, the first that fits (hf/plan.py
+    fixed_plan_for_trainer). Before, `plan --policy fixed` planned the whole batch only: no plan here, and a largest
+    feasible batch far below the one the Trainer runs (12 against >= 64 measured for the 16-layer qwen3.6-27b
+    proxy under 24 GiB: benchmarks/results/hybrid-20261202.json)."""
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "0.63GiB", "--host-memory", "4GiB",
+                            "--batch-size", "16", "--seq-len", "1024", "--policy", "fixed", "--max-batch", "256",
+                            "--hardware", "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "rows per pass: 8 (planned: gpu: 16 rows per pass: no plan; 8 rows per pass:" in out, out
+    largest = int(re.search(r"largest feasible batch \(fixed, seq 1024\): (\d+)", out).group(1))
+    assert largest > 16, out

@@ -138,3 +138,15 @@ def test_op_times_sum_to_the_estimates_compute():
         assert set(ops["fwd"]) == set(kinds)
         assert ops["fwd"]["full_attention"] == pytest.approx(cm.fwd_ms[3] + cm.fwd_ms[7])
         assert ops["head"] == {"all": 11.0}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_offloaded_boundaries_are_fetched_at_most_depth_ahead(depth):
+    """Every boundary in host memory and a head whose working set dwarfs a layer's: the simulator fetched every
+    offloaded boundary as soon as forward ended, all of them live through the head (at 24 GiB, 16 layers, batch 94:
+    23.86 GiB simulated against the plan's 21.11 GiB bound, which counts `depth` fetched ahead as the executor
+    runs). Now at most `depth` are fetched ahead and the simulated peak stays under the bound."""
+    cm = small_cm(8, head_work_bytes=8 * GIB, head_ms=500.0, gpu_bytes=10**13)
+    s = Schedule("t", [LayerPlan(True, "gpu" if i == 0 else "cpu") for i in range(8)], prefetch_depth=depth)
+    sim = simulate(cm, s)
+    assert sim.peak_gpu_bytes <= evaluate(cm, s).peak_gpu_bytes + 1
