@@ -290,6 +290,7 @@ def qlora_targets(doc: dict[str, Any], model: str) -> list[str]:
 #: the MILP trains at batch >= 8 and its largest batch >= the fixed policy's + 1; every row's prediction at train
 #: begin within 10% of its measured median
 HYBRID_VS_FIXED, HYBRID_TFLOPS, HYBRID_PRED = 1.12, 250.0, 0.10
+LT_POLICIES = ("lazytrain_milp", "lazytrain_fixed")
 
 
 def hybrid_targets(doc: dict[str, Any], model: str) -> list[str]:
@@ -321,15 +322,24 @@ def hybrid_targets(doc: dict[str, Any], model: str) -> list[str]:
     search = {e["system"]: e for e in doc.get("max_batch", []) if (e["model"], e["gpu_cap_gib"]) == (model, 24)}
     name = "24 GiB: MILP largest batch >= fixed's + 1 (searches to adjacent sizes)"
     em, ef = search.get("lazytrain_milp"), search.get("lazytrain_fixed")
-    if em and ef and em.get("complete") and ef.get("complete") and em.get("max_batch") and ef.get("max_batch"):
+    if em and ef and em.get("complete") and em.get("max_batch") and ef.get("max_batch"):
         at_limit = em.get("first_infeasible") is None and em["max_batch"] >= (em.get("limit") or 0)
-        shown = f"MILP {'>= ' if at_limit else ''}{em['max_batch']}, fixed {ef['max_batch']}"
-        out.append(f"| {name} | {shown} | {'met' if em['max_batch'] >= ef['max_batch'] + 1 else 'not met'} |")
+        # an unfinished fixed search decides the claim once the fixed policy failed at or below the MILP's largest
+        hi = ef.get("first_infeasible")
+        fixed = str(ef["max_batch"]) if ef.get("complete") else \
+            f"{ef['max_batch']}-{hi - 1} (search unfinished)" if hi else f">= {ef['max_batch']} (search unfinished)"
+        shown = f"MILP {'>= ' if at_limit else ''}{em['max_batch']}, fixed {fixed}"
+        if ef.get("complete"):
+            verdict = "met" if em["max_batch"] >= ef["max_batch"] + 1 else "not met"
+        else:
+            verdict = "met" if hi is not None and hi <= em["max_batch"] else \
+                "not met" if ef["max_batch"] >= em["max_batch"] else "not measured"
+        out.append(f"| {name} | {shown} | {verdict} |")
     else:
         out.append(f"| {name} | - | not measured |")
-    pred = [(r, r["predicted_step_s"] / r["step_s_median"] - 1) for r in rows if r["system"] == "lazytrain_milp"
+    pred = [(r, r["predicted_step_s"] / r["step_s_median"] - 1) for r in rows if r["system"] in LT_POLICIES
             and r["status"] == "ok" and r.get("predicted_step_s") and r.get("step_s_median")]
-    name = f"every MILP row: prediction at train begin within {HYBRID_PRED:.0%} of the measured median"
+    name = f"every LazyTrain row: prediction at train begin within {HYBRID_PRED:.0%} of the measured median"
     if pred:
         worst = max(pred, key=lambda x: abs(x[1]))
         out.append(f"| {name} | worst {worst[1]:+.1%} ({_cap(worst[0]['gpu_cap_gib'])}, B={worst[0]['batch_size']}) | "
@@ -583,7 +593,16 @@ def _header(doc: dict[str, Any]) -> list[str]:
                 f"transformers {m.get('transformers')}")
 
     if "sources" not in doc:
-        return [f"Commit `{doc.get('git_commit')}` on {machine(doc.get('machine', {}))}.", "",
+        head = doc.get("git_commit")
+        other: dict[str, list[str]] = {}  # rows and searches resumed at another commit name theirs (benchmarks/run.py)
+        for r in doc.get("rows", []) + doc.get("max_batch", []):
+            c = (r.get("extra") or {}).get("git_commit")
+            if c and c != head:
+                other.setdefault(c, []).append(f"{r['system']} {_cap(r['gpu_cap_gib'])} "
+                                               + (f"B={r['batch_size']}" if "batch_size" in r else "search"))
+        also = "".join(f"; commit `{c[:7]}`: {', '.join(v)}" for c, v in other.items())
+        return [f"Commit `{head}`{' for the other rows' if other else ''}{also}, on "
+                f"{machine(doc.get('machine', {}))}.", "",
                 "Commands (in this order, resuming one results file):", "",
                 "```", *doc.get("commands", [doc.get("command", "")]), "python -m benchmarks.report <results.json>",
                 "```", ""]
@@ -631,7 +650,8 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
         else:
             lines += [f"## {model}, GPU cap {_cap(cap)}", "", *table(rows), "", *ratios(rows), ""]
     if doc.get("max_batch"):
-        lines += ["## Largest feasible batch (doubling, then bisection; 1 warm-up + 1 timed step per probe)", "",
+        lines += ["## Largest feasible batch (from the planner's largest where the suite gives it, galloping, then "
+                  "bisection; 1 warm-up + 1 timed step per probe)", "",
                   *max_batch_table(doc["max_batch"]), ""]
     if doc["suite"] == "hybrid":
         for model in sorted({r["model"] for r in doc["rows"]}):

@@ -176,7 +176,7 @@ class StepTimer(TrainerCallback):
         if not self.step_s:  # after every on_train_begin (LazyTrain plans there, after this callback's)
             self.recoveries_at_start = int(getattr(self.trainer, "oom_recoveries", 0) or 0)
             sched = getattr(ex, "schedule", None)
-            if sched is not None and sched.policy == "milp":
+            if sched is not None and sched.policy in ("milp", "fixed"):
                 self.plan_at_start = {"step_ms": sched.predicted.get("step_ms"),
                                       "solve_ms": sched.solver.get("solve_ms"), "mip_gap": sched.solver.get("mip_gap")}
         self._h2d0 = ex.streamer.h2d_bytes if ex is not None and ex.streamer is not None else 0
@@ -421,7 +421,7 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
                            "pinned_locked_gib": (pinned["registered"] + pinned["host_allocator"]) / GIB}
     cal = getattr(trainer, "calibration", None)
     calibrated = None
-    if sched.policy == "milp":
+    if sched.policy in ("milp", "fixed"):  # the fixed policy's plan predicts too (hf/plan.py fixed_plan_for_trainer)
         start = plan_at_start or {"step_ms": sched.predicted.get("step_ms"), "solve_ms": sched.solver.get("solve_ms"),
                                   "mip_gap": sched.solver.get("mip_gap")}
         row.update(predicted_step_s=(start["step_ms"] or 0) / 1e3 or None, solve_ms=start["solve_ms"],

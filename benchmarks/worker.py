@@ -183,6 +183,8 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
             extra["h2d_weight_gib_per_step"] = statistics.median(timer.h2d_weight_bytes[warm:]) / GIB
         timed = {k: [x for x in v[warm:] if x is not None] for k, v in timer.update_ms.items()}
         extra.update({k: statistics.median(v) for k, v in timed.items() if v})
+        # every step's CPU update (warm-up included): whether its in-step rate drifts over the run
+        extra["cpu_update_ms_per_step"] = [None if x is None else round(x, 1) for x in timer.update_ms["cpu_update_ms"]]
         fwd = (L + (L - lt_extra["retained"]) + lt_extra["recomputed_layers"]) / L
         extra["optimizer_note"] = "exposed part only: streamed layers' updates overlap the next forward"
         sched = trainer.executor.schedule

@@ -260,7 +260,7 @@ def test_hybrid_suite_cpu_smoke_and_report(tmp_path, monkeypatch):
         assert r["extra"]["configuration"] == "product defaults"
         assert r["extra"]["lazytrain_config"] == {"policy": s.split("_")[1]}  # uncapped: no budget either
         assert r["extra"]["oom_recoveries"] == 0 and "linear_attention_kernel" in r["extra"]
-    assert rows["lazytrain_milp"]["predicted_step_s"] > 0 and rows["lazytrain_fixed"]["predicted_step_s"] is None
+    assert rows["lazytrain_milp"]["predicted_step_s"] > 0 and rows["lazytrain_fixed"]["predicted_step_s"] > 0
 
     monkeypatch.setattr(run, "run_process", lambda *a, **k: pytest.fail("resume re-ran a finished row"))
     run.main(argv)
@@ -329,3 +329,14 @@ def test_hybrid_targets_read_the_rows_and_searches():
     assert "1.20x" in lines[0] and "MILP >= 32, fixed 12" in lines[3] and "-13.5%" in lines[4]
     doc["rows"][0]["extra"]["oom_recoveries"] = 1  # a recovered MILP row does not count
     assert hybrid_targets(doc, model)[2].rsplit("|", 2)[1].strip() == "not measured"
+    # an unfinished fixed search decides the claim once the fixed policy failed at the MILP's largest batch
+    doc["max_batch"] = [{"system": "lazytrain_milp", "model": model, "gpu_cap_gib": 24, "max_batch": 94,
+                         "first_infeasible": 95, "limit": 512, "complete": True},
+                        {"system": "lazytrain_fixed", "model": model, "gpu_cap_gib": 24, "max_batch": 81,
+                         "first_infeasible": 94, "limit": 512, "complete": False}]
+    claim = hybrid_targets(doc, model)[5]
+    assert "MILP 94, fixed 81-93 (search unfinished)" in claim and claim.endswith("| met |"), claim
+    doc["max_batch"][1].update(first_infeasible=None)
+    assert hybrid_targets(doc, model)[5].endswith("| not measured |")
+    doc["max_batch"][1].update(max_batch=94)
+    assert hybrid_targets(doc, model)[5].endswith("| not met |")
