@@ -427,3 +427,28 @@ def test_an_empty_train_dataset_is_refused_before_the_executor_is_built(tmp_path
         LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "empty"),
                                                             lazytrain_config=dict(EXACT)),
                     train_dataset=empty, data_collator=_collate)
+
+
+def test_group_by_length_batches_run_their_length_buckets_plan_and_equal_stock(tmp_path, monkeypatch):
+    """`train_sampling_strategy="group_by_length"` (`group_by_length=True` before transformers 5.2x; HF's
+    LengthGroupedSampler: batches of similar length): each batch runs the plan of its sequence-length bucket, and
+    the run equals the stock Trainer with the same sampler."""
+    from lazytrain_hf.streaming.executor import StreamingExecutor
+
+    used = []
+    original = StreamingExecutor.set_schedule
+
+    def spy(self, schedule):
+        used.append(schedule.solver.get("seq_len_bucket"))
+        return original(self, schedule)
+
+    monkeypatch.setattr(StreamingExecutor, "set_schedule", spy)
+    stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp"},
+                              train_sampling_strategy="group_by_length", max_steps=4)
+    assert type(lazy._get_train_sampler()).__name__ == "LengthGroupedSampler"
+    assert len({b for b in used if b is not None}) >= 2, used
+    for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss"), strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
