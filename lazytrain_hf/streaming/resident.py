@@ -261,6 +261,7 @@ class ResidentParts:
         w = self.head.weight
         if self._copy is None:
             self._copy = _HeadCopy(torch.empty(w.shape, dtype=w.dtype, device=self.device))
+        self._copy.weight.requires_grad_(w.requires_grad)  # a frozen head (LoRA's base) gets no gradient
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the last use of the copy is done
             with torch.cuda.stream(self._side):
