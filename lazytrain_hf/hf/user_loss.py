@@ -93,7 +93,8 @@ class StreamedCausalLM(nn.Module):
     HF model returns (`loss` when given `labels`, full `logits`), and the loss's backward streams the layers.
 
     One forward with grad per micro-batch (the executor streams one pass at a time); forwards under
-    `torch.no_grad()` (e.g. a reference model's log-probabilities) run before it, or after the trainer finished it.
+    `torch.no_grad()` (e.g. a reference model's log-probabilities) may run before or after it, a streamed no-grad
+    forward that leaves the pass in flight as it was (`StreamingExecutor.forward_hidden`).
 
     Args:
         executor: the StreamingExecutor over `executor.model`.
@@ -132,10 +133,11 @@ class StreamedCausalLM(nn.Module):
             raise ValueError(f"the LazyTrain executor's model forward takes input_ids, attention_mask, position_ids, "
                              f"labels and logits_to_keep, but compute_loss passed {unknown}; drop them or train with "
                              "lazytrain_config policy 'none' (the stock Trainer path)")
-        if self.pending is not None and self.pending.state != "done":
-            raise RuntimeError("compute_loss ran the model a second time while its first forward's backward is still "
-                               "to come: the executor streams one pass per micro-batch. Run the other forwards (e.g. "
-                               "reference log-probabilities) under torch.no_grad(), before the forward with grad")
+        if torch.is_grad_enabled() and self.pending is not None and self.pending.state != "done":
+            raise RuntimeError("compute_loss ran the model with gradients a second time while its first forward's "
+                               "backward is still to come: the executor streams one pass with gradients per "
+                               "micro-batch. Run the other forwards (e.g. reference log-probabilities) under "
+                               "torch.no_grad()")
         ex = self.executor
         dtype = ex.autocast_dtype
         autocast = torch.autocast(ex.device.type, dtype=dtype, enabled=dtype is not None)  # as the layers ran
