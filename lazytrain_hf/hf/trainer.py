@@ -38,7 +38,7 @@ from .loss_scale import LossScaler
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
-from .trl_hooks import TRLHooks
+from .trl_hooks import TRLHooks, check_reference
 from .user_loss import StreamedCausalLM, fused_forward, user_loss_reasons
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
@@ -60,7 +60,8 @@ class LazyTrainerMixin(TRLHooks):
     Raises (at construction, before any training time is spent):
         TypeError: `args` is not a TrainingArguments.
         ValueError: an empty `train_dataset`, unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
-            lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, or invalid
+            lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, a prompt-learning
+            PEFT method, a TRL reference the executor cannot stream (`ref_model=`, hf/trl_hooks.py), or invalid
             `lazytrain_config` (or one given both to the trainer and in LazyTrainingArguments).
 
     A `peft.PeftModel` (LoRA) and models with frozen decoder parameters train through the executor's frozen-layer
@@ -103,6 +104,8 @@ class LazyTrainerMixin(TRLHooks):
             check_supported(model.config)
             check_collator(model.config, named.get("data_collator"))
             _refuse_forward_options(model, args)
+            peft_support.check_peft_method(model, named.get("peft_config"))
+            check_reference(type(self).__name__, named)  # hf/trl_hooks.py
             # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
             # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
         super().__init__(*bound.args, **bound.kwargs)

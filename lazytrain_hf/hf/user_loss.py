@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
+from .peft_support import host_adapter_switches
+
 __all__ = ["StreamedCausalLM", "UserLossPass", "fused_forward", "user_loss_reasons"]
 
 #: keyword arguments of an HF causal LM's forward that change nothing here
@@ -144,7 +146,8 @@ class StreamedCausalLM(nn.Module):
         if fused_lm_head:
             return self._fused(input_ids, attention_mask, position_ids, labels, autocast, loss_kwargs)
         if not torch.is_grad_enabled():
-            _, logits = ex.forward_inference(input_ids, attention_mask, None, position_ids)
+            with host_adapter_switches(ex):
+                _, logits = ex.forward_inference(input_ids, attention_mask, None, position_ids)
             logits = logits[:, _keep(logits_to_keep, logits.shape[1]), :]
         else:
             h = self._stream(input_ids, attention_mask, position_ids)
@@ -160,10 +163,12 @@ class StreamedCausalLM(nn.Module):
     def _stream(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None) -> torch.Tensor:
         """The last decoder layer's output [B, T, H] (before the final norm): with grad, the streamed stack's autograd
-        node (its backward streams the layers); without, a plain streamed forward."""
+        node (its backward streams the layers); without, a plain streamed forward, with the adapters the PEFT model
+        has switched on now (a reference under `disable_adapter()`)."""
         ex = self.executor
         if not torch.is_grad_enabled():
-            return ex.forward_hidden(input_ids, attention_mask, position_ids)
+            with host_adapter_switches(ex):
+                return ex.forward_hidden(input_ids, attention_mask, position_ids)
         self.pending = UserLossPass(ex.stream_pass(input_ids, attention_mask, position_ids, self.sync_gradients))
         anchor = torch.empty(0, device=ex.device, requires_grad=True)
         return _StreamedStack.apply(anchor, self.pending)
