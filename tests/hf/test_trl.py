@@ -268,3 +268,26 @@ def test_references_and_peft_methods_the_executor_cannot_run_are_refused_at_buil
                 lazytrain_config=dict(EXACT), **extra)
     assert not built, "refused before TRL prepares the data"
 
+
+def test_the_plan_reads_a_preference_data_sets_rows_and_lengths(tmp_path, caplog):
+    """TRL's preference collator stacks chosen and rejected (2 rows per example), each prompt + completion, cut at
+    max_length: the planned micro-batch is that, without the 1024-token fallback."""
+    from lazytrain_hf.hf.plan import run_shape
+
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    for max_length, name in ((None, "a"), (9, "b")):
+        lazy = LazyDPO(model=copy.deepcopy(model), args=trl.DPOConfig(output_dir=str(tmp_path / name),
+                                                                      **_dpo_kw(tmp_path, max_length=max_length)),
+                       train_dataset=_preference(vocab), processing_class=_tokenizer(vocab),
+                       peft_config=_lora_config(), lazytrain_config=dict(EXACT))
+        ds = lazy.train_dataset
+        longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(ds["prompt_ids"], ds["chosen_ids"],
+                                                                        ds["rejected_ids"], strict=True))
+        assert longest > 9
+        want = min(longest, max_length or longest)
+        batch = lazy.data_collator([ds[i] for i in range(len(ds))])
+        assert batch["input_ids"].shape == (2 * len(ds), want)  # what the collator makes of the whole data set
+        with caplog.at_level(logging.WARNING, logger="lazytrain_hf"):
+            assert run_shape(lazy) == (2 * lazy.args.per_device_train_batch_size, -(-want // 8) * 8)
+        assert "cannot read input_ids lengths" not in caplog.text
