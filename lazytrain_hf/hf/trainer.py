@@ -213,6 +213,7 @@ class LazyTrainerMixin(TRLHooks):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self.executor is None:
             return super()._wrap_model(model, training, dataloader)
+        self.model.train(training)  # a PEFT model's own mode too (TRL logs by it): the wrappers hold its base
         if not training and self.user_loss_model is not None:
             return self.user_loss_model  # evaluation's compute_loss: the HF model's name, loss and logits, no grad
         return self.streaming_model
@@ -363,6 +364,7 @@ class LazyTrainerMixin(TRLHooks):
         if self.executor is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        self.model.train()  # a PEFT model's own mode too (after an evaluation, `_wrap_model`)
         inputs = prepare_batch(inputs, self.model.config)  # packed rows: boundary keys checked and dropped
         unknown = set(inputs) - _SUPPORTED_INPUTS
         # with the user's loss, compute_loss takes the batch and the streamed model's forward checks what it gets

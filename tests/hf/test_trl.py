@@ -217,20 +217,21 @@ def test_dpo_with_a_peft_policy_trains_as_the_stock_dpo_trainer_with_peft(tmp_pa
     model = load_model(arch, "float32", seed=3)
     vocab = model.config.vocab_size
     ds, tok = _preference(vocab), _tokenizer(vocab)
-    kw = _dpo_kw(tmp_path)
+    kw = _dpo_kw(tmp_path, eval_strategy="steps", eval_steps=2)  # an evaluation between training steps
 
     def build(cls, m, name, optim, **extra):
         torch.manual_seed(0)  # the adapters' random init
         m, peft_kw = (peft.get_peft_model(m, _lora_config()), {}) if wrapped else (m, {"peft_config": _lora_config()})
         args = trl.DPOConfig(output_dir=str(tmp_path / name), **kw, **({"optim": optim} if optim else {}))
-        return cls(model=m, args=args, train_dataset=ds, processing_class=tok, **peft_kw, **extra)
+        return cls(model=m, args=args, train_dataset=ds, eval_dataset=_preference(vocab, n=6, seed=1),
+                   processing_class=tok, **peft_kw, **extra)
 
     stock = build(trl.DPOTrainer, copy.deepcopy(model), "stock", "adamw_torch")
     stock.train()
     streamed = []
     original = StreamingExecutor.forward_hidden
     monkeypatch.setattr(StreamingExecutor, "forward_hidden",
-                        lambda self, *a, **k: streamed.append(torch.is_grad_enabled()) or original(self, *a, **k))
+                        lambda self, *a, **k: streamed.append(self.model.training) or original(self, *a, **k))
     lazy = build(LazyDPO, model, "lazy", optim, lazytrain_config={**EXACT, "resident_placement": placement})
     host_runs = []
     for layer in lazy.executor.layers:  # after the executor copied them into its slots' templates
@@ -241,9 +242,17 @@ def test_dpo_with_a_peft_policy_trains_as_the_stock_dpo_trainer_with_peft(tmp_pa
     assert isinstance(lazy.model, peft.PeftModel) and lazy.ref_model is None
     assert lazy.executor.resident.placement == placement and all(lazy.executor.frozen)
     assert ("ref" in lazy.model.peft_config) == wrapped  # TRL's frozen copy of a given adapter
-    assert streamed == [False] * 6 and not host_runs  # one reference forward per micro-batch, streamed
     assert head.seen == [False] * 3
-    _assert_dpo_runs_equal(stock, lazy, kw["beta"])
+    _assert_dpo_runs_equal(stock, lazy, kw["beta"])  # training metrics only: the evaluations' are eval_*
+    evals = [[h for h in t.state.log_history if "eval_loss" in h] for t in (stock, lazy)]
+    for want, got in zip(*evals, strict=True):
+        tol = 1e-5 * kw["beta"] * max(abs(want["eval_logps/chosen"]), abs(want["eval_logps/rejected"]))
+        for key in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected", "eval_rewards/chosen",
+                    "eval_rewards/rejected"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=tol if "rewards" in key else 0), key
+    # streamed, never the host layers' modules: one reference forward per training micro-batch; in each evaluation
+    # (one batch) the policy's and the reference's
+    assert streamed.count(True) == 6 and streamed.count(False) == 2 * len(evals[0]) and not host_runs
 
 
 REFUSED = {"ref_model": r"ref_model= \(a second full model\) is not supported .* precompute_ref_log_probs=True .* PEFT",
