@@ -21,8 +21,9 @@ from ..streaming.layer_calls import unwrap_peft
 from ..streaming.quant import quant_tensors
 from .register import OPTIM_NAME
 
-__all__ = ["is_hybrid8", "check_peft_method", "check_quantized", "check_optimizer", "host_adapter_switches", "clip_resident", "frozen_costs", "frozen_layout",
-           "model_frozen_costs", "planned_lora_costs", "layout_of", "four_bit_bytes"]
+__all__ = ["is_hybrid8", "check_peft_method", "check_quantized", "check_optimizer", "host_adapter_switches",
+           "clip_resident", "frozen_costs", "frozen_layout", "model_frozen_costs", "planned_lora_costs", "layout_of",
+           "four_bit_bytes"]
 
 
 def is_hybrid8(optimizer: Any) -> bool:

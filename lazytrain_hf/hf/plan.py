@@ -23,8 +23,8 @@ from ..streaming.layer_calls import plan_ops
 from . import peft_support, preflight
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
-           "rows_per_example", "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError",
-           "plan_line", "bound_by", "optimizer_bound", "optimizer_bound_line", "EXPOSED_SHARE", "plan_log_level"]
+           "rows_per_example", "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error",
+           "InfeasiblePlanError", "plan_line", "bound_by", "optimizer_bound", "optimizer_bound_line", "EXPOSED_SHARE", "plan_log_level"]
 
 logger = logging.getLogger(__name__)
 
