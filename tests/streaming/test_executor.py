@@ -161,7 +161,7 @@ def _pass_with_a_forward_inside(ex, ids, mask, labels, other):
     waits for its head's gradient (as a reference forward inside a loss runs)."""
     from lazytrain_hf.streaming.head import chunked_lm_loss, shift_labels
 
-    targets = shift_labels(labels)
+    targets = shift_labels(labels.to(ex.device))
     run = ex.stream_pass(ids, mask)
     h = next(run)
     inner = ex.forward_hidden(*other)
@@ -178,6 +178,11 @@ def _pass_with_a_forward_inside(ex, ids, mask, labels, other):
 def test_a_forward_inside_a_pass_leaves_its_gradients_as_without_it(sched_name, placement, tmp_path):
     """Its weight loads, RNG draws and embedding lookup do not reach the waiting pass: the stash, the retained
     layers' graphs, the recorded dropout states, the prefetched weights and a host embedding's ids stay the pass's."""
+    check_forward_inside_a_pass(sched_name, placement, tmp_path, "cpu")
+
+
+def check_forward_inside_a_pass(sched_name, placement, tmp_path, device, tol=1e-6):
+    """`test_a_forward_inside_a_pass_leaves_its_gradients_as_without_it` on `device`."""
     model = _with_dropout("qwen3-tiny-untied")
     ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
     other_ids, other_mask, _ = random_batch(model.config.vocab_size, B=1, T=17, seed=4)  # fewer rows: buffers reused
@@ -186,18 +191,18 @@ def test_a_forward_inside_a_pass_leaves_its_gradients_as_without_it(sched_name, 
         m = copy.deepcopy(model)
         sched = copy.deepcopy(_schedules()[sched_name])
         sched.resident = placement
-        ex = StreamingExecutor(m, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), "cpu", sched)
+        ex = StreamingExecutor(m, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), device, sched)
         torch.manual_seed(0)
         if inside:
             loss, inner = _pass_with_a_forward_inside(ex, ids, mask, labels, (other_ids, other_mask))
             assert inner.shape == (1, 17, model.config.hidden_size)
         else:
             loss = ex.forward_backward(ids, labels, mask)
-        grads.append((loss, {n: ex.grad_source(p).clone() for n, p in m.named_parameters()}))
+        grads.append((loss.cpu(), {n: ex.grad_source(p).to("cpu", copy=True) for n, p in m.named_parameters()}))
     (loss, want), (got_loss, got) = grads
-    assert rel_err(got_loss, loss) < 1e-6
+    assert rel_err(got_loss, loss) < tol
     for name, g in want.items():
-        assert rel_err(got[name], g) < 1e-6, name
+        assert rel_err(got[name], g) < tol, name
 
 
 def test_schedule_layer_count_mismatch_is_clear():
