@@ -9,7 +9,9 @@ states live in host memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,13 +21,59 @@ from ..streaming.layer_calls import unwrap_peft
 from ..streaming.quant import quant_tensors
 from .register import OPTIM_NAME
 
-__all__ = ["is_hybrid8", "check_quantized", "check_optimizer", "clip_resident", "frozen_costs", "frozen_layout",
-           "model_frozen_costs", "planned_lora_costs", "layout_of", "four_bit_bytes"]
+__all__ = ["is_hybrid8", "check_peft_method", "check_quantized", "check_optimizer", "host_adapter_switches",
+           "clip_resident", "frozen_costs", "frozen_layout", "model_frozen_costs", "planned_lora_costs", "layout_of",
+           "four_bit_bytes"]
 
 
 def is_hybrid8(optimizer: Any) -> bool:
     """Whether `optimizer` reads the executor's gradient buffers (`Hybrid8bitOptimizer`)."""
     return callable(getattr(optimizer, "set_grad_source", None))
+
+
+def check_peft_method(model: Any, peft_config: Any = None) -> None:
+    """Refuse, before training, a PEFT method the executor cannot run: prompt learning (prefix tuning, prompt
+    tuning, P-tuning: virtual tokens the PeftModel's own forward prepends) and adaption prompts (attention modules
+    swapped in and out of the model). The executor runs the embedding, the decoder layers and the head itself and
+    never the PeftModel's forward; adapters inside the layers (LoRA and its kin) run in the streamed layers.
+
+    Args:
+        model: the model given to the trainer (a PeftModel, or the base a trainer's `peft_config` will wrap).
+        peft_config: a trainer's `peft_config=` (TRL), or None.
+
+    Raises:
+        ValueError: naming the method and the fixes.
+    """
+    configs = list((getattr(model, "peft_config", None) or {}).values()) if hasattr(model, "get_base_model") else []
+    for cfg in configs + ([peft_config] if peft_config is not None else []):
+        if getattr(cfg, "is_prompt_learning", False) or getattr(cfg, "is_adaption_prompt", False):
+            kind = getattr(getattr(cfg, "peft_type", None), "value", type(cfg).__name__)
+            raise ValueError(f"PEFT {kind} cannot run under the LazyTrain executor: its virtual tokens or swapped "
+                             "attention modules live in the PeftModel's forward, which the executor never calls (it "
+                             "runs the embedding, decoder layers and head itself). Use an adapter inside the layers "
+                             "(peft.LoraConfig, for one), or set lazytrain_config.policy='none' (the stock Trainer "
+                             "path).")
+
+
+@contextlib.contextmanager
+def host_adapter_switches(executor: StreamingExecutor) -> Iterator[None]:
+    """Inside the block the decoder layers run with the PEFT adapter switches the model's layers hold now (peft's
+    `disable_adapter()` and `set_adapter`: which adapters are active, or none), restored after. The layers run as the
+    slots' template modules, copies made when the executor was built, which a switch on the model does not reach."""
+    saved = []
+    for key, pool in executor.streamer.pools.items():
+        host = dict(executor.layers[executor.keys.index(key)].named_modules())
+        for slot in pool:
+            for name, m in slot.module.named_modules():
+                h = host.get(name)
+                if h is not None and hasattr(h, "_active_adapter") and hasattr(h, "_disable_adapters"):
+                    saved.append((m, m._active_adapter, m._disable_adapters))
+                    m._active_adapter, m._disable_adapters = h._active_adapter, h._disable_adapters
+    try:
+        yield
+    finally:
+        for m, active, disabled in saved:
+            m._active_adapter, m._disable_adapters = active, disabled
 
 
 def check_quantized(model: torch.nn.Module) -> None:

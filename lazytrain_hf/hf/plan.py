@@ -23,8 +23,8 @@ from ..streaming.layer_calls import plan_ops
 from . import peft_support, preflight
 
 __all__ = ["cost_model_for_trainer", "plan_for_trainer", "plan_buckets_for_trainer", "fixed_plan_for_trainer", "run_shape",
-           "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error", "InfeasiblePlanError",
-           "plan_line", "bound_by", "optimizer_bound", "optimizer_bound_line", "EXPOSED_SHARE", "plan_log_level"]
+           "rows_per_example", "plan_inputs_for_trainer", "request_for_trainer", "trainer_fix", "trainer_error",
+           "InfeasiblePlanError", "plan_line", "bound_by", "optimizer_bound", "optimizer_bound_line", "EXPOSED_SHARE", "plan_log_level"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,10 @@ def optimizer_bound_line(predicted: dict[str, Any], per_device_batch: int, gradi
 
 
 def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
-    """(micro-batch size, longest sequence rounded up to `multiple`) of the trainer's training data; with
+    """(micro-batch rows, longest sequence rounded up to `multiple`) of the trainer's training data; with
     `DataCollatorWithFlattening` (one packed row per micro-batch) 1 row of the longest packing of
-    `per_device_train_batch_size` sequences."""
+    `per_device_train_batch_size` sequences; with a tokenized preference data set (TRL's DPOTrainer) 2 rows per
+    example (`rows_per_example`)."""
     from ..streaming.packing import is_flattening_collator, packed_row_tokens
 
     B = trainer.args.per_device_train_batch_size
@@ -109,11 +110,34 @@ def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
     ds = trainer.train_dataset
     T = 1024 * (B if packed else 1)
     try:
-        lengths = [len(x) for x in ds["input_ids"]]
+        lengths = _preference_lengths(ds, getattr(trainer.args, "max_length", None))
+        if lengths is None:
+            lengths = [len(x) for x in ds["input_ids"]]
         T = packed_row_tokens(lengths, B) if packed else max(lengths)
     except (TypeError, KeyError, ValueError):
         logger.warning("cannot read input_ids lengths from the training data; planning for seq_len=%d", T)
-    return (1 if packed else B), -(-T // multiple) * multiple
+    return (1 if packed else B * rows_per_example(trainer)), -(-T // multiple) * multiple
+
+
+#: a tokenized preference data set's columns (TRL's DPOTrainer): TRL's `DataCollatorForPreference` makes each example
+#: two rows, prompt + chosen and prompt + rejected, padded to the longest row of the micro-batch
+_PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def rows_per_example(trainer: Any) -> int:
+    """Micro-batch rows per training example: 2 for a tokenized preference data set (chosen and rejected), else 1."""
+    names = getattr(trainer.train_dataset, "column_names", None) or ()
+    return 2 if "input_ids" not in names and set(_PREFERENCE_COLUMNS) <= set(names) else 1
+
+
+def _preference_lengths(ds: Any, max_length: int | None) -> list[int] | None:
+    """Per example of a tokenized preference data set its longer row (prompt + the longer completion), truncated at
+    `max_length` as TRL's collator truncates; None for other data."""
+    names = getattr(ds, "column_names", None) or ()
+    if "input_ids" in names or not set(_PREFERENCE_COLUMNS) <= set(names):
+        return None
+    out = [len(p) + max(len(c), len(r)) for p, c, r in zip(*(ds[k] for k in _PREFERENCE_COLUMNS), strict=True)]
+    return [min(n, max_length) for n in out] if max_length else out
 
 
 def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:
@@ -437,8 +461,9 @@ def trainer_fix(trainer: Any, e: InfeasiblePlanError, resident: str | None = Non
             f"now unset: {_gib_text(request.budgets.gpu_total)} free"
         fixes.append(f"set lazytrain_config.gpu_memory_budget='{_gib_text(need)}' ({now}) on a device with that "
                      "much free memory")
-    B, ga = request.batch_size, trainer.args.gradient_accumulation_steps
-    batch = fitting_batch(trainer, resident) if B > 1 else 0
+    per = rows_per_example(trainer)  # the plan counts rows, per_device_train_batch_size examples
+    B, ga = request.batch_size // per, trainer.args.gradient_accumulation_steps
+    batch = fitting_batch(trainer, resident) // per if B > 1 else 0
     if batch:
         b, steps = same_tokens_batch(B, ga, batch)
         fixes.append(f"per_device_train_batch_size={b} with gradient_accumulation_steps={steps} (now {B} and {ga}: "

@@ -38,7 +38,7 @@ from .loss_scale import LossScaler
 from .metrics import StepMeter
 from .plans import RunPlans
 from .recovery import Window
-from .trl_hooks import TRLHooks
+from .trl_hooks import TRLHooks, check_reference
 from .user_loss import StreamedCausalLM, fused_forward, user_loss_reasons
 
 __all__ = ["LazyTrainer", "LazyTrainerMixin"]
@@ -60,7 +60,8 @@ class LazyTrainerMixin(TRLHooks):
     Raises (at construction, before any training time is spent):
         TypeError: `args` is not a TrainingArguments.
         ValueError: an empty `train_dataset`, unsupported architecture, `gradient_checkpointing=True`, an optimizer other than
-            lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, or invalid
+            lazytrain_hybrid8 for a model with trainable streamed parameters, a `compute_loss_func`, a prompt-learning
+            PEFT method, a TRL reference the executor cannot stream (`ref_model=`, hf/trl_hooks.py), or invalid
             `lazytrain_config` (or one given both to the trainer and in LazyTrainingArguments).
 
     A `peft.PeftModel` (LoRA) and models with frozen decoder parameters train through the executor's frozen-layer
@@ -103,6 +104,8 @@ class LazyTrainerMixin(TRLHooks):
             check_supported(model.config)
             check_collator(model.config, named.get("data_collator"))
             _refuse_forward_options(model, args)
+            peft_support.check_peft_method(model, named.get("peft_config"))
+            check_reference(type(self).__name__, named)  # hf/trl_hooks.py
             # gradient checkpointing on the model (peft's prepare_model_for_kbit_training turns it on): the executor
             # turns it off and recomputes as its schedule says (streaming/executor.py, Note [frozen layers])
         super().__init__(*bound.args, **bound.kwargs)
@@ -210,6 +213,7 @@ class LazyTrainerMixin(TRLHooks):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self.executor is None:
             return super()._wrap_model(model, training, dataloader)
+        self.model.train(training)  # a PEFT model's own mode too (TRL logs by it): the wrappers hold its base
         if not training and self.user_loss_model is not None:
             return self.user_loss_model  # evaluation's compute_loss: the HF model's name, loss and logits, no grad
         return self.streaming_model
@@ -360,6 +364,7 @@ class LazyTrainerMixin(TRLHooks):
         if self.executor is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        self.model.train()  # a PEFT model's own mode too (after an evaluation, `_wrap_model`)
         inputs = prepare_batch(inputs, self.model.config)  # packed rows: boundary keys checked and dropped
         unknown = set(inputs) - _SUPPORTED_INPUTS
         # with the user's loss, compute_loss takes the batch and the streamed model's forward checks what it gets

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
+from .peft_support import host_adapter_switches
+
 __all__ = ["StreamedCausalLM", "UserLossPass", "fused_forward", "user_loss_reasons"]
 
 #: keyword arguments of an HF causal LM's forward that change nothing here
@@ -93,7 +95,8 @@ class StreamedCausalLM(nn.Module):
     HF model returns (`loss` when given `labels`, full `logits`), and the loss's backward streams the layers.
 
     One forward with grad per micro-batch (the executor streams one pass at a time); forwards under
-    `torch.no_grad()` (e.g. a reference model's log-probabilities) run before it, or after the trainer finished it.
+    `torch.no_grad()` (e.g. a reference model's log-probabilities) may run before or after it, a streamed no-grad
+    forward that leaves the pass in flight as it was (`StreamingExecutor.forward_hidden`).
 
     Args:
         executor: the StreamingExecutor over `executor.model`.
@@ -132,17 +135,19 @@ class StreamedCausalLM(nn.Module):
             raise ValueError(f"the LazyTrain executor's model forward takes input_ids, attention_mask, position_ids, "
                              f"labels and logits_to_keep, but compute_loss passed {unknown}; drop them or train with "
                              "lazytrain_config policy 'none' (the stock Trainer path)")
-        if self.pending is not None and self.pending.state != "done":
-            raise RuntimeError("compute_loss ran the model a second time while its first forward's backward is still "
-                               "to come: the executor streams one pass per micro-batch. Run the other forwards (e.g. "
-                               "reference log-probabilities) under torch.no_grad(), before the forward with grad")
+        if torch.is_grad_enabled() and self.pending is not None and self.pending.state != "done":
+            raise RuntimeError("compute_loss ran the model with gradients a second time while its first forward's "
+                               "backward is still to come: the executor streams one pass with gradients per "
+                               "micro-batch. Run the other forwards (e.g. reference log-probabilities) under "
+                               "torch.no_grad()")
         ex = self.executor
         dtype = ex.autocast_dtype
         autocast = torch.autocast(ex.device.type, dtype=dtype, enabled=dtype is not None)  # as the layers ran
         if fused_lm_head:
             return self._fused(input_ids, attention_mask, position_ids, labels, autocast, loss_kwargs)
         if not torch.is_grad_enabled():
-            _, logits = ex.forward_inference(input_ids, attention_mask, None, position_ids)
+            with host_adapter_switches(ex):
+                _, logits = ex.forward_inference(input_ids, attention_mask, None, position_ids)
             logits = logits[:, _keep(logits_to_keep, logits.shape[1]), :]
         else:
             h = self._stream(input_ids, attention_mask, position_ids)
@@ -158,10 +163,12 @@ class StreamedCausalLM(nn.Module):
     def _stream(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None) -> torch.Tensor:
         """The last decoder layer's output [B, T, H] (before the final norm): with grad, the streamed stack's autograd
-        node (its backward streams the layers); without, a plain streamed forward."""
+        node (its backward streams the layers); without, a plain streamed forward, with the adapters the PEFT model
+        has switched on now (a reference under `disable_adapter()`)."""
         ex = self.executor
         if not torch.is_grad_enabled():
-            return ex.forward_hidden(input_ids, attention_mask, position_ids)
+            with host_adapter_switches(ex):
+                return ex.forward_hidden(input_ids, attention_mask, position_ids)
         self.pending = UserLossPass(ex.stream_pass(input_ids, attention_mask, position_ids, self.sync_gradients))
         anchor = torch.empty(0, device=ex.device, requires_grad=True)
         return _StreamedStack.apply(anchor, self.pending)

@@ -471,7 +471,10 @@ class StreamingExecutor:
 
     # ---- one micro-batch ---------------------------------------------------------------------------------
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+                 position_ids: torch.Tensor | None, backward: bool = True,
+                 ) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        """(embedding output [B, T, H], each decoder layer's (args, kwargs)); `backward`: a pass whose embedding
+        backward will run (a host embedding keeps its ids for it)."""
         check_packed(self.model.config, attention_mask, position_ids)  # packed rows: streaming/packing.py
         sink: list = []
         attr_names = ("attention_type", "layer_idx", "layer_type")
@@ -481,7 +484,7 @@ class StreamingExecutor:
             for i, layer in enumerate(self.layers))
         layers = self.base.layers
         self.base.layers = stubs
-        embeds = self.resident.embed_input(input_ids)  # a host embedding's output, looked up on the host
+        embeds = self.resident.embed_input(input_ids, keep_ids=backward)  # a host embedding's, looked up there
         ids = dict(input_ids=input_ids) if embeds is None else dict(inputs_embeds=embeds)
         try:
             self.base(**ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -730,19 +733,25 @@ class StreamingExecutor:
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Streamed forward without grad through the decoder layers: the last layer's output [B, T, H] (before the
-        final norm), on the compute device."""
+        final norm), on the compute device.
+
+        It may run while a `stream_pass` waits for its head's gradient (a reference model's forward inside the loss,
+        hf/trl_hooks.py): that pass's weight-access sequence is set aside and its prefetches issued again after
+        (`WeightStreamer.aside`); its stash, RNG records (Note [dropout in recompute]: this forward records none),
+        retained activations and the embedding's ids for its backward are left as they were."""
         for s in self.streamer.slots:
             s.module.train(self.model.training)
         self.device_updater.run_pending()  # a pass cut short (an exception) left staged updates behind
-        self.streamer.invalidate()
-        self.streamer.begin(list(range(self.num_layers)))
-        h, calls = self._capture(input_ids.to(self.device),
-                                 None if attention_mask is None else attention_mask.to(self.device),
-                                 None if position_ids is None else position_ids.to(self.device))
-        for i in range(self.num_layers):
-            slot = self.streamer.acquire(i)
-            h = self._forward(slot, h, calls[i])
-            self.streamer.release(slot)
+        with self.streamer.aside():
+            self.streamer.invalidate()
+            self.streamer.begin(list(range(self.num_layers)))
+            h, calls = self._capture(input_ids.to(self.device),
+                                     None if attention_mask is None else attention_mask.to(self.device),
+                                     None if position_ids is None else position_ids.to(self.device), backward=False)
+            for i in range(self.num_layers):
+                slot = self.streamer.acquire(i)
+                h = self._forward(slot, h, calls[i])
+                self.streamer.release(slot)
         return h
 
     def forward_inference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

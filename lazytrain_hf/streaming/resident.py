@@ -182,21 +182,26 @@ class ResidentParts:
         self._stale = True
 
     # ---- embedding ---------------------------------------------------------------------------------------------
-    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def embed_input(self, input_ids: torch.Tensor, keep_ids: bool = True) -> torch.Tensor | None:
         """The embedding output on the compute device when the embedding lives on the host (else None: the
-        model's own forward looks it up)."""
+        model's own forward looks it up). `keep_ids`: the ids are kept for `embed_backward` (False: a no-grad
+        forward, which may run inside another pass, before that pass's embedding backward)."""
         if not self.embed_on_host:
             return None
-        self._ids = input_ids.detach().cpu()
+        ids = input_ids.detach().cpu()
+        if keep_ids:
+            self._ids = ids
         with torch.no_grad():
             if self._plain_lookup():
-                out = torch.index_select(self.embed.weight, 0, self._ids.reshape(-1),
-                                         out=self._staging(self._ids.numel(), self.embed.weight))
-                out = out.view(*self._ids.shape, -1)
+                out = torch.index_select(self.embed.weight, 0, ids.reshape(-1),
+                                         out=self._staging(ids.numel(), self.embed.weight))
+                out = out.view(*ids.shape, -1)
             else:  # the module itself: its hooks or a subclass's forward run as in the model's own forward
-                out = self.embed(self._ids)
+                out = self.embed(ids)
         if self.device.type != "cuda" or not out.is_pinned():
-            return out.to(self.device)
+            # a copy on the CPU device too: the staging buffer is reused by the next lookup, which may come while
+            # this output is still a stashed boundary (a forward inside another pass)
+            return out.to(self.device, copy=True)
         up = out.to(self.device, non_blocking=True)
         self._stage_read = torch.cuda.Event()
         self._stage_read.record(torch.cuda.current_stream(self.device))
@@ -261,6 +266,7 @@ class ResidentParts:
         w = self.head.weight
         if self._copy is None:
             self._copy = _HeadCopy(torch.empty(w.shape, dtype=w.dtype, device=self.device))
+        self._copy.weight.requires_grad_(w.requires_grad)  # a frozen head (LoRA's base) gets no gradient
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the last use of the copy is done
             with torch.cuda.stream(self._side):

@@ -15,6 +15,8 @@ Events:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -160,6 +162,19 @@ class WeightStreamer:
         self._pos = 0
         for k in range(min(self.depth, len(self._seq))):
             self._issue(k)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Inside the block another pass may `begin` and run (a no-grad forward while a training pass waits for its
+        head's gradient); after it the current pass's access sequence is back where it was and its prefetch window
+        is issued again (the other pass may have loaded other layers into those slots)."""
+        seq, pos = self._seq, self._pos
+        try:
+            yield
+        finally:
+            self._seq, self._pos = seq, pos
+            for k in range(pos, min(pos + self.depth, len(seq))):
+                self._issue(k)
 
     def acquire(self, layer: int) -> Slot:
         """The slot holding `layer`'s weights, ready for compute on the current stream. Must follow the sequence."""

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl")
+peft = pytest.importorskip("peft")
 
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from lazytrain_hf import LazyTrainerMixin, LazyTrainingArguments  # noqa: E402
@@ -125,19 +126,47 @@ class LazyDPO(LazyTrainerMixin, trl.DPOTrainer):
     pass
 
 
+def _preference(vocab: int, n: int = 12, seed: int = 0) -> Dataset:
+    """Prompt / chosen / rejected triples of unequal lengths (prompts 2..5 words, completions 2..7)."""
+    g = torch.Generator().manual_seed(seed)
+    words = lambda k: " ".join(f"w{int(i)}" for i in torch.randint(3, vocab, (k,), generator=g))  # noqa: E731
+    return Dataset.from_list([{"prompt": words(2 + i % 4), "chosen": " " + words(3 + i % 5),
+                               "rejected": " " + words(2 + (i * 3) % 5)} for i in range(n)])
+
+
+def _dpo_kw(tmp_path, **kw) -> dict:
+    base = {k: v for k, v in _config(tmp_path, "x").items() if k not in ("output_dir", "completion_only_loss")}
+    return {**base, "beta": 0.5, **kw}
+
+
+def _assert_dpo_runs_equal(stock, lazy, beta: float) -> None:
+    """Three logged steps of loss, grad_norm, sequence log-probs and rewards equal the stock DPOTrainer's; clipping
+    exercised; the policy moved off the reference; final parameters within 1e-5."""
+    assert len(_logs(lazy, "loss")) == 3
+    assert any(g > 1.0 for g in _logs(stock, "grad_norm")), "the test must exercise clipping"
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
+    # rewards are beta x differences of sequence log-probs: 1e-5 of the log-probs they cancel from
+    tol = 1e-5 * beta * max(abs(x) for x in _logs(stock, "logps/chosen") + _logs(stock, "logps/rejected"))
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
+            assert math.isclose(a, b, abs_tol=tol), (key, a, b)
+    assert any(m != 0 for m in _logs(stock, "rewards/margins")), "the policy must move off the reference"
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        if not name.endswith(NOISE_ONLY):
+            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+
+
 def test_dpo_with_precomputed_reference_log_probs_trains_as_the_stock_dpo_trainer(tmp_path, monkeypatch):
     """DPOTrainer takes ref_model second: the mixin binds the Trainer's own signature. The reference log-probs are
     precomputed by DPOTrainer when it is built, before the executor holds the model; the policy's pass is TRL's fused
     head over the streamed layers."""
     model = load_model("qwen3-tiny", "float32", seed=3)
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    words = lambda k: " ".join(f"w{int(i)}" for i in torch.randint(3, vocab, (k,), generator=g))  # noqa: E731
-    ds = Dataset.from_list([{"prompt": words(2 + i % 4), "chosen": " " + words(3 + i % 5),
-                             "rejected": " " + words(2 + (i * 3) % 5)} for i in range(12)])
-    tok = _tokenizer(vocab)
-    kw = {k: v for k, v in _config(tmp_path, "x").items() if k not in ("output_dir", "completion_only_loss")}
-    kw.update(precompute_ref_log_probs=True, beta=0.5)
+    ds, tok = _preference(vocab), _tokenizer(vocab)
+    kw = _dpo_kw(tmp_path, precompute_ref_log_probs=True)
     stock = trl.DPOTrainer(model=copy.deepcopy(model), args=trl.DPOConfig(output_dir=str(tmp_path / "stock"),
                                                                            optim="adamw_torch", **kw),
                            train_dataset=ds, processing_class=tok)
@@ -155,16 +184,119 @@ def test_dpo_with_precomputed_reference_log_probs_trains_as_the_stock_dpo_traine
     assert ref_models and set(ref_models) == {"StreamedCausalLM"}
     for key in ("ref_chosen_logps", "ref_rejected_logps"):
         assert rel_err(torch.tensor(lazy.train_dataset[key]), torch.tensor(stock.train_dataset[key])) < 1e-5, key
-    assert len(_logs(lazy, "loss")) == 3
-    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
-        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
-            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
-    # margins are beta x differences of sequence log-probs: 1e-5 of the log-probs they cancel from
-    tol = 1e-5 * kw["beta"] * max(abs(x) for x in _logs(stock, "logps/chosen") + _logs(stock, "logps/rejected"))
-    for a, b in zip(_logs(lazy, "rewards/margins"), _logs(stock, "rewards/margins"), strict=True):
-        assert math.isclose(a, b, abs_tol=tol), (a, b)
-    assert any(m != 0 for m in _logs(stock, "rewards/margins")), "the policy must move off the reference"
-    stock_params = dict(stock.model.named_parameters())
-    for name, p in lazy.model.named_parameters():
-        if not name.endswith(NOISE_ONLY):
-            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+    _assert_dpo_runs_equal(stock, lazy, kw["beta"])
+
+
+def _lora_config():
+    """LoRA on every linear layer, B initialized randomly: the policy differs from the base (the reference) from the
+    first step."""
+    return peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+
+
+class _HeadGrads(TrainerCallback):
+    """Whether the LM head held a gradient when each optimizer step began."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        self.head, self.seen = head, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.seen.append(self.head.weight.grad is not None)
+
+
+@pytest.mark.parametrize("arch, placement, wrapped, optim", [("qwen3-tiny", "gpu", False, None),
+                                                             ("qwen2-tiny", "gpu", True, None),
+                                                             ("qwen3-tiny-untied", "host", False, "adamw_torch")])
+def test_dpo_with_a_peft_policy_trains_as_the_stock_dpo_trainer_with_peft(tmp_path, monkeypatch, arch, placement,
+                                                                          wrapped, optim):
+    """No ref_model: DPOTrainer's loss computes the reference after the policy's forward, the base with the adapters
+    disabled (peft_config=) or TRL's frozen "ref" copy of a given adapter (a PeftModel). Under the executor that is a
+    no-grad streamed forward (the host layers' own modules never run) that leaves the policy's pass, and so its
+    gradient, as the stock trainer has it; a frozen LM head (on the host too) gets no gradient."""
+    from lazytrain_hf.streaming.executor import StreamingExecutor
+
+    model = load_model(arch, "float32", seed=3)
+    vocab = model.config.vocab_size
+    ds, tok = _preference(vocab), _tokenizer(vocab)
+    kw = _dpo_kw(tmp_path, eval_strategy="steps", eval_steps=2)  # an evaluation between training steps
+
+    def build(cls, m, name, optim, **extra):
+        torch.manual_seed(0)  # the adapters' random init
+        m, peft_kw = (peft.get_peft_model(m, _lora_config()), {}) if wrapped else (m, {"peft_config": _lora_config()})
+        args = trl.DPOConfig(output_dir=str(tmp_path / name), **kw, **({"optim": optim} if optim else {}))
+        return cls(model=m, args=args, train_dataset=ds, eval_dataset=_preference(vocab, n=6, seed=1),
+                   processing_class=tok, **peft_kw, **extra)
+
+    stock = build(trl.DPOTrainer, copy.deepcopy(model), "stock", "adamw_torch")
+    stock.train()
+    streamed = []
+    original = StreamingExecutor.forward_hidden
+    monkeypatch.setattr(StreamingExecutor, "forward_hidden",
+                        lambda self, *a, **k: streamed.append(self.model.training) or original(self, *a, **k))
+    lazy = build(LazyDPO, model, "lazy", optim, lazytrain_config={**EXACT, "resident_placement": placement})
+    host_runs = []
+    for layer in lazy.executor.layers:  # after the executor copied them into its slots' templates
+        layer.register_forward_pre_hook(lambda m, a: host_runs.append(m))
+    head = _HeadGrads(lazy.executor.resident.head)
+    lazy.add_callback(head)
+    lazy.train()
+    assert isinstance(lazy.model, peft.PeftModel) and lazy.ref_model is None
+    assert lazy.executor.resident.placement == placement and all(lazy.executor.frozen)
+    assert ("ref" in lazy.model.peft_config) == wrapped  # TRL's frozen copy of a given adapter
+    assert head.seen == [False] * 3
+    _assert_dpo_runs_equal(stock, lazy, kw["beta"])  # training metrics only: the evaluations' are eval_*
+    evals = [[h for h in t.state.log_history if "eval_loss" in h] for t in (stock, lazy)]
+    for want, got in zip(*evals, strict=True):
+        tol = 1e-5 * kw["beta"] * max(abs(want["eval_logps/chosen"]), abs(want["eval_logps/rejected"]))
+        for key in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected", "eval_rewards/chosen",
+                    "eval_rewards/rejected"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=tol if "rewards" in key else 0), key
+    # streamed, never the host layers' modules: one reference forward per training micro-batch; in each evaluation
+    # (one batch) the policy's and the reference's
+    assert streamed.count(True) == 6 and streamed.count(False) == 2 * len(evals[0]) and not host_runs
+
+
+REFUSED = {"ref_model": r"ref_model= \(a second full model\) is not supported .* precompute_ref_log_probs=True .* PEFT",
+           "no reference": r"loads a second copy of the model .* precompute_ref_log_probs=True .* PEFT policy",
+           "prefix tuning": r"PEFT PREFIX_TUNING cannot run .*peft\.LoraConfig",
+           "prompt tuning": r"PEFT PROMPT_TUNING cannot run .*peft\.LoraConfig"}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_references_and_peft_methods_the_executor_cannot_run_are_refused_at_build(tmp_path, monkeypatch, case):
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    extra = {"ref_model": copy.deepcopy(model), "peft_config": _lora_config()} if case == "ref_model" else {}
+    if case == "prefix tuning":
+        extra["peft_config"] = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    if case == "prompt tuning":
+        model = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    built = []
+    monkeypatch.setattr(trl.DPOTrainer, "_prepare_dataset", lambda self, *a, **k: built.append(1))
+    with pytest.raises(ValueError, match=REFUSED[case]):
+        LazyDPO(model=model, args=trl.DPOConfig(output_dir=str(tmp_path / "a"), **_dpo_kw(tmp_path)),
+                train_dataset=_preference(model.config.vocab_size), processing_class=_tokenizer(model.config.vocab_size),
+                lazytrain_config=dict(EXACT), **extra)
+    assert not built, "refused before TRL prepares the data"
+
+
+def test_the_plan_reads_a_preference_data_sets_rows_and_lengths(tmp_path, caplog):
+    """TRL's preference collator stacks chosen and rejected (2 rows per example), each prompt + completion, cut at
+    max_length: the planned micro-batch is that, without the 1024-token fallback."""
+    from lazytrain_hf.hf.plan import run_shape
+
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    for max_length, name in ((None, "a"), (9, "b")):
+        lazy = LazyDPO(model=copy.deepcopy(model), args=trl.DPOConfig(output_dir=str(tmp_path / name),
+                                                                      **_dpo_kw(tmp_path, max_length=max_length)),
+                       train_dataset=_preference(vocab), processing_class=_tokenizer(vocab),
+                       peft_config=_lora_config(), lazytrain_config=dict(EXACT))
+        ds = lazy.train_dataset
+        longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(ds["prompt_ids"], ds["chosen_ids"],
+                                                                        ds["rejected_ids"], strict=True))
+        assert longest > 9
+        want = min(longest, max_length or longest)
+        batch = lazy.data_collator([ds[i] for i in range(len(ds))])
+        assert batch["input_ids"].shape == (2 * len(ds), want)  # what the collator makes of the whole data set
+        with caplog.at_level(logging.WARNING, logger="lazytrain_hf"):
+            assert run_shape(lazy) == (2 * lazy.args.per_device_train_batch_size, -(-want // 8) * 8)
+        assert "cannot read input_ids lengths" not in caplog.text

@@ -147,6 +147,64 @@ def test_inference_forward_matches_hf():
     assert rel_err(logits, out.logits) < 1e-5
 
 
+def _with_dropout(arch: str, p: float = 0.2):
+    """A model whose layers draw random numbers in training (attention dropout): Note [dropout in recompute]."""
+    model = load_model(arch, "float32", seed=1)
+    model.config.attention_dropout = p
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = p
+    return model.train()
+
+
+def _pass_with_a_forward_inside(ex, ids, mask, labels, other):
+    """`forward_backward`'s protocol of `stream_pass`, with a no-grad `forward_hidden` of `other` run while the pass
+    waits for its head's gradient (as a reference forward inside a loss runs)."""
+    from lazytrain_hf.streaming.head import chunked_lm_loss, shift_labels
+
+    targets = shift_labels(labels.to(ex.device))
+    run = ex.stream_pass(ids, mask)
+    h = next(run)
+    inner = ex.forward_hidden(*other)
+    loss, g = chunked_lm_loss(h, targets, ex.base.norm, ex.resident.head_module(), targets.ne(-100).sum(),
+                              ex.config.loss_chunk_tokens)
+    ex.resident.head_backward_done()
+    run.send(g)
+    next(run, None)
+    return loss, inner
+
+
+@pytest.mark.parametrize("placement", ["gpu", "host_embedding", "host"])
+@pytest.mark.parametrize("sched_name", list(_schedules()))
+def test_a_forward_inside_a_pass_leaves_its_gradients_as_without_it(sched_name, placement, tmp_path):
+    """Its weight loads, RNG draws and embedding lookup do not reach the waiting pass: the stash, the retained
+    layers' graphs, the recorded dropout states, the prefetched weights and a host embedding's ids stay the pass's."""
+    check_forward_inside_a_pass(sched_name, placement, tmp_path, "cpu")
+
+
+def check_forward_inside_a_pass(sched_name, placement, tmp_path, device, tol=1e-6):
+    """`test_a_forward_inside_a_pass_leaves_its_gradients_as_without_it` on `device`."""
+    model = _with_dropout("qwen3-tiny-untied")
+    ids, mask, labels = random_batch(model.config.vocab_size, seed=3)
+    other_ids, other_mask, _ = random_batch(model.config.vocab_size, B=1, T=17, seed=4)  # fewer rows: buffers reused
+    grads = []
+    for inside in (False, True):
+        m = copy.deepcopy(model)
+        sched = copy.deepcopy(_schedules()[sched_name])
+        sched.resident = placement
+        ex = StreamingExecutor(m, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), device, sched)
+        torch.manual_seed(0)
+        if inside:
+            loss, inner = _pass_with_a_forward_inside(ex, ids, mask, labels, (other_ids, other_mask))
+            assert inner.shape == (1, 17, model.config.hidden_size)
+        else:
+            loss = ex.forward_backward(ids, labels, mask)
+        grads.append((loss.cpu(), {n: ex.grad_source(p).to("cpu", copy=True) for n, p in m.named_parameters()}))
+    (loss, want), (got_loss, got) = grads
+    assert rel_err(got_loss, loss) < tol
+    for name, g in want.items():
+        assert rel_err(got[name], g) < tol, name
+
+
 def test_schedule_layer_count_mismatch_is_clear():
     model = load_model("qwen3-tiny", "float32")
     with pytest.raises(ValueError, match="schedule has 3 layers but the model has 4"):

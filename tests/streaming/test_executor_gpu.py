@@ -13,7 +13,7 @@ from lazytrain_hf.models import load_model
 from lazytrain_hf.streaming.executor import StreamingExecutor
 
 from ..conftest import random_batch, rel_err, requires_cuda
-from .test_executor import ARCHS, _schedules, run_with_slow_cpu_updates
+from .test_executor import ARCHS, _schedules, check_forward_inside_a_pass, run_with_slow_cpu_updates
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -202,3 +202,11 @@ def test_cuda_locked_host_bytes_match_the_accounting():
     assert pb["planned"] <= pb["registered"] <= pb["planned"] + 64 * len(opt.state) * 5, pb  # 64-B rounding only
     ex.close()
     assert ex.pinned_bytes["registered"] == 0
+
+
+@pytest.mark.parametrize("placement", ["gpu", "host_embedding", "host"])
+@pytest.mark.parametrize("sched_name", list(_schedules()))
+def test_cuda_forward_inside_a_pass_leaves_its_gradients_as_without_it(sched_name, placement, tmp_path):
+    """The no-grad forward's loads into slots the waiting pass had prefetched into, on the H2D stream, and its
+    host-embedding lookup through the pinned staging buffer: the pass's gradients are those without it."""
+    check_forward_inside_a_pass(sched_name, placement, tmp_path, "cuda", tol=1e-5)

@@ -61,6 +61,28 @@ def test_placement_equals_autograd_over_an_accumulation_window(arch, placement):
     ex.close()
 
 
+def test_a_frozen_embedding_and_head_on_the_host_get_no_gradient():
+    """LoRA's base embedding and LM head (requires_grad False) placed on the host: the head's GPU working copy takes
+    no gradient, so nothing reaches the host head, embedding or the global norm; the other gradients are
+    autograd's."""
+    model = load_model("qwen3-tiny-untied", "float32", seed=1)
+    model.lm_head.weight.requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    ids, mask, labels = random_batch(model.config.vocab_size)
+    ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ex = _executor(model, "host")
+    ex.forward_backward(ids, labels, mask)
+    assert model.lm_head.weight.grad is None and model.model.embed_tokens.weight.grad is None
+    got = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            g = got[name]
+            assert rel_err(ex.grad_source(g) if ex.is_streamed(g) else g.grad, p.grad) < 1e-5, name
+    ref_norm = torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters() if p.grad is not None))
+    assert rel_err(ex.grad_norm().double(), ref_norm) < 1e-5
+
+
 def test_a_new_window_starts_from_zero_gradients_whoever_cleared_them():
     """The host buffers are reused across windows: rows touched in the last window must not leak into the next,
     also when `.grad` was set to None by other code than the executor (e.g. an optimizer's zero_grad)."""
