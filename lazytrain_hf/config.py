@@ -363,6 +363,14 @@ class DataParallelConfig(_Group):
         'weights at the layer\'s next load; needs overlap_optimizer. "auto": sharded when overlap_optimizer is on, '
         "else replicated (the step times are in benchmarks/results/executor-ddp-sharded-20261129.json).",
         choices=("auto", "replicated", "sharded")))
+    dp_host_weights: str = field(default="auto", metadata=_help(
+        '"shared": the ranks on one host map one host copy of the streamed decoder layers\' weights (a file in '
+        "/dev/shm the host's first rank creates; each layer's owner writes its updates there), so those weights take "
+        "their bytes once per host instead of once per rank; needs sharded updates (dp_updates) and room for the "
+        'weights in /dev/shm (docker --shm-size). "per_rank": every rank its own copy. "auto": shared when two or '
+        "more ranks run on the host and the updates are sharded, else per_rank. Gradients and optimizer states stay "
+        "per rank either way; the results are bit for bit the same (tests/hf/test_ddp.py).",
+        choices=("auto", "shared", "per_rank")))
 
 
 @_records_given
@@ -437,7 +445,7 @@ _FLAT_ORDER = (
     "overlap_optimizer", "gpu_layer_updates", "keep_gpu_grads", "prepared_states_budget", "dp_updates",
     "loss_chunk_tokens", "schedule_path", "plan_buckets", "solver_time_limit_s", "profile_layers", "calibrate_steps",
     "solver_mip_rel_gap", "state_dtype", "master_weights", "block_size", "min_8bit_size", "fp32_state_modules",
-    "resident_placement", "compile_linear_attention", "interrupt_grace_period")
+    "resident_placement", "compile_linear_attention", "interrupt_grace_period", "dp_host_weights")
 assert sorted(_FLAT_ORDER) == sorted(FLAT_KEYS), "every field has one flat key, in _FLAT_ORDER"
 
 
@@ -562,6 +570,11 @@ class LazyTrainConfig:
             problems.append(f"{name('dp_updates')}='sharded' needs overlap_optimizer=True (the sharded update "
                             "runs through the deferred per-layer updater); set overlap_optimizer=True or "
                             "dp_updates='replicated'")
+        if self.dp_host_weights == "shared" and self.resolved_dp_updates() != "sharded":
+            problems.append(f"{name('dp_host_weights')}='shared' needs sharded updates (each layer written by one "
+                            f"rank), but {name('dp_updates')}={self.dp_updates!r} with overlap_optimizer="
+                            f"{self.overlap_optimizer!r} updates every layer on every rank; set dp_updates='sharded' "
+                            "(with overlap_optimizer=True) or dp_host_weights='per_rank'")
         if self.prepared_states_budget and self.overlap_optimizer is False:
             problems.append(f"{name('prepared_states_budget')} needs overlap_optimizer=True (the update worker "
                             "prepares the moments); set overlap_optimizer=True or prepared_states_budget=0")
@@ -627,6 +640,13 @@ class LazyTrainConfig:
         if self.dp_updates != "auto":
             return self.dp_updates
         return "sharded" if self.overlap_optimizer else "replicated"
+
+    def resolved_dp_host_weights(self, ranks_on_host: int) -> str:
+        """"shared" or "per_rank": what `dp_host_weights` means with `ranks_on_host` data-parallel ranks on this host
+        ("auto": shared with two or more and sharded updates)."""
+        if ranks_on_host < 2 or self.dp_host_weights == "per_rank" or self.resolved_dp_updates() != "sharded":
+            return "per_rank"
+        return "shared"
 
     def resolved_device(self) -> str:
         """The compute device string ("cuda" or "cpu") after resolving "auto"."""

@@ -144,8 +144,9 @@ def machine_budgets(trainer: Any) -> tuple[Any, dict[str, Any]]:
     """(hardware profile, the machine's side of `planning.request.resolve_budgets`) for this trainer: on CUDA the
     probe and the free GPU memory now, elsewhere the H200 defaults and an 80 GiB GPU; the host memory this process
     may use (`profiling.limits.host_memory_limit`: cgroup limits, available RAM) and the processes sharing it (data
-    parallel: every rank on this host keeps its own host store and stash, streaming/comm.py); the free space of
-    `nvme_dir` (256 GiB without one)."""
+    parallel: every rank on this host keeps its own gradients, optimizer states and stash, and its own copy of the
+    weights unless the host's ranks share one, `host_weight_ranks`); the free space of `nvme_dir` (256 GiB without
+    one)."""
     cfg = trainer.lazy_config
     ex = trainer.executor
     if ex.device.type == "cuda":
@@ -182,11 +183,20 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
         loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype, master_weights=cfg.master_weights,
         block_size=cfg.block_size, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
         max_buckets=cfg.plan_buckets if cfg.policy == "milp" else 1,
-        frozen=peft_support.frozen_layout(trainer.executor), resident_states=resident_states(trainer))
+        frozen=peft_support.frozen_layout(trainer.executor), resident_states=resident_states(trainer),
+        host_weight_ranks=host_weight_ranks(trainer))
     if machine["ranks_per_host"] > 1 and not cfg.host_memory_budget:
-        logger.log(plan_log_level(trainer), "planning with %.1f GiB host memory per rank (%d ranks on this host)",
-                   request.budgets.host_bytes / GIB, machine["ranks_per_host"])
+        shared = request.host_weight_ranks
+        logger.log(plan_log_level(trainer), "planning with %.1f GiB host memory per rank (%d ranks on this host%s)",
+                   request.budgets.host_bytes / GIB, machine["ranks_per_host"],
+                   f"; one copy of the layers' weights for {shared} of them, 1/{shared} in each rank's bytes"
+                   if shared > 1 else "")
     return request
+
+
+def host_weight_ranks(trainer: Any) -> int:
+    """The ranks mapping the executor's one host copy of the streamed weights (streaming/shared_host.py), or 1."""
+    return trainer.executor.store.weight_ranks
 
 
 def resident_states(trainer: Any) -> str:

@@ -3,7 +3,8 @@ error naming the need, the limit and where it came from, and the fix, before the
 
 - `check_host_before_pinning`: when the trainer is built, before the executor page-locks the weights, gradients and
   optimizer states: those bytes (the plan's fixed host bytes) against the host-memory limit (cgroup, available RAM)
-  shared by the ranks on this host; an explicit `host_memory_budget` above the limit is refused too.
+  shared by the ranks on this host; an explicit `host_memory_budget` above the limit is refused too. With one host
+  copy of the weights for the host's ranks (`dp_host_weights`), that copy against the free space of /dev/shm.
 - `check_plan`: at train begin, the plan's host bytes against the limit, its NVMe bytes against the free space of
   `nvme_dir`.
 - `check_checkpoint_space`: at train begin (when checkpoints are saved) and before each save, a checkpoint's size
@@ -21,9 +22,10 @@ from typing import Any
 
 from ..config import format_bytes
 from ..profiling.limits import Limit, check_need, disk_free, host_memory_limit, memlock_limit
+from ..streaming.shared_host import check_shm_space, segment_bytes
 
 __all__ = ["host_limit_per_rank", "fixed_host_bytes", "check_host_before_pinning", "check_plan", "checkpoint_bytes",
-           "check_checkpoint_space", "memlock_note", "ranks_per_host"]
+           "check_checkpoint_space", "memlock_note", "ranks_per_host", "shared_weight_ranks", "shared_copy_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,13 @@ CHECKPOINT_OVERHEAD_BYTES = 16 << 20
 def ranks_per_host() -> int:
     """Processes of this run on this host (LOCAL_WORLD_SIZE; 1 without data parallelism)."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+
+
+def shared_weight_ranks(cfg: Any) -> int:
+    """The ranks on this host that will map one host copy of the streamed weights (`dp_host_weights`,
+    streaming/shared_host.py), from LOCAL_WORLD_SIZE before the executor exists; 1: each rank its own copy."""
+    n = ranks_per_host()
+    return n if cfg.resolved_dp_host_weights(n) == "shared" else 1
 
 
 def host_limit_per_rank(ranks: int | None = None) -> Limit:
@@ -54,17 +63,23 @@ def _host_fixes(cfg: Any, plan_part: bool) -> str:
         fixes.append("lazytrain_config.master_weights='kahan' (2 bytes per parameter instead of 4)")
     if cfg.state_dtype == "fp32":
         fixes.append("lazytrain_config.state_dtype='8bit' (2 bytes per parameter of moments instead of 8)")
-    if ranks_per_host() > 1:
-        fixes.append(f"fewer ranks per host (now {ranks_per_host()}, each holds its own host copy)")
+    n = ranks_per_host()
+    if n > 1 and shared_weight_ranks(cfg) == 1 and cfg.resolved_dp_updates() == "sharded":
+        fixes.append(f"lazytrain_config.dp_host_weights='shared' (one copy of the weights for the {n} ranks on this "
+                     "host instead of one each)")
+    if n > 1:
+        copy = "its own gradients and optimizer states" if shared_weight_ranks(cfg) > 1 else "its own host copy"
+        fixes.append(f"fewer ranks per host (now {n}, each holds {copy})")
     fixes.append("a larger memory limit (docker --memory, the Kubernetes memory limit) or a machine with more RAM")
     return ", or ".join(fixes)
 
 
 def fixed_host_bytes(trainer: Any) -> int:
-    """Host bytes the run takes whatever the plan: weights, gradients, optimizer states and master weights of the
-    streamed layers, frozen layers' weights only (LoRA's base; `peft_support.model_frozen_costs`) (the analytic
-    cost model's `host_fixed_bytes` with the embedding and LM head on the GPU, the placement taking the least host
-    memory unless one is configured)."""
+    """Host bytes per rank the run takes whatever the plan: weights, gradients, optimizer states and master weights
+    of the streamed layers, frozen layers' weights only (LoRA's base; `peft_support.model_frozen_costs`), weights
+    shared by the host's ranks by this rank's share (`shared_weight_ranks`) (the analytic cost model's
+    `host_fixed_bytes` with the embedding and LM head on the GPU, the placement taking the least host memory unless
+    one is configured)."""
     from ..profiling.analytic import analytic_cost_model
     from .peft_support import model_frozen_costs
     from .plan import run_shape
@@ -77,19 +92,35 @@ def fixed_host_bytes(trainer: Any) -> int:
     cm = analytic_cost_model(trainer.model.config, B, T, gpu_bytes=1, host_bytes=1,
                              state_dtype=cfg.state_dtype,
                              master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
-                             block_size=cfg.block_size, resident=resident, **model_frozen_costs(trainer.model))
+                             block_size=cfg.block_size, resident=resident, host_weight_ranks=shared_weight_ranks(cfg),
+                             **model_frozen_costs(trainer.model))
     return int(cm.host_fixed_bytes)
+
+
+def shared_copy_bytes(model: Any) -> int:
+    """Bytes of the one host copy of `model`'s decoder layers' weights that the host's ranks share
+    (streaming/shared_host.py: every buffer on its own pages)."""
+    from ..streaming.host_store import layer_layout
+    from ..streaming.layer_calls import find_decoder, unwrap_peft
+
+    base, _ = find_decoder(unwrap_peft(model))
+    return segment_bytes([layer_layout(layer).sizes for layer in base.layers])
 
 
 def check_host_before_pinning(trainer: Any) -> Limit:
     """Before the executor is built (it page-locks the layers' weights and gradients, then the optimizer states):
-    `fixed_host_bytes` against this rank's share of the host-memory limit, and an explicit `host_memory_budget`
-    against it. Returns the limit.
+    with one host copy of the weights for the ranks of this host (`shared_weight_ranks`), its bytes against the free
+    space of /dev/shm; `fixed_host_bytes` against this rank's share of the host-memory limit, and an explicit
+    `host_memory_budget` against it. Returns the limit.
 
     Raises:
-        ResourceLimitError: the run's host memory is above the limit (need, limit and its source, fix).
+        ResourceLimitError: /dev/shm is too small for the shared copy, or the run's host memory is above the limit
+            (need, limit and its source, fix).
     """
     cfg = trainer.lazy_config
+    shared = shared_weight_ranks(cfg)
+    if shared > 1:
+        check_shm_space(shared_copy_bytes(trainer.model), shared)
     lim = host_limit_per_rank()
     check_need(fixed_host_bytes(trainer), lim, "the model's weights, gradients and optimizer states on the host",
                _host_fixes(cfg, plan_part=False))

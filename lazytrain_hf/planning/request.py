@@ -80,6 +80,9 @@ class PlanRequest:
         name: the model's name in cost models.
         frozen: the frozen layout (`plan_inputs`' `frozen`: frozen layer indices, resident adapter parameters), or
             None when every decoder layer trains.
+        host_weight_ranks: ranks on this host that map one host copy of the streamed layers' weights
+            (`LazyTrainConfig.dp_host_weights`): each rank's host bytes count 1 / host_weight_ranks of them. 1: each
+            rank its own copy.
     """
 
     model_config: Mapping[str, Any]
@@ -104,6 +107,7 @@ class PlanRequest:
     mip_rel_gap: float = 0.01
     name: str = ""
     frozen: Mapping[str, Any] | None = None
+    host_weight_ranks: int = 1
 
     def inputs(self, seq_len: int | None = None) -> dict[str, Any]:
         """`planning.schedule.plan_inputs` for `seq_len` (default: the longest): budgets as asked."""
@@ -115,7 +119,7 @@ class PlanRequest:
                            master_weights=self.master_weights, block_size=self.block_size,
                            gpu_memory_margin=b.margin, fixed=dict(self.fixed), kept_grads=self.kept_grads,
                            resident=self.resident, frozen=None if self.frozen is None else dict(self.frozen),
-                           resident_states=self.resident_states)
+                           resident_states=self.resident_states, host_weight_ranks=self.host_weight_ranks)
 
     def fingerprint(self, seq_len: int | None = None) -> str:
         """The fingerprint of `inputs(seq_len)`."""
@@ -128,7 +132,7 @@ class PlanRequest:
                     loss_chunk_tokens=self.loss_chunk_tokens, state_dtype=self.state_dtype,
                     master_weights=self.master_weights, block_size=self.block_size, rows_per_pass=rows,
                     kept_grads=self.kept_grads, resident=resident, resident_states=self.resident_states,
-                    name=self.name)
+                    name=self.name, host_weight_ranks=self.host_weight_ranks)
 
     def with_gpu_reduction(self, nbytes: int) -> PlanRequest:
         """This request with `nbytes` taken off the GPU budget (in total, not in addition to an earlier one)."""
@@ -146,11 +150,13 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                     state_dtype: str = "8bit", master_weights: str = "fp32", block_size: int = 256,
                     time_limit_s: float = 10.0, mip_rel_gap: float = 0.01, max_buckets: int = 1,
                     name: str = "", frozen: Mapping[str, Any] | None = None,
-                    resident_states: str = "fp32") -> PlanRequest:
+                    resident_states: str = "fp32", host_weight_ranks: int = 1) -> PlanRequest:
     """The `PlanRequest` for a run, with every default resolved: budgets (`resolve_budgets`), master weights "auto"
     planned as fp32, kept gradients only with one micro-batch per optimizer step (accumulated gradients are summed on
     the host), the fixed knobs' defaults, and `max_buckets` sequence-length buckets (powers of two up to `seq_len`,
-    `seq_len_buckets`; 1: `seq_len` alone)."""
+    `seq_len_buckets`; 1: `seq_len` alone). `host_weight_ranks`: the ranks on this host sharing one host copy of the
+    streamed weights (1: none share); the host budget per rank is the host's share as before, the shared weights
+    count their share in each rank's host bytes."""
     budgets = resolve_budgets(gpu_memory_budget, host_memory_budget, nvme_budget, nvme=nvme, margin=gpu_memory_margin,
                               gpu_available=gpu_available, host_total=host_total, nvme_available=nvme_available,
                               ranks_per_host=ranks_per_host)
@@ -163,7 +169,7 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                        loss_chunk_tokens=loss_chunk_tokens, state_dtype=state_dtype,
                        master_weights="fp32" if master_weights == "auto" else master_weights, block_size=block_size,
                        time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap, name=name, frozen=frozen,
-                       resident_states=resident_states)
+                       resident_states=resident_states, host_weight_ranks=max(1, int(host_weight_ranks)))
 
 
 def same_tokens_batch(batch_size: int, accumulation: int, fits: int) -> tuple[int, int]:

@@ -187,7 +187,7 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
                 master_weights: str = "fp32", block_size: int = 256, gpu_memory_margin: float = 0.12,
                 fixed: dict[str, Any] | None = None, kept_grads: bool = True,
                 resident: str = "auto", frozen: dict[str, Any] | None = None,
-                resident_states: str = "fp32") -> dict[str, Any]:
+                resident_states: str = "fp32", host_weight_ranks: int = 1) -> dict[str, Any]:
     """Everything a plan depends on, by name: the one definition of a schedule's fingerprint, shared by the
     `plan` CLI and the Trainer (`plan_fingerprint`). Budgets in bytes as the user asked for them (before the GPU
     margin), None where the default was taken: the defaults are resolved differently by the CLI (the profile's
@@ -197,7 +197,8 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
     for ("auto": the planner's choice); `frozen`: the frozen layout of a run with frozen decoder layers (LoRA:
     {"layers": frozen layer indices, "adapter_params": trainable parameters kept resident by them}), None when every
     layer trains (an input only then, so full-training fingerprints do not depend on it); `resident_states`: the
-    embedding / LM head optimizer states, an input only when not the default "fp32"."""
+    embedding / LM head optimizer states, an input only when not the default "fp32"; `host_weight_ranks`: the ranks on
+    this host sharing one host copy of the streamed weights, an input only when more than 1."""
     def size(b: int | None) -> int | None:
         return None if b is None else int(b)
 
@@ -214,6 +215,8 @@ def plan_inputs(model_config: dict[str, Any], batch_size: int, seq_len: int, gpu
         inputs["frozen"] = dict(frozen)
     if resident_states != "fp32":
         inputs["resident_states"] = resident_states
+    if host_weight_ranks != 1:
+        inputs["host_weight_ranks"] = int(host_weight_ranks)
     return inputs
 
 

@@ -255,7 +255,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         kept_grads: bool = True, name: str = "",
                         resident: str = "gpu", resident_states: str = "fp32", frozen: Sequence[bool] | None = None,
                         adapter_params: int = 0, frozen_embed: bool = False, frozen_head: bool = False,
-                        quantized: Sequence[tuple[int, int]] | None = None) -> CostModel:
+                        quantized: Sequence[tuple[int, int]] | None = None, host_weight_ranks: int = 1) -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
 
     Args:
@@ -295,6 +295,9 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         quantized: per layer, (parameters held as bitsandbytes 4-bit weights, their streamed bytes: packed data
             plus quantization state) for a frozen layer of a 4-bit base (QLoRA); its host copy and H2D load are
             those bytes plus 2 per remaining parameter instead of 2 per parameter. None: no 4-bit weights.
+        host_weight_ranks: data-parallel ranks on this host that map one host copy of the streamed layers' weights
+            (streaming/shared_host.py): `host_fixed_bytes` (bytes per rank) counts 1 / host_weight_ranks of those
+            weights, so the host counts them once. 1: each rank its own copy.
 
     Raises:
         ValueError: non-positive batch or sequence length, unknown state_dtype / master_weights.
@@ -318,6 +321,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         problems.append(f"frozen must have one entry per layer ({shape.num_layers}), but got {len(frozen)}")
     if adapter_params < 0:
         problems.append(f"adapter_params must be >= 0, but got {adapter_params}")
+    if isinstance(host_weight_ranks, bool) or not isinstance(host_weight_ranks, int) or host_weight_ranks < 1:
+        problems.append(f"host_weight_ranks must be an integer >= 1, but got {host_weight_ranks!r}")
     quantized = [(0, 0)] * shape.num_layers if quantized is None else [(int(q), int(b)) for q, b in quantized]
     if len(quantized) != shape.num_layers:
         problems.append(f"quantized must have one entry per layer ({shape.num_layers}), but got {len(quantized)}")
@@ -398,6 +403,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # 24 GiB plan with GPU-side updates peaked ~1 GiB above its prediction (21.7 vs 20.7 GiB at B=64) and ran out of
     # memory at B=8 on the H200.
     gpu_opt_tmp = [18 * min(p, CHUNK_ELEMENTS) for p in trained]
+    # the streamed weights' host copy: each rank's own, or one per host whose other ranks' shares are not this rank's
+    shared_off = sum(weight_b) * (1 - 1 / host_weight_ranks) if host_weight_ranks > 1 else 0
     meta = {"model": shape.name, "model_type": shape.model_type, "batch_size": batch_size, "seq_len": seq_len,
             "rows_per_pass": rows_per_pass, "resident": resident,
             "num_params": shape.num_params, "frozen_layers": sum(frozen), "adapter_params": int(adapter_params),
@@ -422,6 +429,6 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         head_optim_params=(0 if frozen_head else shape.lm_head_params) + shape.norm_params + adapter_params,
         gpu_reserve_bytes=int(gpu_reserve_bytes),
         host_fixed_bytes=int(layer_host_b * sum(trained) + sum(w for w, f in zip(weight_b, frozen) if f)
-                             + host_resident_b),
+                             + host_resident_b - shared_off),
         **hardware.planner_rates(), gpu_bytes=int(gpu_bytes), pinned_host_bytes=int(host_bytes),
         nvme_bytes=int(nvme_bytes), tokens_per_step=n, meta=meta)

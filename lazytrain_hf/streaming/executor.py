@@ -66,6 +66,7 @@ from .packing import check_packed
 from .resident import ResidentParts, initial_placement
 from .rng import LayerRng
 from .shard import ShardedUpdates
+from .shared_host import shared_weights_for
 from .stats import UPDATE_COUNTERS, OpTimer, StepStats, step_extra
 from .tiers import ActivationStash
 from .updates import LayerUpdater
@@ -119,7 +120,15 @@ class StreamingExecutor:
         self._place_resident()
         self.resident = ResidentParts(model, self.base, self.device, pin)  # embedding / LM head placement
         self._optimizer: Any = None  # the optimizer over this model (`reserve_states`): moves with a placement
-        self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype)
+        self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
+        sharded = self.dp is not None and self.config.resolved_dp_updates() == "sharded"
+        if self.config.dp_updates == "sharded" and self.dp is None:
+            logger.warning("lazytrain_config.dp_updates='sharded' has no effect in a single process (launch >= 2 "
+                           "ranks with torchrun or accelerate launch --multi_gpu)")
+        self.shard = ShardedUpdates(self.dp, self.num_layers) if sharded else None
+        # the host's ranks map one copy of the layers' weights (streaming/shared_host.py), else each its own
+        self.host_share = shared_weights_for(self.dp, self.config, sharded, pin)
+        self.store = HostParamStore(self.layers, pin=pin, grad_dtype=host_grad_dtype, shared=self.host_share)
         self.frozen = self.store.frozen  # per layer: streamed read-only (Note [frozen layers])
         self._rng = LayerRng(self.layers, model.config, self.device)  # Note [dropout in recompute]
         for b in self.store.buffers:  # a frozen layer's trainable parameters (LoRA adapters) live on the device
@@ -128,12 +137,6 @@ class StreamingExecutor:
                     p.data = p.data.to(self.device)
         self.state_arena = PinnedArena(pin)  # the streamed layers' optimizer states (`state_alloc`)
         self._reserve_hooks: dict[int, Any] = {}  # id(optimizer) -> its load pre-hook (`reserve_states`)
-        self.dp = DataParallel.from_env(self.device) if data_parallel == "auto" else data_parallel
-        sharded = self.dp is not None and self.config.resolved_dp_updates() == "sharded"
-        if self.config.dp_updates == "sharded" and self.dp is None:
-            logger.warning("lazytrain_config.dp_updates='sharded' has no effect in a single process (launch >= 2 "
-                           "ranks with torchrun or accelerate launch --multi_gpu)")
-        self.shard = ShardedUpdates(self.dp, self.num_layers) if sharded else None
         self.grads = GradSink(self.store, self.device, self.dp, pin=pin, shard=self.shard)
         self.stash = ActivationStash(self.device, self.config.nvme_dir, pin=pin)
         self._param_specs: dict[int, tuple[int, ParamSpec]] = {}
@@ -149,9 +152,7 @@ class StreamingExecutor:
                 logger.info("data parallel rank %d: torch CPU threads %d -> %d (this host's cores / local ranks)",
                             self.dp.rank, torch.get_num_threads(), threads)
                 torch.set_num_threads(threads)
-            # every replica starts from rank 0's weights, as DDP does
-            self.dp.broadcast_([t for b in self.store.buffers for t in b.weights.values()] +
-                               [p.data for p in self._resident])
+            self._start_from_rank0()
         self.streamer: WeightStreamer | None = None
         self.updater: LayerUpdater | None = None
         # GPU idle time around waits for deferred CPU updates (instrumented): events until the micro-batch's end
@@ -169,6 +170,21 @@ class StreamingExecutor:
         self._unpack_slot: Slot | None = None
         if self.schedule.resident == "gpu" and schedule is None:  # the fixed rule until a plan says otherwise
             self.set_resident(initial_placement(self.config, self.resident, self.device, self.dp is not None))
+
+    def _start_from_rank0(self) -> None:
+        """Every replica starts from rank 0's weights, as DDP does: the resident parts over the world; the streamed
+        layers over the world, or, with one host copy per host, into the hosts' copies (their writers; nothing to
+        send on one host), after which each host's ranks wait for their writer (`SharedHostWeights.published`)."""
+        layers = [t for b in self.store.buffers for t in b.weights.values()]
+        resident = [p.data for p in self._resident]
+        share = self.host_share
+        if share is None:
+            self.dp.broadcast_(layers + resident)
+            return
+        self.dp.broadcast_(resident)
+        if share.host.writer_group is not None and share.writes_initial:
+            DataParallel(self.device, share.host.writer_group).broadcast_(layers, 0)
+        share.published()
 
     def instrument(self, on: bool = True) -> None:
         """Measure exposed transfer: compute-stream stalls on weight loads (H2D) and gradient copies (D2H), in
@@ -273,7 +289,7 @@ class StreamingExecutor:
         if self.shard is None:
             self.updater = LayerUpdater(optimizer, layer_params)
         else:
-            self.updater = LayerUpdater(optimizer, layer_params, self.shard.owned, self.shard.mark_step)
+            self.updater = LayerUpdater(optimizer, layer_params, self.shard.owned, self._sharded_step)
             if self._load_filter is not None:
                 self._load_filter.remove()
             self._load_filter = optimizer.register_load_state_dict_pre_hook(self.shard.load_filter(layer_params))
@@ -281,6 +297,15 @@ class StreamingExecutor:
         if hasattr(optimizer, "prepare_states"):
             self.updater.set_prepare(int(self.config.prepared_states_budget or 0))
         self._set_kept_layers()
+
+    def _sharded_step(self) -> None:
+        """An optimizer step, before any of this rank's updates starts: every layer is stale until its owner's
+        broadcast; a shared host copy first waits for the host's ranks (Note [shared host weights ordering] in
+        streaming/shared_host.py)."""
+        self.shard.mark_step()
+        if self.host_share is not None:
+            cuda = self.device.type == "cuda"
+            self.host_share.step_boundary([self.streamer.h2d_stream, self.grads.d2h_stream] if cuda else [])
 
     def _before_load(self, layer: int) -> None:
         if self.updater is None:
@@ -302,10 +327,12 @@ class StreamingExecutor:
         """Apply every deferred optimizer update now (before weights or optimizer states are read, saved or written
         by other code: Note [slot reuse]).
         Sharded data parallel: also broadcasts every layer updated since its last load from its owner, a
-        collective: every rank must call it at the same point (the Trainer callback does, at save / evaluate / end)."""
+        collective: every rank must call it at the same point (the Trainer callback does, at save / evaluate / end).
+        With one shared host copy for the whole world the owners' updates are already in it: a barrier instead."""
         self._flush_local()
         if self.shard is not None:
-            self.shard.resolve(self.store)
+            one_copy = self.host_share is not None and self.host_share.host.one_host
+            self.shard.resolve(self.store, barrier=self.host_share.barrier if one_copy else None)
 
     def _host_version(self, layer: int) -> tuple[Any, int] | None:
         """Note [slot reuse]: (updater, its host-write count of `layer`), or None where writes are not tracked."""
@@ -407,19 +434,20 @@ class StreamingExecutor:
         """Page-locked host memory, in bytes.
 
         "planned" is the sum of the parts, each its exact size: "store" (the streamed layers' weight and gradient
-        buffers), "optimizer_states" (the state arena's bytes in use), "grad_staging" (the accumulate path's
+        buffers; weights the host's ranks share count this rank's share, `HostParamStore.weight_share_bytes`),
+        "optimizer_states" (the state arena's bytes in use), "grad_staging" (the accumulate path's
         gradient staging, one set per slot), "activations" (the CPU / NVMe tiers' host buffers at their
         high-water mark, Note [stash buffers]) and "resident" (a host-placed embedding / LM head's weights and
         gradient buffers; their optimizer states are pageable). These buffers exist whatever the device; they are page-locked when
         the executor pins (CUDA and `config.pin_memory`), so on a CPU run "planned" is what a CUDA run would lock.
-        "registered" is what cudaHostRegister locked in place: the store's and the staging's exact buffers, the
-        arena's whole chunks (used bytes plus each chunk's unused tail), the activation pool's buffers (all it
-        holds). "host_allocator" is what PyTorch's caching host allocator holds page-locked in this process
+        "registered" is what cudaHostRegister locked in place: the store's and the staging's exact buffers (a shared
+        host copy, which every rank of the host registers, by its share), the arena's whole chunks (used bytes plus
+        each chunk's unused tail), the activation pool's buffers (all it holds). "host_allocator" is what PyTorch's caching host allocator holds page-locked in this process
         (`pin_memory=True` blocks, power-of-two rounded; active and cached): a buffer `pin_tensor` could not
         register in place lands there, as does anything else in the process that pins. The process locks
         "registered" + "host_allocator"; on a CPU run both are 0.
         """
-        parts = {"store": self.store.param_bytes + self.store.grad_bytes,
+        parts = {"store": self.store.weight_share_bytes + self.store.grad_bytes,
                  "optimizer_states": self.state_arena.used_bytes,
                  "grad_staging": self.grads.staging_bytes,
                  "activations": self.stash.buffers.high_water_bytes,

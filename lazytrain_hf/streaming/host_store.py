@@ -2,7 +2,8 @@
 
 The module's parameters are re-pointed as views into the buffers, so host RAM holds one copy of the weights, not
 two, and `save_pretrained` / the optimizer see the same bytes the executor streams. Gradients live beside the
-weights in fp32 host buffers (accumulated across gradient-accumulation micro-batches in fp32).
+weights in fp32 host buffers (accumulated across gradient-accumulation micro-batches in fp32). Data-parallel ranks of
+one host may map one copy of the weights instead of one each (streaming/shared_host.py); gradients stay per process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import mmap
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,8 +21,12 @@ from torch import nn
 from .nvme import ALIGN, aligned_empty, padded
 from .quant import keep_packing, quant_key, quant_tensors, set_quant_tensor
 
-__all__ = ["ParamSpec", "LayerBuffers", "HostParamStore", "HostBufferPool", "PinnedArena", "structure_key",
-           "page_exclusive_empty", "pin_tensor", "unregister", "Registrations", "host_allocator_bytes", "sq_norm"]
+if TYPE_CHECKING:
+    from .shared_host import SharedHostWeights
+
+__all__ = ["ParamSpec", "LayerBuffers", "LayerLayout", "layer_layout", "HostParamStore", "HostBufferPool",
+           "PinnedArena", "structure_key", "page_exclusive_empty", "pin_tensor", "register_in_place", "unregister",
+           "Registrations", "host_allocator_bytes", "sq_norm"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,22 @@ def _clear_cuda_error() -> None:
         pass
 
 
+def register_in_place(t: torch.Tensor) -> bool:
+    """Page-lock `t`'s memory where it is with cudaHostRegister (its start page-aligned, its pages its own); True
+    when cudaHostRegister returned 0. A failure clears CUDA's last error (`_clear_cuda_error`) and leaves `t`
+    pageable."""
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    except Exception as e:  # pragma: no cover - CUDA only
+        rc = -1
+        logger.debug("cudaHostRegister raised %s", e)
+    if rc > 0:
+        _clear_cuda_error()
+    if rc != 0:
+        logger.debug("cudaHostRegister returned %s", rc)
+    return rc == 0
+
+
 def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Page-lock `t`'s memory in place with cudaHostRegister (exact size: no power-of-two rounding of the caching
     host allocator). `t` must come from `page_exclusive_empty`: any other tensor (its start not page-aligned) is
@@ -129,16 +151,9 @@ def pin_tensor(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if t.numel() == 0:
         return t, False
     if t.data_ptr() % ALIGN == 0:
-        try:
-            rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-        except Exception as e:  # pragma: no cover - CUDA only
-            rc = -1
-            logger.debug("cudaHostRegister raised %s", e)
-        if rc == 0:
+        if register_in_place(t):
             return t, True
-        if rc > 0:
-            _clear_cuda_error()
-        logger.debug("cudaHostRegister returned %s; using a pinned copy", rc)
+        logger.debug("using a pinned copy")
     nbytes = t.numel() * t.element_size()
     copy = aligned_empty(nbytes, pin=True)[:nbytes].view(t.dtype).view(t.shape)
     return copy.copy_(t), False
@@ -386,6 +401,47 @@ class HostBufferPool:
         return self._registered.bytes
 
 
+@dataclass
+class LayerLayout:
+    """Where a layer's streamed parameters go in its flat host buffers, before any buffer exists.
+
+    Attributes:
+        named: (name, parameter) of the streamed parameters, in `named_parameters()` order.
+        specs, quant: as `LayerBuffers.specs` / `LayerBuffers.quant`.
+        sizes: dtype -> elements of the layer's flat weight buffer of that dtype.
+        frozen, resident: as `LayerBuffers.frozen` / `LayerBuffers.resident`.
+    """
+
+    named: list[tuple[str, nn.Parameter]]
+    specs: list[ParamSpec]
+    quant: list[ParamSpec]
+    sizes: dict[torch.dtype, int]
+    frozen: bool
+    resident: list[tuple[str, nn.Parameter]]
+
+
+def layer_layout(layer: nn.Module) -> LayerLayout:
+    """The host layout of `layer` (reads shapes only: nothing is allocated or moved)."""
+    named = list(layer.named_parameters())
+    frozen = not all(p.requires_grad for _, p in named)
+    resident = [(n, p) for n, p in named if frozen and p.requires_grad]
+    named = [(n, p) for n, p in named if not (frozen and p.requires_grad)]
+    sizes: dict[torch.dtype, int] = {}
+    specs = []
+    for name, p in named:
+        off = sizes.get(p.dtype, 0)
+        specs.append(ParamSpec(name, p.dtype, off, p.numel(), tuple(p.shape)))
+        sizes[p.dtype] = off + p.numel()
+    quant = []  # after every parameter, so the parameters' offsets do not depend on quantization
+    for name, p in named:
+        for path, t in quant_tensors(p):
+            align = max(1, 64 // t.dtype.itemsize)  # 64-byte aligned starts, for the GPU kernels' vector loads
+            off = -(-sizes.get(t.dtype, 0) // align) * align
+            quant.append(ParamSpec(name, t.dtype, off, t.numel(), tuple(t.shape), path))
+            sizes[t.dtype] = off + t.numel()
+    return LayerLayout(named, specs, quant, sizes, frozen, resident)
+
+
 class HostParamStore:
     """Owns the host buffers of every streamed decoder layer.
 
@@ -394,57 +450,62 @@ class HostParamStore:
         pin: page-lock the buffers (only meaningful with a CUDA device; needed for async H2D/D2H).
         grad_dtype: "fp32" (accumulate micro-batches in fp32) or "param" (gradients kept in the parameter dtype:
             half the host bytes for bf16 models; right when there is one micro-batch per optimizer step).
+        shared: the weights live in one host copy that the data-parallel ranks of this host map
+            (streaming/shared_host.py; a collective of those ranks): only its writer copies the layers' weights in,
+            the other ranks' parameters view it and their own copies are dropped. None: this process's own buffers.
+            Gradients are this process's own either way.
 
     Attributes:
         buffers: one LayerBuffers per layer.
-        pinned_bytes: bytes this store page-locked (weights + grads), in place or as `pin_memory()` copies.
-        registered_bytes: the part page-locked in place with cudaHostRegister (exact sizes).
+        shared: as given.
+        pinned_bytes: bytes this store page-locked (weights + grads), in place or as `pin_memory()` copies; a shared
+            copy counts this rank's share (`weight_share_bytes`).
+        registered_bytes: the part page-locked in place with cudaHostRegister (exact sizes; a shared copy: its
+            share).
     """
 
-    def __init__(self, layers: nn.ModuleList, pin: bool = False, grad_dtype: str = "fp32") -> None:
+    def __init__(self, layers: nn.ModuleList, pin: bool = False, grad_dtype: str = "fp32",
+                 shared: SharedHostWeights | None = None) -> None:
         if grad_dtype not in ("fp32", "param"):
             raise ValueError(f"grad_dtype must be 'fp32' or 'param', but got {grad_dtype!r}")
         self.grad_dtype = grad_dtype
+        self.shared = shared
         self.buffers: list[LayerBuffers] = []
         self.pinned_bytes = 0
         self._registered = Registrations()
+        layouts = []
         for layer in layers:
-            self.buffers.append(self._adopt(layer, pin))
+            keep_packing(layer)
+            layouts.append(layer_layout(layer))
+        if shared is None:
+            weights = [{dt: self._registered.empty(n, dt, pin) for dt, n in lay.sizes.items()} for lay in layouts]
+        else:
+            weights = shared.allocate([lay.sizes for lay in layouts])
+        for lay, w in zip(layouts, weights):
+            self.buffers.append(self._adopt(lay, w, pin))
+        if pin and shared is not None:
+            self.pinned_bytes += self.weight_share_bytes
 
-    def _adopt(self, layer: nn.Module, pin: bool) -> LayerBuffers:
-        keep_packing(layer)
-        named = list(layer.named_parameters())
-        frozen = not all(p.requires_grad for _, p in named)
-        resident = [(n, p) for n, p in named if frozen and p.requires_grad]
-        named = [(n, p) for n, p in named if not (frozen and p.requires_grad)]
-        sizes: dict[torch.dtype, int] = {}
-        specs = []
-        for name, p in named:
-            off = sizes.get(p.dtype, 0)
-            specs.append(ParamSpec(name, p.dtype, off, p.numel(), tuple(p.shape)))
-            sizes[p.dtype] = off + p.numel()
-        quant = []  # after every parameter, so the parameters' offsets do not depend on quantization
-        for name, p in named:
-            for path, t in quant_tensors(p):
-                align = max(1, 64 // t.dtype.itemsize)  # 64-byte aligned starts, for the GPU kernels' vector loads
-                off = -(-sizes.get(t.dtype, 0) // align) * align
-                quant.append(ParamSpec(name, t.dtype, off, t.numel(), tuple(t.shape), path))
-                sizes[t.dtype] = off + t.numel()
-        weights = {dt: self._registered.empty(n, dt, pin) for dt, n in sizes.items()}
+    def _adopt(self, lay: LayerLayout, weights: dict[torch.dtype, torch.Tensor], pin: bool) -> LayerBuffers:
         gdt = (lambda dt: torch.float32) if self.grad_dtype == "fp32" else (lambda dt: dt)
-        grads = {} if frozen else {dt: self._registered.empty(n, gdt(dt), pin) for dt, n in sizes.items()}
+        grads = {} if lay.frozen else {dt: self._registered.empty(n, gdt(dt), pin) for dt, n in lay.sizes.items()}
         if pin:
-            self.pinned_bytes += sum(t.numel() * t.element_size() for st in (weights, grads) for t in st.values())
-        for (_, p), s in zip(named, specs):
+            own = (grads,) if self.shared is not None else (weights, grads)
+            self.pinned_bytes += sum(t.numel() * t.element_size() for st in own for t in st.values())
+        # a shared copy is filled by its writer alone; the other ranks' parameters only view it
+        write = self.shared is None or self.shared.writes_initial
+        for (_, p), s in zip(lay.named, lay.specs):
             view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
-            view.copy_(p.data)
+            if write:
+                view.copy_(p.data)
             p.data = view  # the module now reads and writes the store's bytes: one copy in host RAM
-        params = dict(named)
-        for s in quant:
+        params = dict(lay.named)
+        for s in lay.quant:
             view = weights[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
-            view.copy_(dict(quant_tensors(params[s.name]))[s.quant])
+            if write:
+                view.copy_(dict(quant_tensors(params[s.name]))[s.quant])
             set_quant_tensor(params[s.name], s.quant, view)
-        return LayerBuffers(weights, grads, specs, frozen, resident, quant)
+        return LayerBuffers(weights, grads, lay.specs, lay.frozen, lay.resident, lay.quant)
 
     @property
     def frozen(self) -> list[bool]:
@@ -470,7 +531,19 @@ class HostParamStore:
 
     @property
     def param_bytes(self) -> int:
+        """Bytes of every layer's weights, as the model sees them (a shared copy whole)."""
         return sum(b.param_bytes for b in self.buffers)
+
+    @property
+    def weight_ranks(self) -> int:
+        """Processes whose parameters view these weights: the ranks mapping the shared copy, else 1."""
+        return self.shared.ranks if self.shared is not None else 1
+
+    @property
+    def weight_share_bytes(self) -> int:
+        """This process's share of `param_bytes`: all of it, or 1 / `weight_ranks` of a copy the host's ranks share
+        (counted once per host over its ranks)."""
+        return self.param_bytes // self.weight_ranks
 
     @property
     def grad_bytes(self) -> int:
@@ -480,7 +553,10 @@ class HostParamStore:
         """Unregister page-locked memory (the tensors stay valid as ordinary memory)."""
         if hasattr(self, "_registered"):
             self._registered.release()
+        if getattr(self, "shared", None) is not None:
+            self.shared.release()
 
     @property
     def registered_bytes(self) -> int:
-        return self._registered.bytes
+        own = self._registered.bytes
+        return own + (self.shared.registered_bytes // self.shared.ranks if self.shared is not None else 0)

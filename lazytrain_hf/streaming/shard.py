@@ -15,7 +15,10 @@ norm, lm_head) stay replicated: all-reduced and updated on every rank.
             the slot D2H into their host store (D2H stream, idle in forward). Loads are issued from the training
             thread in forward order 0..L-1 on every rank whatever the schedule (every layer's first load of a step
             is its forward), so every rank issues the broadcasts in the same order and after the same collectives.
-  flush     (save, evaluate, end): stale layers are broadcast from the owner's host store (`resolve`).
+            With one host copy shared by the host's ranks (streaming/shared_host.py) the copy-back stores the bytes
+            the owner wrote there (Note [shared host weights ordering]).
+  flush     (save, evaluate, end): stale layers are broadcast from the owner's host store (`resolve`; with one
+            host copy for every rank, streaming/shared_host.py, a barrier: the owners wrote it).
   save      `gathered_states`: rank 0's optimizer holds every layer's states while the Trainer writes optimizer.pt
             (a file identical in content to the replicated mode's); loading keeps only the owned layers' states
             (`load_filter`).
@@ -24,6 +27,7 @@ norm, lm_head) stay replicated: all-reduced and updated on every rank.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,11 +100,16 @@ class ShardedUpdates:
             done.record(d2h_stream)
         return done
 
-    def resolve(self, store: HostParamStore) -> None:
+    def resolve(self, store: HostParamStore, barrier: Callable[[], None] | None = None) -> None:
         """Broadcast every stale layer from its owner's host store (collective: every rank calls it, after the
-        owner's updates have landed). Layers in increasing order, as at load time."""
-        for layer in sorted(self.stale):
-            self.dp.broadcast_(list(store.buffers[layer].weights.values()), self.owner(layer))
+        owner's updates have landed). Layers in increasing order, as at load time. `barrier`: every rank maps the
+        same host copy (streaming/shared_host.py), which holds the owners' updates already: wait for every rank
+        instead."""
+        if barrier is not None:
+            barrier()
+        else:
+            for layer in sorted(self.stale):
+                self.dp.broadcast_(list(store.buffers[layer].weights.values()), self.owner(layer))
         self.stale.clear()
 
     # ---- optimizer checkpoints ----------------------------------------------------------------------------

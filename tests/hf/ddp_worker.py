@@ -4,11 +4,14 @@ Run alone (one process) or under `python -m torch.distributed.run --nproc_per_no
 the two. Not a test module itself (pytest collects test_*.py only).
 
     python tests/hf/ddp_worker.py --out DIR --per-device-batch 4 [--device cpu|cuda] [--steps 3] [--ga 1,2]
-        [--dp-updates replicated|sharded] [--gpu-updates] [--save-resume]
+        [--dp-updates replicated|sharded] [--host-weights auto|shared|per_rank] [--gpu-updates] [--save-resume]
 
 Writes DIR/rank<R>_ga<G>.pt: {"params": name -> tensor, "logs": Trainer log rows with a loss, "world": N,
 "state_bytes": the executor's optimizer-state arena bytes, "d2h_grad_bytes": gradient D2H bytes of the last
-micro-batch, "h2d_weight_bytes", "broadcasts": sharded load-time layer broadcasts}. --save-resume: a checkpoint at
+micro-batch, "h2d_weight_bytes", "broadcasts": sharded load-time layer broadcasts, "weight_ranks": ranks mapping the
+store's weights (2: one host copy shared, streaming/shared_host.py), "weight_bytes" / "store_bytes": the store's
+weights and this rank's share of weights and gradients (`pinned_bytes["store"]`), "planned_host_bytes": the plan's
+host bytes per rank}. --save-resume: a checkpoint at
 step 2 (DIR/run<G>/checkpoint-2), then a second trainer resumes from it and trains to the end; adds "resumed"
 (its final params), "state_at_save" and "state_after_load" (this rank's optimizer states, parameter name -> dict).
 --gpu-updates: a fixed schedule whose layers 1 and 2 run their optimizer update GPU-side (on the compute device at
@@ -46,6 +49,7 @@ def main() -> None:
     p.add_argument("--arch", default="qwen3-tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dp-updates", default="replicated")
+    p.add_argument("--host-weights", default="auto")
     p.add_argument("--gpu-updates", action="store_true")
     p.add_argument("--save-resume", action="store_true")
     a = p.parse_args()
@@ -100,7 +104,7 @@ def _trainer(a: argparse.Namespace, tag: str, snap: str | None = None) -> tuple[
     n = a.per_device_batch * world * ga * a.steps  # exactly one epoch of the global batch
     save = {"save_strategy": "steps", "save_steps": 2} if a.save_resume else {"save_strategy": "no"}
     lazy = {"state_dtype": "fp32", "master_weights": "none", "checkpoint_every": 2, "loss_chunk_tokens": 16,
-            "max_rows_per_pass": 2, "device": a.device, "dp_updates": a.dp_updates}
+            "max_rows_per_pass": 2, "device": a.device, "dp_updates": a.dp_updates, "dp_host_weights": a.host_weights}
     if a.gpu_updates:
         lazy["schedule_path"] = _schedule_file(a, model)
     args = LazyTrainingArguments(
@@ -131,7 +135,9 @@ def train(a: argparse.Namespace, tag: str) -> None:
     if ex is not None:
         out.update(state_bytes=ex.state_arena.used_bytes, d2h_grad_bytes=ex.stats.d2h_grad_bytes,
                    h2d_weight_bytes=ex.stats.h2d_weight_bytes,
-                   broadcasts=ex.shard.broadcasts if ex.shard is not None else 0)
+                   broadcasts=ex.shard.broadcasts if ex.shard is not None else 0, weight_ranks=ex.store.weight_ranks,
+                   weight_bytes=ex.store.param_bytes, store_bytes=ex.pinned_bytes["store"],
+                   planned_host_bytes=ex.schedule.predicted.get("pinned_host_bytes"))
         ex.close()
     if a.save_resume:
         resumed, load = _trainer(a, tag, "load")

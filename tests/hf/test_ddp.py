@@ -1,5 +1,6 @@
 """Data parallel LazyTrainer (2 processes, gloo on CPU) equals single-process training at the same global batch,
-with replicated and with sharded optimizer updates (lazytrain_config.dp_updates)."""
+with replicated and with sharded optimizer updates (lazytrain_config.dp_updates), and with sharded updates over one
+host copy of the weights for both ranks (lazytrain_config.dp_host_weights, streaming/shared_host.py)."""
 
 from __future__ import annotations
 
@@ -82,12 +83,15 @@ SHARDED_HYBRID = ["--ga", "2", "--arch", "qwen3.5-tiny", "--gpu-updates", "--sav
 
 @pytest.fixture(scope="module")
 def sharded(runs: Path) -> Path:
-    """Next to `runs`: 2 ranks sharded (qwen3-tiny, accumulation 1 and 2); the hybrid Qwen3.5 text model with
-    accumulation 2, layers 1-2 updated GPU-side (the same code path on the CPU) and a checkpoint at step 2 resumed by
-    a second trainer, in one process and in 2 sharded ranks."""
+    """Next to `runs`: 2 ranks sharded (qwen3-tiny, accumulation 1 and 2), each with its own host copy of the weights
+    ("sh") and with one copy for both (the default, "shs"); the hybrid Qwen3.5 text model with accumulation 2,
+    layers 1-2 updated GPU-side (the same code path on the CPU) and a checkpoint at step 2 resumed by a second trainer,
+    in one process and in 2 sharded ranks sharing one host copy."""
     tmp = runs
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    _run(torchrun + ["--out", str(tmp / "sh"), "--per-device-batch", "2", "--ga", "1,2", "--dp-updates", "sharded"],
+    _run(torchrun + ["--out", str(tmp / "sh"), "--per-device-batch", "2", "--ga", "1,2", "--dp-updates", "sharded",
+                     "--host-weights", "per_rank"], tmp)
+    _run(torchrun + ["--out", str(tmp / "shs"), "--per-device-batch", "2", "--ga", "1,2", "--dp-updates", "sharded"],
          tmp)
     _run([sys.executable, str(WORKER), "--out", str(tmp / "one35"), "--per-device-batch", "4", *SHARDED_HYBRID], tmp)
     _run(torchrun + ["--out", str(tmp / "sh35"), "--per-device-batch", "2", "--dp-updates", "sharded",
@@ -133,12 +137,35 @@ def test_sharded_rank_skips_non_owned_work(sharded: Path, ga: int) -> None:
         assert _load(sharded, "sh", 0, 1)["h2d_weight_bytes"] < replicated["h2d_weight_bytes"]
 
 
+@pytest.mark.parametrize("ga", [1, 2])
+def test_shared_host_copy_equals_own_copies_bit_for_bit(sharded: Path, ga: int) -> None:
+    """One host copy of the weights for both ranks (the default on a host with two ranks) trains exactly as each rank
+    with its own copy: bit for bit the same weights, losses and norms; and so within fp32 rounding of one process
+    (gradient clipping active). Each rank then holds half of the weights' bytes (the store's accounting: the copy
+    counted once for the host), and the plan's host bytes per rank fall by half the (bf16, as planned) weights."""
+    own = [_load(sharded, "sh", r, ga) for r in (0, 1)]
+    shared = [_load(sharded, "shs", r, ga) for r in (0, 1)]
+    assert [r["weight_ranks"] for r in own] == [1, 1] and [r["weight_ranks"] for r in shared] == [2, 2]
+    for a, b in zip(own, shared):
+        for name, want in a["params"].items():
+            assert torch.equal(b["params"][name], want), name
+        assert [(h["loss"], h["grad_norm"]) for h in a["logs"]] == [(h["loss"], h["grad_norm"]) for h in b["logs"]]
+    _check_equal(_load(sharded, "one", 0, ga), shared[0], shared[1], 1e-6 if ga == 1 else 5e-6)
+    weights = own[0]["weight_bytes"]
+    layers = sum(p.numel() for n, p in _initial().items() if n.startswith("model.layers."))
+    assert weights == 4 * layers  # fp32 weights
+    for a, b in zip(own, shared):
+        assert b["weight_bytes"] == weights and a["store_bytes"] - b["store_bytes"] == weights // 2
+        assert a["planned_host_bytes"] - b["planned_host_bytes"] == 2 * layers // 2  # bf16 in the cost model
+
+
 def test_sharded_hybrid_gpu_updates_accumulation_save_resume(sharded: Path) -> None:
-    """Qwen3.5 (linear- and full-attention layers), GPU-side layer updates, accumulation 2, save at step 2 + resume:
-    equal to one process; the checkpoint's optimizer.pt holds every layer's states (gathered from the owners) and
+    """Qwen3.5 (linear- and full-attention layers), GPU-side layer updates, accumulation 2, save at step 2 + resume,
+    over one host copy of the weights for both ranks: equal to one process; the checkpoint's optimizer.pt holds every layer's states (gathered from the owners) and
     equals the one-process file; after the resume each rank holds exactly the states it had at the save (its own
     layers and the resident parts) and ends where the uninterrupted run ended."""
     one, r0, r1 = _load(sharded, "one35", 0, 2), _load(sharded, "sh35", 0, 2), _load(sharded, "sh35", 1, 2)
+    assert r0["weight_ranks"] == r1["weight_ranks"] == 2  # over the one shared host copy (the default)
     _check_equal(one, r0, r1, 5e-6)
     ref = torch.load(sharded / "one35" / "run2" / "checkpoint-2" / "optimizer.pt")
     got = torch.load(sharded / "sh35" / "run2" / "checkpoint-2" / "optimizer.pt")

@@ -94,6 +94,55 @@ def test_a_cgroup_below_the_runs_host_bytes_stops_before_anything_is_pinned(tmp_
         _trainer(tmp_path, "small", lazy={**EXACT, "master_weights": "fp32"})
 
 
+def test_a_dev_shm_too_small_for_the_shared_weights_stops_before_anything_is_allocated(tmp_path, monkeypatch):
+    """Two ranks on this host (LOCAL_WORLD_SIZE) with sharded updates share one host copy of the weights in /dev/shm
+    (streaming/shared_host.py): a /dev/shm smaller than that copy is one error naming the need, the limit and the fix,
+    raised before the executor allocates anything; with dp_host_weights='per_rank' nothing of it is checked."""
+    from types import SimpleNamespace
+
+    from lazytrain_hf.streaming import shared_host
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(shared_host.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=64 << 20, used=64 << 20, free=100 << 10))
+
+    def built(*a, **k):
+        raise AssertionError("the executor was built")
+
+    monkeypatch.setattr("lazytrain_hf.hf.trainer.StreamingExecutor", built)
+    model = load_model("qwen3-tiny", "float32", seed=7)
+    need = preflight.shared_copy_bytes(model)
+    assert need >= 4 * sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers."))
+    with pytest.raises(ResourceLimitError) as e:
+        _trainer(tmp_path, "shm", model=model)
+    text = str(e.value)
+    for part in ("the one host copy of the decoder layers' weights that the 2 ranks on this host share (/dev/shm)",
+                 "free space of /dev/shm", "docker run --shm-size=1g", "dp_host_weights='per_rank'"):
+        assert part in text, text
+    assert e.value.need_bytes == need and e.value.limit.bytes == 100 << 10
+    with pytest.raises(AssertionError, match="the executor was built"):  # each rank its own copy: no /dev/shm
+        _trainer(tmp_path, "own", lazy={**EXACT, "dp_host_weights": "per_rank"})
+    with pytest.raises(AssertionError, match="the executor was built"):  # replicated updates share nothing
+        _trainer(tmp_path, "replicated", lazy={**EXACT, "dp_updates": "replicated"})
+
+
+def test_the_host_bytes_per_rank_count_the_shared_weights_once_per_host(tmp_path, monkeypatch):
+    """The preflight's fixed host bytes per rank (the analytic cost model's) fall by half of the layers' bf16 weights
+    when the 2 ranks of this host share one copy, and not at all in one process."""
+    model = load_model("qwen3-tiny", "float32", seed=7)
+    layers = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers."))
+    tr = _trainer(tmp_path, model=model)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shared = preflight.fixed_host_bytes(tr)
+    assert preflight.shared_weight_ranks(tr.lazy_config) == 2
+    tr.lazy_config.dp_host_weights = "per_rank"
+    assert preflight.shared_weight_ranks(tr.lazy_config) == 1
+    assert preflight.fixed_host_bytes(tr) - shared == 2 * layers // 2
+    tr.lazy_config.dp_host_weights = "auto"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert preflight.fixed_host_bytes(tr) - shared == 2 * layers // 2
+
+
 def test_the_default_host_budget_is_90_percent_of_the_limit(tmp_path, monkeypatch):
     root, _ = _cgroup(tmp_path, {"memory.max": str(4 * GIB)})
     monkeypatch.setenv("LAZYTRAIN_CGROUP_ROOT", str(root))

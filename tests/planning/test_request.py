@@ -46,3 +46,16 @@ def test_request_defaults_and_a_gpu_reduction_keep_the_fingerprint():
                                             (7, 1, 6, (1, 7))])
 def test_same_tokens_batch_keeps_the_rows_per_step(b, ga, fits, want):
     assert same_tokens_batch(b, ga, fits) == want
+
+
+def test_shared_host_weights_enter_the_cost_model_and_the_fingerprint_only_when_shared():
+    hw = SimpleNamespace(to_dict=lambda: {"gpu_tflops": 1.0})
+    kw = dict(batch_size=8, seq_len=1000, hardware=hw, gpu_memory_budget=None, host_memory_budget=None,
+              nvme_budget=None, nvme=False, gpu_memory_margin=0.1, gpu_available=10 * GIB, host_total=64 * GIB,
+              nvme_available=0, ranks_per_host=2)
+    own, shared = (resolve_request({"hidden_size": 8}, None, host_weight_ranks=n, **kw) for n in (1, 2))
+    assert own.budgets == shared.budgets  # the host's budget per rank is its share either way
+    assert own.cost_model_kwargs(None, "gpu")["host_weight_ranks"] == 1
+    assert shared.cost_model_kwargs(None, "gpu")["host_weight_ranks"] == 2
+    assert "host_weight_ranks" not in own.inputs() and shared.inputs()["host_weight_ranks"] == 2
+    assert own.fingerprint() != shared.fingerprint()

@@ -144,3 +144,24 @@ def test_4bit_layers_stream_and_keep_their_packed_bytes(qwen7b):
         analytic_cost_model(qwen7b, 1, 1024, gpu_bytes=GIB, host_bytes=GIB, quantized=quantized)
     with pytest.raises(ValueError, match="one entry per layer"):
         analytic_cost_model(qwen7b, 1, 1024, **kw, quantized=quantized[:1])
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_weights_shared_by_the_hosts_ranks_count_their_share_per_rank(qwen7b, frozen):
+    """One host copy of the streamed weights for `host_weight_ranks` ranks (streaming/shared_host.py): each rank's
+    fixed host bytes count 1/ranks of the layers' weights (trained or frozen, 4-bit packed as stored); gradients,
+    states and everything else are unchanged."""
+    L = qwen7b.num_layers
+    linear = [p - 2 * qwen7b.hidden_size for p in qwen7b.layer_params]
+    kw = dict(gpu_bytes=24 * GIB, host_bytes=256 * GIB)
+    if frozen:
+        kw.update(frozen=[True] * L, frozen_embed=True, frozen_head=True,
+                  quantized=[(q, q // 2 + q // 64 // 64 * 4) for q in linear])
+    own = analytic_cost_model(qwen7b, 1, 1024, **kw)
+    weights = sum(own.param_bytes)
+    for ranks in (2, 4):
+        shared = analytic_cost_model(qwen7b, 1, 1024, **kw, host_weight_ranks=ranks)
+        assert own.host_fixed_bytes - shared.host_fixed_bytes == pytest.approx(weights * (1 - 1 / ranks), abs=1)
+        assert shared.param_bytes == own.param_bytes and shared.resident_bytes == own.resident_bytes
+    with pytest.raises(ValueError, match="host_weight_ranks must be an integer >= 1"):
+        analytic_cost_model(qwen7b, 1, 1024, **kw, host_weight_ranks=0)
