@@ -255,7 +255,8 @@ class PlanningConfig(_Group):
     max_rows_per_pass: int | None = field(default=None, metadata=_help(
         "Rows (sequences) of a micro-batch a decoder layer processes at once: the layer runs over the micro-batch in "
         "row chunks with its weights loaded once, so its activation memory follows this, not the micro-batch size. "
-        "None: the plan's own rows per pass when the MILP sets one, else the whole micro-batch.",
+        "None: the plan's own rows per pass (the MILP's; the fixed policy's rule: the micro-batch, then halves, the first "
+        "that fits the budget, one row when none does).",
         range=(1, 1 << 20)))
     resident_placement: str = field(default="auto", metadata=_help(
         'Where the input embedding and the LM head live with their gradients and fp32 optimizer states: "gpu"; '

@@ -73,3 +73,16 @@ def test_a_second_train_with_another_batch_size_plans_for_it(tmp_path):
     fresh.train()
     assert t.plans.request.batch_size == 2 and t.plans.request.budgets == budgets
     assert t.executor.schedule.fingerprint == fresh.executor.schedule.fingerprint
+
+
+def test_the_fixed_policy_with_no_fitting_row_count_runs_at_one_row_per_pass(tmp_path, caplog):
+    """A baseline runs in its leanest setting when its cost model says nothing fits, so that its largest batch is
+    where it runs out of memory (benchmarks/results/hybrid-20261202.json: feasible at 81 where the model stops at 73);
+    before, it ran the whole micro-batch per pass."""
+    t = _trainer(tmp_path, "fixed", gpu_memory_budget="1MiB", policy="fixed")
+    with caplog.at_level("WARNING"):
+        s = plan.fixed_plan_for_trainer(t)
+    assert s.policy == "fixed" and s.rows_per_pass == 1
+    assert "Running it at 1 rows per pass: expect CUDA out of memory" in caplog.text
+    roomy = plan.fixed_plan_for_trainer(_trainer(tmp_path, "roomy", gpu_memory_budget="1GiB", policy="fixed"))
+    assert roomy.rows_per_pass == 4  # the whole micro-batch fits
