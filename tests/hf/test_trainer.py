@@ -59,6 +59,21 @@ def _train_pair(tmp_path, arch, lazy_cfg=None, prepare=None, **kw):
     return stock, lazy
 
 
+def _buckets_run(monkeypatch) -> list:
+    """The sequence-length bucket of every schedule the executor is given from now on (appended as it runs)."""
+    from lazytrain_hf.streaming.executor import StreamingExecutor
+
+    used: list = []
+    original = StreamingExecutor.set_schedule
+
+    def spy(self, schedule):
+        used.append(schedule.solver.get("seq_len_bucket"))
+        return original(self, schedule)
+
+    monkeypatch.setattr(StreamingExecutor, "set_schedule", spy)
+    return used
+
+
 def _logs(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
@@ -114,16 +129,7 @@ def test_a_fresh_run_reserves_the_optimizer_states_at_their_exact_size(tmp_path)
 def test_milp_policy_plans_per_length_bucket_and_equals_stock(tmp_path, monkeypatch):
     """policy "milp": one plan per sequence-length bucket at train begin; each batch runs its bucket's plan; the
     result still equals the stock Trainer."""
-    from lazytrain_hf.streaming.executor import StreamingExecutor
-
-    used = []
-    original = StreamingExecutor.set_schedule
-
-    def spy(self, schedule):
-        used.append(schedule.solver.get("seq_len_bucket"))
-        return original(self, schedule)
-
-    monkeypatch.setattr(StreamingExecutor, "set_schedule", spy)
+    used = _buckets_run(monkeypatch)
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp"})
     assert lazy.plans.bucket_plans.buckets == [8, 16, 24]  # data up to 20 tokens, rounded up to 24
     assert all(s.policy == "milp" for s in lazy.plans.bucket_plans.schedules.values())
@@ -433,16 +439,7 @@ def test_group_by_length_batches_run_their_length_buckets_plan_and_equal_stock(t
     """`train_sampling_strategy="group_by_length"` (`group_by_length=True` before transformers 5.2x; HF's
     LengthGroupedSampler: batches of similar length): each batch runs the plan of its sequence-length bucket, and
     the run equals the stock Trainer with the same sampler."""
-    from lazytrain_hf.streaming.executor import StreamingExecutor
-
-    used = []
-    original = StreamingExecutor.set_schedule
-
-    def spy(self, schedule):
-        used.append(schedule.solver.get("seq_len_bucket"))
-        return original(self, schedule)
-
-    monkeypatch.setattr(StreamingExecutor, "set_schedule", spy)
+    used = _buckets_run(monkeypatch)
     stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp"},
                               train_sampling_strategy="group_by_length", max_steps=4)
     assert type(lazy._get_train_sampler()).__name__ == "LengthGroupedSampler"
