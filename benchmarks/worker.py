@@ -32,6 +32,11 @@ type, double quantization, compute dtype, block size, storage, where it was quan
 the process's peak RSS through the build, the built base's host bytes); parameter counts (params, base_params,
 layer_params, frozen, the FLOPs above) count a 4-bit weight by its original shape (`common.logical_numel`), not its
 packed bytes.
+
+TRL systems (lazytrain_sft) get the token rows as a `datasets.Dataset` of `input_ids` (`sft_dataset`) and TRL's
+collator; their rows count FLOPs and time as their base system's (lazytrain_milp) and record extra.trainer, extra.loss,
+extra.user_loss (what defined the loss), extra.trl_metrics (TRL's logged entropy, mean_token_accuracy, num_tokens)
+and the optimizer and gradient checkpointing the run had (extra.args_optim, extra.args_gradient_checkpointing).
 """
 
 from __future__ import annotations
