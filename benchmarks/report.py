@@ -22,6 +22,9 @@ memory at 24 GiB, host bytes per base parameter <= 2.1 (bf16 base).
 QLoRA rows (lazytrain_qlora, suites qlora / qlora-smoke) get the same table with the base's quantization, and targets:
 at 24 GiB, nf4 with LoRA r 16 on all linear layers, >= 800 tokens/s (>= 32k tokens per optimizer step), and host
 bytes per base parameter <= 0.7 on every lazytrain_qlora row (4-bit weights counted by their original shape).
+
+TRL rows (lazytrain_sft, suites sft / sft-smoke) get the target: lazytrain_sft >= 0.95x the tokens/s of lazytrain_milp
+at the same model, cap and batch (TRL's SFTTrainer through LazyTrainerMixin vs LazyTrainer on the same rows).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ ORDER = ("lazytrain_milp", "lazytrain_fixed", "stock_trainer", "stock_trainer_bn
 
 LORA_ORDER = ("lazytrain_lora", "stock_trainer_lora", "fsdp2_cpu_offload_lora")
 QLORA_ORDER = ("lazytrain_qlora",)
-ORDER = (*ORDER, *LORA_ORDER, *QLORA_ORDER)
+SFT_ORDER = ("lazytrain_sft",)
+ORDER = (*ORDER, *LORA_ORDER, *QLORA_ORDER, *SFT_ORDER)
 #: the rows of lora_table: LoRA on a bf16 or a 4-bit base
 ADAPTER_ORDER = (*LORA_ORDER, *QLORA_ORDER)
 
@@ -283,6 +287,29 @@ def qlora_targets(doc: dict[str, Any], model: str) -> list[str]:
         out.append(f"| {name} | {v:.2f} (largest: {where(r)}) | {'met' if v <= QLORA_HOST_BYTES else 'not met'} |")
     else:
         out.append(f"| {name} | {statuses(rows)} | not measured |")
+    return out
+
+
+#: TRL target: lazytrain_sft's tokens/s >= this x lazytrain_milp's at the same model, cap and batch
+SFT_VS_MILP = 0.95
+
+
+def sft_targets(doc: dict[str, Any], model: str) -> list[str]:
+    """TRL's SFTTrainer through the mixin vs LazyTrainer for `model`: per (cap, batch) that lazytrain_sft ran at,
+    lazytrain_sft / lazytrain_milp tokens/s, met at >= 0.95x; not measured unless both rows are ok."""
+    rows = {(r["system"], r["gpu_cap_gib"], r["batch_size"]): r for r in doc["rows"] if r["model"] == model}
+    out = [f"| target ({model}, TRL SFTTrainer) | measured | verdict |", "| --- | --- | --- |"]
+    for (_, cap, B), sft in sorted(((k, r) for k, r in rows.items() if k[0] in SFT_ORDER),
+                                   key=lambda kr: (float("inf") if kr[0][1] is None else kr[0][1], kr[0][2])):
+        milp = rows.get(("lazytrain_milp", cap, B))
+        name = f"{_cap(cap)}, B={B}: lazytrain_sft >= {SFT_VS_MILP}x the lazytrain_milp tokens/s"
+        if milp and sft["status"] == milp["status"] == "ok" and sft["tokens_per_s"] and milp["tokens_per_s"]:
+            v = sft["tokens_per_s"] / milp["tokens_per_s"]
+            out.append(f"| {name} | {v:.3f}x ({sft['tokens_per_s']:,.0f} vs {milp['tokens_per_s']:,.0f}) | "
+                       f"{'met' if v >= SFT_VS_MILP else 'not met'} |")
+        else:
+            out.append(f"| {name} | lazytrain_sft {sft['status']}, lazytrain_milp "
+                       f"{milp['status'] if milp else 'not run'} | not measured |")
     return out
 
 
@@ -660,7 +687,10 @@ def markdown(doc: dict[str, Any], png: str | None, docs: list[tuple[str, dict[st
         lines += [f"## Targets: LoRA on {model}", "", *lora_targets(doc, model), ""]
     for model in sorted({r["model"] for r in qlora_rows}):
         lines += [f"## Targets: QLoRA on {model}", "", *qlora_targets(doc, model), ""]
-    if any(r["model"] == "qwen2.5-7b" and r["system"] not in ADAPTER_ORDER for r in doc["rows"]):
+    sft_rows = [r for r in doc["rows"] if r["system"] in SFT_ORDER]
+    for model in sorted({r["model"] for r in sft_rows}):
+        lines += [f"## Targets: TRL's SFTTrainer through LazyTrainerMixin on {model}", "", *sft_targets(doc, model), ""]
+    if not sft_rows and any(r["model"] == "qwen2.5-7b" and r["system"] not in ADAPTER_ORDER for r in doc["rows"]):
         lines += ["## Targets: LazyTrain vs the offloading systems", "", *targets(doc), ""]
         lines += ["## Targets: 24 GiB vs the uncapped stock Trainer", "", *targets_vs_stock(doc, docs), ""]
     return "\n".join(lines)

@@ -37,6 +37,12 @@ The qlora suite (system lazytrain_qlora: the lora suite's adapters and LazyTrain
 double quantization and bf16 compute, systems.QLORA_QUANT) trains a Llama-3-70B shape under 24 GiB at 32k tokens per
 optimizer step; the base is built 4-bit module by module on the GPU (a bf16 70B would not fit the 128 GiB host) and
 ends on the CPU, as from_pretrained(..., device_map="cpu") leaves it. qlora-smoke is its CPU shape (tests).
+
+    python -m benchmarks.run --suite sft --out benchmarks/results/sft-YYYYMMDD.json --budget-s 540
+
+The sft suite measures TRL's SFTTrainer through LazyTrainerMixin (lazytrain_sft: an SFTConfig of the same
+hyper-parameters, TRL's loss, collator and metrics) against lazytrain_milp on the same rows, both with the product's
+defaults, at 24 GiB and batch 32; sft-smoke is its CPU shape (tests).
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from .systems import (
     PRODUCT_DEFAULTS,
     QLORA_QUANT,
     QLORA_SYSTEMS,
+    SFT_SYSTEMS,
     SYSTEMS,
     unsupported_reason,
 )
@@ -82,6 +89,7 @@ ORDER = (*LT, *STOCK, *OFFLOAD)
 #: run only where a suite (or --systems) names them
 LORA = LORA_SYSTEMS
 QLORA = QLORA_SYSTEMS
+SFT = SFT_SYSTEMS
 
 #: name -> settings. batch[cap][system]: batch sizes per GPU cap (None = uncapped). timeout[system]: seconds.
 #: Optional: systems (default all), lazytrain (PRODUCT_DEFAULTS: LazyTrain rows as a user runs them; default the
@@ -168,6 +176,17 @@ SUITES["qlora-smoke"] = dict(device="cpu", models=["llama-tiny"], caps=[None], s
                              systems=list(QLORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
                              quantization=QLORA_QUANT, batch={None: {"lazytrain_qlora": [2]}},
                              timeout={"lazytrain_qlora": 240})
+# TRL's SFTTrainer through LazyTrainerMixin (lazytrain_sft: an SFTConfig, TRL's loss and collator) vs LazyTrainer
+# (lazytrain_milp) on the same token rows, both with the product's defaults, at the 7b suite's shape and warm-up
+# (calibration on steps 4-6, the timed steps on one plan); sft-smoke is its CPU shape (tests)
+SUITES["sft"] = dict(device="cuda", models=["qwen2.5-7b"], caps=[24], seq_len=1024, steps=5, warmup=6,
+                     systems=["lazytrain_milp", *SFT], lazytrain=PRODUCT_DEFAULTS,
+                     batch={24: {s: [32] for s in ("lazytrain_milp", *SFT)}},
+                     timeout={s: 480 for s in ("lazytrain_milp", *SFT)}, row_s={24: 240})
+SUITES["sft-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=1, warmup=1,
+                           systems=["lazytrain_milp", *SFT], lazytrain=PRODUCT_DEFAULTS,
+                           batch={None: {s: [2] for s in ("lazytrain_milp", *SFT)}},
+                           timeout={s: 240 for s in ("lazytrain_milp", *SFT)})
 SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
                       batch={**SUITES["7b"]["batch"],
                              None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
@@ -761,7 +780,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
         if other:  # the same reason, for LazyTrain rows
             raise SystemExit(f"benchmarks.run: {args.out} holds LazyTrain rows with {key}={other}, not {flag}: "
                              "pass another --out, or the same setting to resume it")
-    systems = [s for s in (*ORDER, *LORA, *QLORA) if s in (args.systems or suite.get("systems") or ORDER)]
+    systems = [s for s in (*ORDER, *LORA, *QLORA, *SFT) if s in (args.systems or suite.get("systems") or ORDER)]
     searched = []
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         if args.log_dir:

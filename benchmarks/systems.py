@@ -23,6 +23,14 @@ QLoRA (the same adapters on a bitsandbytes 4-bit base, `QLORA_QUANT`; the worker
 layer, `common.quantized_random_model`, then `peft.prepare_model_for_kbit_training` and `get_peft_model`):
 
 - lazytrain_qlora:        lazytrain_lora's LazyTrainer (product defaults, bf16) over the 4-bit base.
+
+TRL (the same full fine-tuning as its base system, through another trainer class; `SFT_BASE`):
+
+- lazytrain_sft:          TRL's SFTTrainer with `LazyTrainerMixin` (docs/trainer.md), an `SFTConfig` of the same
+                          hyper-parameters (bf16; TRL's default optimizer and gradient checkpointing, which the mixin
+                          takes over), the product's defaults as `lazytrain_config=`; TRL's own loss (its fused LM
+                          head, entropy and token accuracy), TRL's collator over a `datasets.Dataset` of the token rows,
+                          no packing. Measured against lazytrain_milp (the executor's chunked cross-entropy).
 """
 
 from __future__ import annotations
@@ -53,7 +61,10 @@ LORA_BASE = {"lazytrain_lora": "lazytrain_milp", "stock_trainer_lora": "stock_tr
 #: LoRA systems on a 4-bit base (bitsandbytes, `QLORA_QUANT`)
 QLORA_SYSTEMS = ("lazytrain_qlora",)
 LORA_SYSTEMS = tuple(s for s in LORA_BASE if s not in QLORA_SYSTEMS)
-SYSTEMS = (*SYSTEMS, *LORA_SYSTEMS, *QLORA_SYSTEMS)
+#: TRL system -> the system whose training it runs through TRL's trainer instead of LazyTrainer
+SFT_BASE = {"lazytrain_sft": "lazytrain_milp"}
+SFT_SYSTEMS = tuple(SFT_BASE)
+SYSTEMS = (*SYSTEMS, *LORA_SYSTEMS, *QLORA_SYSTEMS, *SFT_SYSTEMS)
 ONE_BATCH_PER_PROCESS = (*ONE_BATCH_PER_PROCESS, "fsdp2_cpu_offload_lora")
 #: the LoRA suites' adapters: `peft.LoraConfig(**LORA_DEFAULTS)` (rank 16 on every linear layer of the decoder)
 LORA_DEFAULTS: dict[str, Any] = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
@@ -92,6 +103,14 @@ def unsupported_reason(system: str, device: str, check_imports: bool = True) -> 
                     return (f"bitsandbytes not importable ({type(e).__name__}: {str(e)[:160]}): pip install "
                             "bitsandbytes (its CPU backend runs 4-bit on the CPU)")
         return unsupported_reason(LORA_BASE[system], device, check_imports)
+    if system in SFT_BASE:
+        if check_imports:
+            try:
+                import datasets  # noqa: F401
+                import trl  # noqa: F401
+            except ImportError as e:
+                return f"TRL not importable ({e}): pip install lazytrain-hf[trl]"
+        return unsupported_reason(SFT_BASE[system], device, check_imports)
     if device == "cpu" and system == "fsdp2_cpu_offload":
         return ("accelerate turns FSDP on only for a CUDA process group (distributed type MULTI_GPU); a CPU-only "
                 "process has nothing to offload to")
@@ -288,12 +307,25 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
         args, extra = build_args(base, spec, batch_size, max_steps, output_dir)
         return args, dict(extra, lora_of=base)
     device = spec["device"]
-    cls = _training_args_cls(system)
     kw: dict[str, Any] = dict(HPARAMS, output_dir=output_dir or tempfile.mkdtemp(prefix=f"bench-{system}-"),
                               per_device_train_batch_size=batch_size, max_steps=max_steps, logging_strategy="no",
                               save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
                               logging_nan_inf_filter=False,  # a NaN loss must show, not become the running mean
-                              remove_unused_columns=False, seed=0, use_cpu=device == "cpu")
+                              remove_unused_columns=False, seed=0, use_cpu=device == "cpu",
+                              gradient_accumulation_steps=accumulation(spec, batch_size))
+    if system in SFT_BASE:
+        from trl import SFTConfig
+
+        # as a TRL user writes it: TRL's own defaults (its optimizer and gradient_checkpointing=True, both taken over
+        # by the mixin); max_length None: the rows are already seq_len tokens, nothing to truncate. The LazyTrain
+        # settings go to the trainer (build_trainer)
+        return SFTConfig(**kw, bf16=True, packing=False, max_length=None), {
+            "configuration": PRODUCT_DEFAULTS, "lazytrain_config": product_config(SFT_BASE[system], spec),
+            "sft_of": SFT_BASE[system], "trainer": "LazyTrainerMixin + trl.SFTTrainer",
+            "loss": "trl SFTTrainer.compute_loss (fused LM head, entropy, mean_token_accuracy)",
+            "data": "datasets.Dataset input_ids, trl DataCollatorForLanguageModeling, no packing",
+            "optimizer": "lazytrain_hybrid8 (defaults)", "gpu_update_kernel": _gpu_update_kernel()}
+    cls = _training_args_cls(system)
     extra: dict[str, Any] = {}
     if system in ("stock_trainer", "stock_trainer_bnb8"):
         optim = "adamw_bnb_8bit" if system == "stock_trainer_bnb8" else \
@@ -317,10 +349,7 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                      placement="ZeRO-3 params + optimizer on the CPU" if stage == 3 else "ZeRO-2 optimizer on the CPU",
                      activation_checkpointing="every layer")
     elif spec.get("configuration") == PRODUCT_DEFAULTS:
-        # the GPU budget is what a user of a GPU of that size would give; the worker caps the process for every
-        # system alike (cap_gpu_memory would do the same)
-        cap = spec.get("gpu_cap_gib")
-        cfg = {"policy": system.split("_", 1)[1], **({"gpu_memory_budget": f"{cap}GiB"} if cap else {})}
+        cfg = product_config(system, spec)
         kw.update(lazytrain_config=cfg, bf16=True)
         extra.update(configuration=PRODUCT_DEFAULTS, lazytrain_config=cfg, optimizer="lazytrain_hybrid8 (defaults)",
                      gpu_update_kernel=_gpu_update_kernel())
@@ -345,8 +374,15 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
         extra.update(configuration=HARNESS_SETTINGS, optimizer="lazytrain_hybrid8 (8-bit states, Kahan bf16 master)",
                      lazytrain_config=cfg, embedding_states=spec.get("embedding_states", "8bit"),
                      gpu_update_kernel=_gpu_update_kernel())
-    kw["gradient_accumulation_steps"] = accumulation(spec, batch_size)
     return cls(**kw), extra
+
+
+def product_config(system: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The lazytrain_config of a LazyTrain system run with the product's defaults: its policy and the GPU budget.
+    The budget is what a user of a GPU of that size would give; the worker caps the process for every system alike
+    (cap_gpu_memory would do the same)."""
+    cap = spec.get("gpu_cap_gib")
+    return {"policy": system.split("_", 1)[1], **({"gpu_memory_budget": f"{cap}GiB"} if cap else {})}
 
 
 def accumulation(spec: dict[str, Any], batch_size: int) -> int:
@@ -368,6 +404,17 @@ def build_trainer(system: str, spec: dict[str, Any], model: Any, args: Any, data
     """The Trainer (or LazyTrainer) of `system` over `model` and `dataset`, with `timer` attached."""
     from transformers import Trainer, default_data_collator
 
+    if system in SFT_BASE:  # TRL's collator; the tokenizer that made the rows gives TRL its pad and eos tokens
+        from lazytrain_hf.data import load_tokenizer
+
+        tok = load_tokenizer("qwen-offline")
+        if tok.pad_token_id >= model.config.vocab_size:  # tiny test shapes (token ids folded into their vocabulary):
+            args.pad_token = tok.convert_ids_to_tokens(0)  # TRL writes the pad id into the config; rows never pad
+        trainer = _lazy_sft_cls()(model=model, args=args, train_dataset=dataset, callbacks=[timer],
+                                  processing_class=tok,
+                                  lazytrain_config=product_config(SFT_BASE[system], spec))
+        timer.trainer = trainer
+        return trainer
     common = dict(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
                   callbacks=[timer])
     if system.startswith("lazytrain"):
@@ -396,6 +443,30 @@ def _lazy_trainer_cls(embedding_states: str):
             return cls, kwargs
 
     return BenchLazyTrainer
+
+
+def _lazy_sft_cls():
+    """`class LazySFT(LazyTrainerMixin, SFTTrainer)`, as docs/trainer.md has a TRL user write it."""
+    from trl import SFTTrainer
+
+    from lazytrain_hf import LazyTrainerMixin
+
+    class LazySFT(LazyTrainerMixin, SFTTrainer):
+        pass
+
+    return LazySFT
+
+
+def sft_metrics(trainer: Any) -> dict[str, Any]:
+    """`extra` facts of a TRL row: what defined the loss (`LazyTrainer.user_loss`: "compute_loss of SFTTrainer" when
+    TRL's loss ran) and TRL's own metrics of the run (its last log: entropy, mean_token_accuracy, num_tokens,
+    averaged by SFTTrainer.log over the micro-batches since its previous log), and the optimizer and
+    gradient_checkpointing the run had after the mixin took over SFTConfig's defaults."""
+    last = next((h for h in reversed(trainer.state.log_history) if "mean_token_accuracy" in h), {})
+    return {"user_loss": list(getattr(trainer, "user_loss", [])),
+            "args_optim": str(getattr(trainer.args.optim, "value", trainer.args.optim)),
+            "args_gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
+            "trl_metrics": {k: last.get(k) for k in ("entropy", "mean_token_accuracy", "num_tokens")}}
 
 
 def distributed_env(port: int) -> dict[str, str]:

@@ -32,6 +32,11 @@ type, double quantization, compute dtype, block size, storage, where it was quan
 the process's peak RSS through the build, the built base's host bytes); parameter counts (params, base_params,
 layer_params, frozen, the FLOPs above) count a 4-bit weight by its original shape (`common.logical_numel`), not its
 packed bytes.
+
+TRL systems (lazytrain_sft) get the token rows as a `datasets.Dataset` of `input_ids` (`sft_dataset`) and TRL's
+collator; their rows count FLOPs and time as their base system's (lazytrain_milp) and record extra.trainer, extra.loss,
+extra.user_loss (what defined the loss), extra.trl_metrics (TRL's logged entropy, mean_token_accuracy, num_tokens)
+and the optimizer and gradient checkpointing the run had (extra.args_optim, extra.args_gradient_checkpointing).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from .systems import (
     ONE_BATCH_PER_PROCESS,
     QLORA_QUANT,
     QLORA_SYSTEMS,
+    SFT_BASE,
     StepTimer,
     accumulation,
     build_args,
@@ -62,6 +68,7 @@ from .systems import (
     lazytrain_metrics,
     lora_flops,
     op_times,
+    sft_metrics,
     unsupported_reason,
 )
 
@@ -82,6 +89,14 @@ class TokenRows(torch.utils.data.Dataset):
                 raise KeyError(i)
             return list(self.ids)
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def sft_dataset(ids: torch.Tensor) -> Any:
+    """The same [N, T] token rows as a `datasets.Dataset` with an `input_ids` column, as TRL's SFTTrainer takes
+    tokenized data (it skips its tokenization; its collator makes the labels and the attention mask)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": ids.tolist()})
 
 
 def _emit(out: Path, r: dict[str, Any]) -> None:
@@ -174,6 +189,8 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
     lt_fields, lt_extra = lazytrain_metrics(trainer, timer.plan_at_start)
     fields.update(lt_fields)
     extra.update(lt_extra)
+    if system in SFT_BASE:
+        extra.update(sft_metrics(trainer))
     L = model_config.num_hidden_layers
     if system.startswith("lazytrain"):
         if timer.h2d_ms[warm:]:
@@ -293,7 +310,7 @@ def run(spec: dict[str, Any]) -> None:
     if int(ids.max()) >= model.config.vocab_size:  # tiny test shapes: fold the real token ids into their vocabulary
         folded = model.config.vocab_size
         ids = ids % folded
-    dataset = TokenRows(ids)
+    dataset = sft_dataset(ids) if system in SFT_BASE else TokenRows(ids)
     setup_s = time.perf_counter() - t0
     timer = StepTimer(device)
     timer.watch(model)
