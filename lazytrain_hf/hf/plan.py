@@ -195,8 +195,10 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
 
 
 def host_weight_ranks(trainer: Any) -> int:
-    """The ranks mapping the executor's one host copy of the streamed weights (streaming/shared_host.py), or 1."""
-    return trainer.executor.store.weight_ranks
+    """The ranks mapping the executor's one host copy of the streamed weights (streaming/shared_host.py), or 1 (a
+    stand-in executor of planning code has no store, as in `peft_support.frozen_costs`)."""
+    store = getattr(trainer.executor, "store", None)
+    return store.weight_ranks if store is not None else 1
 
 
 def resident_states(trainer: Any) -> str:

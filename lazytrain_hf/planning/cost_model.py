@@ -86,6 +86,8 @@ class CostModel:
         bidir_gbps: bandwidth of each direction while both run at once (GB/s, each way).
         nvme_read_gbps, nvme_write_gbps: disk bandwidth for the "nvme" activation tier (GB/s).
         cpu_optim_params_per_s, gpu_optim_params_per_s: optimizer update rates (parameters/s).
+        resident_cpu_rate_factor: the resident parts' CPU update rate as a fraction of `cpu_optim_params_per_s`
+            (the layers' rate): their update moves more bytes per parameter (fp32 moments by default).
 
     Budgets:
         gpu_bytes: GPU memory the plan may use (bytes).
@@ -133,6 +135,7 @@ class CostModel:
     nvme_write_gbps: float = 1.0
     cpu_optim_params_per_s: float = 1.0e9
     gpu_optim_params_per_s: float = 34.0e9
+    resident_cpu_rate_factor: float = 1.0
     gpu_bytes: int = 0
     pinned_host_bytes: int = 0
     nvme_bytes: int = 0
@@ -154,7 +157,7 @@ class CostModel:
                 if bad:
                     problems.append(f"{name} must be finite and >= 0, but got {name}[{bad[0][0]}]={bad[0][1]!r}")
         for name in ("h2d_gbps", "d2h_gbps", "bidir_gbps", "nvme_read_gbps", "nvme_write_gbps",
-                     "cpu_optim_params_per_s", "gpu_optim_params_per_s"):
+                     "cpu_optim_params_per_s", "gpu_optim_params_per_s", "resident_cpu_rate_factor"):
             v = getattr(self, name)
             if not (_finite_nonneg(v) and v > 0):
                 problems.append(f"{name} must be > 0, but got {v!r}")
@@ -203,10 +206,11 @@ class CostModel:
         """Time of the resident parameters' update (embedding, lm_head, final norm) at `optimizer.step()`, before
         the next forward and the layers' CPU updates start (ms; on the GPU when `resident_optim_on_gpu`, except the
         `resident_cpu_params` placed in host memory; the two run one after the other in `optimizer.step()`)."""
-        rate = self.gpu_optim_params_per_s if self.resident_optim_on_gpu else self.cpu_optim_params_per_s
+        cpu_rate = self.cpu_optim_params_per_s * self.resident_cpu_rate_factor
+        rate = self.gpu_optim_params_per_s if self.resident_optim_on_gpu else cpu_rate
         cpu = min(self.resident_cpu_params, self.embed_optim_params + self.head_optim_params)
         main = self.embed_optim_params + self.head_optim_params - cpu
-        return (main / rate + cpu / self.cpu_optim_params_per_s) * 1e3
+        return (main / rate + cpu / cpu_rate) * 1e3
 
     def retained(self, i: int) -> int:
         """Bytes layer i holds on the GPU when retained (see `retained_bytes`)."""

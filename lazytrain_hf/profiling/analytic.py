@@ -369,6 +369,10 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                                   + (1 if frozen_embed else 2) / (HOST_EMBED_ROWS_GBPS * 1e6))
     chunk = min(loss_chunk_tokens, n)
     layer_host_b = BF16 + BF16 + state_b + master_b  # weight, gradient, moments, master
+    # the CPU update is memory bound: a host-placed part whose states take more bytes per parameter than a layer's
+    # (fp32 moments: 16 against 10 bytes with fp32 masters) updates that much slower. Priced at the layers' rate, the
+    # 24 GiB hybrid rows' embedding / head update ran at 0.66-0.82 of it (optimizer_ms in
+    # benchmarks/results/hybrid-20261202.json; this ratio: 0.63)
     # resident parts: moments as `resident_states` (Hybrid8 keeps them fp32 unless told otherwise) + master; a frozen
     # part keeps its weights only
     small_b = BF16 + BF16 + 2 * FP32 + master_b  # the final norm (below min_8bit_size) and LoRA adapters: fp32 states
@@ -426,6 +430,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         embed_grad_bytes=act if host_embed and not frozen_embed else 0,
         embed_optim_params=0 if frozen_embed else shape.embed_params,
         resident_optim_on_gpu=True, resident_cpu_params=host_params,
+        resident_cpu_rate_factor=min(1.0, layer_host_b / resident_b),
         head_optim_params=(0 if frozen_head else shape.lm_head_params) + shape.norm_params + adapter_params,
         gpu_reserve_bytes=int(gpu_reserve_bytes),
         host_fixed_bytes=int(layer_host_b * sum(trained) + sum(w for w, f in zip(weight_b, frozen) if f)

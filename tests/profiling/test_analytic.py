@@ -165,3 +165,18 @@ def test_weights_shared_by_the_hosts_ranks_count_their_share_per_rank(qwen7b, fr
         assert shared.param_bytes == own.param_bytes and shared.resident_bytes == own.resident_bytes
     with pytest.raises(ValueError, match="host_weight_ranks must be an integer >= 1"):
         analytic_cost_model(qwen7b, 1, 1024, **kw, host_weight_ranks=0)
+
+
+@pytest.mark.parametrize(("states", "master", "factor"), [("fp32", "fp32", (2 + 2 + 2 + 8 / 256 + 4) / (2 + 2 + 8 + 4)),
+                                                        ("fp32", "kahan", (2 + 2 + 2 + 8 / 256 + 2) / (2 + 2 + 8 + 2)),
+                                                        ("8bit", "fp32", 1.0)])
+def test_host_placed_parts_update_at_the_layers_rate_times_their_bytes_ratio(qwen7b, states, master, factor):
+    """The CPU update is memory bound: host-placed parts with fp32 moments (16 bytes per parameter with fp32
+    masters, against a layer's ~10) update that much slower than the layers (the 24 GiB hybrid rows ran it at
+    0.66-0.82 of the layers' rate: benchmarks/results/hybrid-20261202.json)."""
+    cm = analytic_cost_model(qwen7b, 8, 1024, gpu_bytes=24 * GIB, host_bytes=400 * GIB, resident="host",
+                             resident_states=states, master_weights=master)
+    assert cm.resident_cpu_rate_factor == pytest.approx(factor)
+    params = cm.embed_optim_params + cm.head_optim_params
+    # (the final norm, on the GPU, adds microseconds)
+    assert cm.resident_optim_ms == pytest.approx(params / (cm.cpu_optim_params_per_s * factor) * 1e3, rel=1e-4)
