@@ -215,7 +215,9 @@ def run(args: argparse.Namespace) -> int:
             sched = search_plans(solve, rows, candidates)
         except InfeasiblePlanError as e:
             e = with_margin(e, args.gpu_memory_margin)
-            others = [p for p in allowed if p not in candidates and p != "gpu"]  # an explicit placement: leaner ones
+            # leaner placements than the leanest tried (an explicit one, or the fixed rule's): less GPU memory
+            order = ("gpu", "host_embedding", "host")
+            others = [p for p in allowed if p not in candidates and order.index(p) > order.index(candidates[-1])]
             batch = 0
             if args.batch_size > 1:  # the largest batch with a plan at these budgets, in the leanest setting tried
                 with warnings.catch_warnings():
@@ -555,7 +557,7 @@ def _print_table(sched: Any, cm: Any) -> None:
     print(f"\n{'layer':>5}  {'kind':<16} {'boundary':<8} {'backward':<10} {'optimizer':<9}")
     for i, lp in enumerate(sched.layers):
         tier = lp.tier if lp.checkpoint else "-"
-        how = "kept" if lp.retain else ("rebuilt" if x[i] else "re-forward")
+        how = "kept" if lp.retain else ("rebuilt" if i and x[i - 1] else "re-forward")  # x[i-1]: input rebuilt
         print(f"{i:>5}  {cm.layer_kind[i]:<16} {tier:<8} {how:<10} {lp.optimizer_device:<9}")
     print("(boundary: where the layer's input is stored for backward; backward: kept = activations retained, "
           "re-forward = forward rerun from its boundary, rebuilt = rerun from an earlier boundary; optimizer: "

@@ -324,3 +324,26 @@ def test_fixed_policy_takes_fewer_rows_per_pass_as_the_trainer_does(capsys):
     assert "rows per pass: 8 (planned: gpu: 16 rows per pass: no plan; 8 rows per pass:" in out, out
     largest = int(re.search(r"largest feasible batch \(fixed, seq 1024\): (\d+)", out).group(1))
     assert largest > 16, out
+
+
+def test_the_table_labels_rebuilt_layers_by_their_own_input(capsys):
+    """Checkpoint every 2 layers: layers 0 and 2 re-run from their own boundary, 1 and 3 from the one before
+    (their inputs rebuilt). The labels were one layer off (layer 0 "rebuilt")."""
+    rc = cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB",
+                            "--policy", "fixed", "--checkpoint-every", "2", "--max-batch", "0", "--hardware",
+                            "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 0
+    labels = [ln.split()[3] for ln in out.splitlines() if re.match(r"\s+[0-3]\s+full_attention", ln)]
+    assert labels == ["re-forward", "rebuilt", "re-forward", "rebuilt"], out
+    assert "2 re-forwarded, 2 rebuilt" in out, out
+
+
+def test_no_plan_never_advises_a_placement_needing_more_gpu_memory(capsys):
+    """The fixed rule put the embedding and LM head in host memory already (the leanest): the fix named
+    --resident host_embedding, which needs more GPU memory."""
+    rc = cli_plan.run(_args("--model", "qwen2.5-7b", "--gpu-memory", "24GiB", "--policy", "fixed",
+                            "--batch-size", "200", "--max-batch", "0", "--hardware", "defaults"))
+    out = capsys.readouterr().out
+    assert rc == 1 and "No plan (host:" in out, out
+    assert "--resident host_embedding" not in out and "--resident gpu" not in out, out
