@@ -272,8 +272,9 @@ class PlanningConfig(_Group):
         "A saved schedule JSON to run instead of planning."))
     plan_buckets: int = field(default=4, metadata=_help(
         'Policy "milp": sequence-length buckets planned at the start of training (powers of two up to the longest '
-        "sequence, one solve each); each batch runs the plan of the smallest bucket that holds it. 1: one plan for "
-        "the longest sequence.", range=(1, 16)))
+        "sequence, one solve each); each batch runs the plan of the smallest bucket that holds it, and a batch longer "
+        "than every bucket (a collator padding past the data) gets a bucket planned for it, with a warning. 1: one "
+        "plan for the longest sequence.", range=(1, 16)))
     solver_time_limit_s: float = field(default=10.0, metadata=_help("HiGHS time limit per solve, in seconds."))
     calibrate_steps: int | None = field(default=None, metadata=_help(
         'Policy "milp": after this many measured optimizer steps, compare the measured step time and CPU update '

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import GIB
 from ..planning.buckets import BucketSchedules
+from ..planning.milp import InfeasiblePlanError
 from ..planning.request import PlanRequest
 from ..planning.schedule import Schedule
 from .calibrate import SWITCH_GAIN, Calibration
@@ -185,8 +186,10 @@ class RunPlans:
         the executor runs another; accounted for the step's predicted peak and the calibration."""
         ex = self.trainer.executor
         if self.bucket_plans is not None:
+            if seq_len > self.bucket_plans.buckets[-1]:
+                self._plan_longer(seq_len)
             plans = self.bucket_plans
-            sched = plans.schedule_for(min(seq_len, plans.buckets[-1]))
+            sched = plans.schedule_for(seq_len)
             if sched is not ex.schedule:
                 ex.set_schedule(sched)
         sched = ex.schedule
@@ -194,6 +197,32 @@ class RunPlans:
         if self.calibration is not None:
             self.calibration.add_microbatch(sched.predicted, sched.solver.get("seq_len_bucket"))
         return sched
+
+    def _plan_longer(self, seq_len: int) -> None:
+        """A batch longer than the longest bucket (the collator pads past the training data's longest row, e.g.
+        `pad_to_multiple_of`): plan a bucket for it with the longest bucket's placement, rows per pass, prefetch
+        depth and rates, and say so once. Its plan's peak is then the one checked, not a shorter bucket's.
+
+        Raises:
+            InfeasiblePlanError: no plan at that length (the fix in lazytrain_config / TrainingArguments terms).
+        """
+        from . import plan
+
+        longest = self._longest()
+        length = -(-seq_len // 8) * 8
+        logger.warning("LazyTrain: a batch of %d tokens per row is longer than the longest planned (%d, the training "
+                       "data's longest row): planning a bucket of %d (a collator padding past the data, e.g. "
+                       "pad_to_multiple_of, does this)", seq_len, self.bucket_plans.buckets[-1], length)
+        try:
+            sched = plan.plan_for_trainer(self.trainer, length, prefetch_depths=(longest.prefetch_depth,),
+                                          resident=longest.resident, rows=longest.rows_per_pass,
+                                          compute_scale=longest.solver.get("compute_scale") or 1.0,
+                                          cpu_optim_params_per_s=longest.solver.get("cpu_optim_params_per_s"))
+        except InfeasiblePlanError as e:
+            raise plan.trainer_error(self.trainer, e.with_shape(seq_len=length), longest.resident) from None
+        logger.log(plan.plan_log_level(self.trainer), plan.plan_line(sched, self.request.batch_size, length,
+                                                                      self.trainer.args.gradient_accumulation_steps))
+        self.bucket_plans = BucketSchedules({**self.bucket_plans.schedules, length: sched})
 
     def microbatch_done(self, cpu_update_ms: float | None, cpu_update_params: float | None,
                         step_skipped: bool = False) -> None:

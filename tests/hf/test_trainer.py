@@ -449,3 +449,31 @@ def test_group_by_length_batches_run_their_length_buckets_plan_and_equal_stock(t
     stock_params = dict(stock.model.named_parameters())
     for name, p in lazy.model.named_parameters():
         assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+
+
+def test_a_batch_longer_than_the_planned_buckets_gets_its_own_plan_and_equals_stock(tmp_path, monkeypatch, caplog):
+    """A collator padding past the data's longest row (here to a multiple of 32: 32-token batches of data up to 20
+    tokens) ran under the longest bucket's plan (24 tokens) without a word, its peak under-planned; now it gets a
+    bucket of its own, said once, and the run still equals the stock Trainer."""
+    used = _buckets_run(monkeypatch)
+
+    def padded(rows):
+        T = 32
+        pad = lambda key, v: torch.tensor([r[key] + [v] * (T - len(r[key])) for r in rows])  # noqa: E731
+        return {"input_ids": pad("input_ids", 0), "attention_mask": pad("attention_mask", 0),
+                "labels": pad("labels", -100)}
+
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    ds = _dataset(model.config.vocab_size)
+    stock = Trainer(model=copy.deepcopy(model), args=TrainingArguments(**_common(tmp_path, "stock", optim="adamw_torch")),
+                    train_dataset=ds, data_collator=padded)
+    stock.train()
+    lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy"),
+                                                               lazytrain_config={**EXACT, "policy": "milp"}),
+                       train_dataset=ds, data_collator=padded)
+    with caplog.at_level("WARNING"):
+        lazy.train()
+    assert lazy.plans.bucket_plans.buckets[-1] == 32 and 32 in used
+    assert caplog.text.count("longer than the longest planned (24") == 1, caplog.text
+    for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss"), strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5), (a, b)
