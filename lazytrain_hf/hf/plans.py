@@ -88,13 +88,14 @@ class RunPlans:
     def refresh(self) -> None:
         """Re-resolve the request when the run's shape (`_shape`) changed since it was built, keeping its budgets
         (the first plan's free GPU memory stays the default budget: the executor holds part of it now)."""
-        if self._request is None or self._shape() == self._request_shape:
+        shape = self._shape() if self._request is not None else None
+        if shape is None or shape == self._request_shape:
             return
         from . import plan
 
         old = self._request
         self._request = dataclasses.replace(plan.request_for_trainer(self.trainer), budgets=old.budgets)
-        self._request_shape = self._shape()
+        self._request_shape = shape
         logger.log(plan.plan_log_level(self.trainer), "LazyTrain: planning again for batch %d x %d (was %d x %d)",
                    self._request.batch_size, self._request.seq_len, old.batch_size, old.seq_len)
 
