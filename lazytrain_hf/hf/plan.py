@@ -112,10 +112,15 @@ def run_shape(trainer: Any, multiple: int = 8) -> tuple[int, int]:
     try:
         lengths = _preference_lengths(ds, getattr(trainer.args, "max_length", None))
         if lengths is None:
-            lengths = [len(x) for x in ds["input_ids"]]
+            # a datasets.Dataset's column, or a plain list of rows (iterating other data sets could tokenize them)
+            column = [r["input_ids"] for r in ds] if isinstance(ds, (list, tuple)) else ds["input_ids"]
+            lengths = [len(x) for x in column]
         T = packed_row_tokens(lengths, B) if packed else max(lengths)
-    except (TypeError, KeyError, ValueError):
-        logger.warning("cannot read input_ids lengths from the training data; planning for seq_len=%d", T)
+    except (TypeError, KeyError, ValueError, IndexError):
+        if not getattr(trainer, "_lengths_warned", False):  # run_shape is asked once per plan and re-plan
+            logger.warning("cannot read input_ids lengths from the training data (%s); planning for %d tokens per "
+                           "row", type(ds).__name__, T)
+            trainer._lengths_warned = True
     return (1 if packed else B * rows_per_example(trainer)), -(-T // multiple) * multiple
 
 

@@ -28,7 +28,7 @@ from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
 from ..streaming.packing import check_collator, prepare_batch
 from ..streaming.quant import logical_numel
-from . import checkpoint, peft_support, preflight, recovery
+from . import checkpoint, log_setup, peft_support, preflight, recovery
 from .args import LazyTrainingArguments
 from .calibrate import Calibration
 from .callback import LazyTrainCallback
@@ -79,6 +79,7 @@ class LazyTrainerMixin(TRLHooks):
         # another Trainer's arguments (TRL's SFTConfig, ...): converted to Lazy<class>, their TRL defaults that are
         # the executor's business taken over (hf/foreign_args.py)
         args = named["args"] = to_lazy_args(named.get("args"), lazytrain_config)
+        log_setup.configure(args)  # the plan lines reach a script that configured no logging
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None

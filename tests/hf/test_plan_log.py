@@ -7,6 +7,8 @@ import dataclasses
 import logging
 import re
 
+import torch
+
 from lazytrain_hf.hf import LazyTrainer, LazyTrainingArguments, plan
 from lazytrain_hf.models import load_model
 from lazytrain_hf.planning.fixed import fixed_schedule
@@ -135,3 +137,33 @@ def test_only_the_main_process_logs_the_plan_lines(tmp_path, monkeypatch, caplog
     assert len(plan_lines) >= 3 and all(r.levelno == logging.DEBUG for r in plan_lines), plan_lines
     assert not [r.getMessage() for r in records if r.levelno >= logging.INFO]
     assert plan.plan_log_level(t) == logging.DEBUG and plan.plan_log_level(object()) == logging.INFO
+
+
+def test_a_plain_list_of_rows_is_planned_at_its_longest_row(tmp_path, caplog):
+    rows = [{"input_ids": [1] * n, "attention_mask": [1] * n, "labels": [1] * n} for n in (5, 17, 9)]
+    args = LazyTrainingArguments(**_common(tmp_path, "rows", per_device_train_batch_size=2),
+                                 lazytrain_config={**EXACT, "device": "cpu"})
+    tr = LazyTrainer(model=load_model("qwen3-tiny", "float32", seed=0), args=args, train_dataset=rows,
+                     data_collator=_collate)
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf"):
+        assert plan.run_shape(tr) == (2, 24)
+    assert "cannot read input_ids lengths" not in caplog.text
+
+
+def test_unreadable_lengths_warn_once(tmp_path, caplog):
+    class Rows(torch.utils.data.Dataset):
+        rows = [{"input_ids": [1] * 8, "attention_mask": [1] * 8, "labels": [1] * 8}] * 4
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return self.rows[i]  # rows by index only: ds["input_ids"] is a TypeError
+
+    args = LazyTrainingArguments(**_common(tmp_path, "ds", per_device_train_batch_size=2),
+                                 lazytrain_config={**EXACT, "device": "cpu"})
+    tr = LazyTrainer(model=load_model("qwen3-tiny", "float32", seed=0), args=args, train_dataset=Rows(),
+                     data_collator=_collate)
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf"):
+        assert plan.run_shape(tr) == (2, 1024) and plan.run_shape(tr) == (2, 1024)
+    assert caplog.text.count("cannot read input_ids lengths from the training data (Rows)") == 1, caplog.text
