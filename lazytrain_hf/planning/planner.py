@@ -214,22 +214,30 @@ def search_plans(solve: Callable[[int, str], Schedule], rows: list[int], residen
     plans one combination or raises InfeasiblePlanError. The schedule records both choices.
 
     Raises:
-        InfeasiblePlanError: no combination fits; the error of the last one tried (fewest rows, leanest placement:
-            the smallest budgets).
+        InfeasiblePlanError: no combination fits; of the fewest rows' errors, the one of the leanest placement (the
+            last: the smallest GPU budget), or when the host budget is what every placement lacks, the one needing
+            the least host memory with the GPU budget given (else the least host memory).
     """
-    error: InfeasiblePlanError | None = None
+    errors: list[InfeasiblePlanError] = []
     for r in rows:
         best = None
+        errors = []
         for resident in residents:
             try:
                 sched = solve(r, resident)
             except InfeasiblePlanError as e:
-                error = e
+                errors.append(e)
                 continue
             sched.resident, sched.rows_per_pass = resident, r
             if best is None or sched.predicted["step_ms"] < best.predicted["step_ms"]:
                 best = sched
         if best is not None:
             return best
-    assert error is not None, "search_plans needs at least one row count and one placement"
-    raise error
+    assert errors, "search_plans needs at least one row count and one placement"
+    if all(e.host_too_small for e in errors):
+        def fits_gpu(e: InfeasiblePlanError) -> bool:  # more host memory alone would do
+            need, have = e.min_gpu_bytes_at_min_host, e.gpu_budget_bytes
+            return need is not None and have is not None and need <= have
+
+        raise min(reversed(errors), key=lambda e: (not fits_gpu(e), e.min_host_bytes))
+    raise errors[-1]

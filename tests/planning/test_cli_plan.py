@@ -347,3 +347,20 @@ def test_no_plan_never_advises_a_placement_needing_more_gpu_memory(capsys):
     out = capsys.readouterr().out
     assert rc == 1 and "No plan (host:" in out, out
     assert "--resident host_embedding" not in out and "--resident gpu" not in out, out
+
+
+def test_a_host_short_of_every_placement_names_the_least_host_that_fits_the_gpu_budget(capsys):
+    """--resident auto, host below every placement's fixed part: the --host-memory named is the least of the
+    placements that then fit the given GPU budget (the embedding in host memory here), and it plans; the largest
+    (the head's fp32 states on the host too) had been named, 77.3 GiB where 69.2 fits."""
+    import re
+
+    base = ("--model", "qwen2.5-7b", "--gpu-memory", "24GiB", "--batch-size", "16", "--seq-len", "1024",
+            "--max-batch", "0", "--hardware", "defaults")
+    assert cli_plan.run(_args(*base, "--host-memory", "60GiB")) == 1
+    fix = _fix(capsys.readouterr().out)
+    assert "--gpu-memory" not in fix, fix
+    host = float(re.search(r"--host-memory ([0-9.]+)GiB", fix).group(1))
+    assert cli_plan.run(_args(*base, "--host-memory", f"{host}GiB")) == 0
+    capsys.readouterr()
+    assert cli_plan.run(_args(*base, "--host-memory", f"{host - 0.5:.2f}GiB")) == 1
