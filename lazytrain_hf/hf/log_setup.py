@@ -35,7 +35,8 @@ def _handler() -> _FallbackHandler | None:
 def configure(args: Any) -> None:
     """Attach the fallback handler (once per process) and set the ``lazytrain_hf`` level from `args` (a
     TrainingArguments): its explicit `log_level` on the main process / `log_level_replica` on the others; with
-    "passive", INFO on the main process, and only where the logger's level was never set."""
+    "passive", INFO on the main process (or the root logger's level where it is lower, as the CLI's --verbose), WARNING
+    on the others, and only where the logger's level was never set."""
     log = logging.getLogger(LOGGER_NAME)
     if _handler() is None:
         h = _FallbackHandler(sys.stderr)
@@ -44,10 +45,11 @@ def configure(args: Any) -> None:
     main = getattr(args, "should_log", True)
     chosen = getattr(args, "log_level", "passive") if main else getattr(args, "log_level_replica", "warning")
     if chosen in (None, "passive", -1):
-        if main and log.level == logging.NOTSET:
-            log.setLevel(logging.INFO)
-        elif not main and log.level == logging.NOTSET:
-            log.setLevel(logging.WARNING)
+        if log.level == logging.NOTSET:  # INFO on the main process unless the root logger already lets more through
+            if not main:
+                log.setLevel(logging.WARNING)
+            elif log.getEffectiveLevel() > logging.INFO:
+                log.setLevel(logging.INFO)
         return
     level = logging.getLevelName(str(chosen).upper()) if isinstance(chosen, str) else int(chosen)
     if isinstance(level, int):

@@ -51,3 +51,28 @@ def test_a_scripts_own_logging_config_takes_over_without_duplicates(tmp_path):
     assert "[INFO|lazytrain_hf]" not in err, err[-3000:]
     mine = [ln for ln in err.splitlines() if ln.startswith("MINE lazytrain_hf") and "LazyTrain schedule:" in ln]
     assert len(mine) == 1, err[-3000:]
+
+
+def test_levels_follow_the_trainers_log_level_and_keep_a_more_verbose_root(monkeypatch):
+    import logging
+    from types import SimpleNamespace
+
+    from lazytrain_hf.hf import log_setup
+
+    log = logging.getLogger(log_setup.LOGGER_NAME)
+    monkeypatch.setattr(log, "level", logging.NOTSET)
+    monkeypatch.setattr(log, "handlers", [])
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.DEBUG)  # the CLI's --verbose
+    log_setup.configure(SimpleNamespace(should_log=True, log_level="passive"))
+    assert log.level == logging.NOTSET and log.getEffectiveLevel() == logging.DEBUG
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    log_setup.configure(SimpleNamespace(should_log=True, log_level="passive"))
+    assert log.level == logging.INFO and len(log.handlers) == 1  # one handler however often configured
+    log_setup.configure(SimpleNamespace(should_log=True, log_level="error"))
+    assert log.level == logging.ERROR
+    monkeypatch.setattr(log, "level", logging.NOTSET)
+    log_setup.configure(SimpleNamespace(should_log=False, log_level="passive", log_level_replica="passive"))
+    assert log.level == logging.WARNING
+    log_setup.configure(SimpleNamespace(should_log=False, log_level="info", log_level_replica="debug"))
+    assert log.level == logging.DEBUG
