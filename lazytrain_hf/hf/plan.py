@@ -447,6 +447,7 @@ def fixed_plan_for_trainer(trainer: Any) -> Schedule:
 
     def solve(rows: int, placement: str, strict: bool = True) -> Schedule:
         cm, _, inputs = _cost_model_and_inputs(trainer, request.seq_len, resident=placement, rows=rows)
+        inputs = {**inputs, "policy": "fixed", "fixed": dict(request.fixed)}  # as `plan --policy fixed` names it
         return make_schedule(cm, "fixed", **request.fixed, fingerprint=plan_fingerprint(inputs), strict=strict,
                              simulate_check=False)
 

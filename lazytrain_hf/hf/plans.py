@@ -168,8 +168,9 @@ class RunPlans:
 
         if not schedule.fingerprint:
             return
-        try:
-            inputs = self.request.inputs()
+        try:  # under the schedule's own policy: a `plan --policy fixed` one names "fixed" and its knobs
+            policy = schedule.policy if schedule.policy in ("milp", "fixed") else self.request.policy
+            inputs = dataclasses.replace(self.request, policy=policy).inputs()
         except Exception as e:  # a check only: never end a run over it
             logger.debug("LazyTrain: cannot compute this run's plan fingerprint (%s)", e)
             return

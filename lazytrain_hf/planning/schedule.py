@@ -175,7 +175,10 @@ def fingerprint(*parts: Any) -> str:
 #: Config keys that describe a checkpoint, not the model's shape: left out so that the CLI's config (from the
 #: registry or Hub) and a loaded model's config give the same fingerprint.
 _CONFIG_METADATA = frozenset({"transformers_version", "torch_dtype", "dtype", "architectures", "use_cache",
-                              "name_or_path", "id2label", "label2id"})
+                              "name_or_path", "id2label", "label2id",
+                              # special token ids: the Trainer copies the tokenizer's into the config; no cost
+                              "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id",
+                              "decoder_start_token_id"})
 #: Hardware profile fields that describe, not measure.
 _HARDWARE_TEXT = frozenset({"measured", "source", "device_name", "notes"})
 

@@ -364,3 +364,49 @@ def test_a_host_short_of_every_placement_names_the_least_host_that_fits_the_gpu_
     assert cli_plan.run(_args(*base, "--host-memory", f"{host}GiB")) == 0
     capsys.readouterr()
     assert cli_plan.run(_args(*base, "--host-memory", f"{host - 0.5:.2f}GiB")) == 1
+
+
+def test_a_fixed_policy_plan_matches_a_fixed_run_whatever_token_ids_the_config_carries(tmp_path, capsys, caplog):
+    """A `plan --policy fixed` schedule loaded by a run with the same fixed-policy knobs, where the Trainer copied
+    the tokenizer's special token ids into the model config: no warning (the schedule's own policy is compared).
+    Before, every such run warned 'these inputs differ: fixed, model, policy'."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lazytrain_hf.config import LazyTrainConfig
+    from lazytrain_hf.hf.plans import RunPlans
+    from lazytrain_hf.models import resolve_config
+
+    out = tmp_path / "fixed"
+    assert cli_plan.run(_args("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB",
+                              "--batch-size", "2", "--seq-len", "64", "--max-batch", "0", "--hardware", "defaults",
+                              "--policy", "fixed", "--checkpoint-every", "2", "--no-gpu-optimizer",
+                              "--out-dir", str(out))) == 0
+    capsys.readouterr()
+    fixed = Schedule.from_json(next(out.glob("*.schedule.json")))
+    config = resolve_config("qwen3-tiny")
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 7, 8, 9
+
+    def trainer(policy: str) -> SimpleNamespace:
+        t = SimpleNamespace(
+            lazy_config=LazyTrainConfig(gpu_memory_budget="1GiB", host_memory_budget="4GiB", policy=policy,
+                                        checkpoint_every=2),
+            args=SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1),
+            model=SimpleNamespace(config=config),
+            executor=SimpleNamespace(device=torch.device("cpu"), resident=SimpleNamespace(placement="gpu"),
+                                     schedule=SimpleNamespace(rows_per_pass=None)),
+            train_dataset={"input_ids": [[1] * 64]})
+        t.plans = RunPlans(t)
+        return t
+
+    with caplog.at_level("WARNING", logger="lazytrain_hf.hf.plans"):
+        trainer("fixed").plans.check_fingerprint(fixed, "fixed.json")
+        assert not [r for r in caplog.records if r.name == "lazytrain_hf.hf.plans"], caplog.text
+        trainer("milp").plans.check_fingerprint(fixed, "fixed.json")  # the schedule's policy is what is compared
+        assert not [r for r in caplog.records if r.name == "lazytrain_hf.hf.plans"], caplog.text
+        other = trainer("fixed")
+        other.lazy_config.checkpoint_every = 3
+        other.plans = RunPlans(other)
+        other.plans.check_fingerprint(fixed, "fixed.json")  # other knobs than the plan's
+    assert "fixed.json" in caplog.text and "these inputs differ: fixed" in caplog.text, caplog.text
