@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the optimizer's master weights (lazytrain_config.master_weights; 'auto' plans as fp32 "
                              "for bf16 weights): fp32 4 bytes per trained parameter in host memory, kahan 2, none 0 "
                              "(default fp32)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=LazyTrainConfig.loss_chunk_tokens,
+                        help="tokens per chunk of the LM head's loss (lazytrain_config.loss_chunk_tokens; default "
+                             f"{LazyTrainConfig.loss_chunk_tokens}): the head's logits workspace, and an input of "
+                             "the plan's fingerprint")
     lora = parser.add_argument_group("LoRA / QLoRA (as a recipe's peft: section; needs peft)")
     lora.add_argument("--lora-r", type=int, default=None,
                       help="plan a LoRA run of this rank (peft.r): the base is frozen (streamed read-only, 2 bytes "
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         resident=args.resident, gpu_optimizer=args.gpu_optimizer,
         gradient_accumulation_steps=args.gradient_accumulation_steps, time_limit_s=args.time_limit,
         mip_rel_gap=args.mip_gap, name=args.model, frozen=_frozen_layout(frozen),
-        **{**_OPTIMIZER_LAYOUT, "master_weights": args.master_weights})
+        **{**_OPTIMIZER_LAYOUT, "master_weights": args.master_weights, "loss_chunk_tokens": args.loss_chunk_tokens})
 
     def build(batch: int, resident: str, rows: int | None = args.rows_per_pass, seq: int = args.seq_len,
               **changes: Any) -> Any:
@@ -443,6 +447,8 @@ def _check_numbers(args: argparse.Namespace) -> list[str]:
         problems.append(f"--checkpoint-every must be >= 1, but got {args.checkpoint_every}")
     if args.rows_per_pass is not None and args.rows_per_pass < 1:
         problems.append(f"--rows-per-pass must be >= 1, but got {args.rows_per_pass}")
+    if args.loss_chunk_tokens < 1:
+        problems.append(f"--loss-chunk-tokens must be >= 1, but got {args.loss_chunk_tokens}")
     if args.tier == "nvme" and args.policy == "fixed" and not args.nvme_dir:
         problems.append("--tier nvme needs --nvme-dir")
     if not 0 <= args.gpu_memory_margin < 0.9:
@@ -648,6 +654,8 @@ def output_stem(args: argparse.Namespace, policy: str) -> str:
         parts.append(f"rows{args.rows_per_pass}")
     if args.master_weights != "fp32":
         parts.append(f"master-{args.master_weights}")
+    if args.loss_chunk_tokens != LazyTrainConfig.loss_chunk_tokens:
+        parts.append(f"losschunk{args.loss_chunk_tokens}")
     if args.lora_r is not None:
         parts.append(f"lora{args.lora_r}" + (f"-{args.lora_target_modules}" if args.lora_target_modules else "")
                      + ("-4bit" if args.load_in_4bit else "") + ("-dq" if args.bnb_4bit_use_double_quant else ""))

@@ -410,3 +410,24 @@ def test_a_fixed_policy_plan_matches_a_fixed_run_whatever_token_ids_the_config_c
         other.plans = RunPlans(other)
         other.plans.check_fingerprint(fixed, "fixed.json")  # other knobs than the plan's
     assert "fixed.json" in caplog.text and "these inputs differ: fixed" in caplog.text, caplog.text
+
+
+def test_loss_chunk_tokens_is_planned_and_fingerprinted_as_the_trainers(tmp_path, capsys):
+    """--loss-chunk-tokens enters the request: a recipe's loss_chunk_tokens (cpu_default.yaml: 1024) can be
+    planned for, and the plan's fingerprint names it (the Trainer's `plan_inputs` do)."""
+    from lazytrain_hf.planning.schedule import plan_inputs
+
+    base = ("--model", "qwen3-tiny", "--gpu-memory", "1GiB", "--host-memory", "4GiB", "--batch-size", "2",
+            "--seq-len", "64", "--max-batch", "0", "--hardware", "defaults")
+    prints = {}
+    for n in (None, 1024):
+        out = tmp_path / str(n)
+        extra = () if n is None else ("--loss-chunk-tokens", str(n))
+        assert cli_plan.run(_args(*base, *extra, "--out-dir", str(out))) == 0
+        prints[n] = Schedule.from_json(next(out.glob("*.schedule.json")))
+    assert prints[None].fingerprint != prints[1024].fingerprint
+    assert prints[1024].solver["fingerprint_inputs"]["loss_chunk_tokens"] != \
+        prints[None].solver["fingerprint_inputs"]["loss_chunk_tokens"]
+    assert "loss_chunk_tokens" in plan_inputs({}, 1, 1, None, None, None, {})
+    assert cli_plan.run(_args(*base, "--loss-chunk-tokens", "0")) == 2
+    assert "--loss-chunk-tokens must be >= 1, but got 0" in capsys.readouterr().err
