@@ -60,6 +60,9 @@ def train(args: argparse.Namespace) -> int:
     config = resolve_config(recipe.model.name_or_path)
     if targs.lazy_config.policy != "none":
         check_supported(config)
+    from .hf.preflight import check_host_before_building
+
+    check_host_before_building(config, recipe.model.dtype, recipe.model.name_or_path)  # before data and model load
     d = recipe.data
     if d.packing:
         from .streaming.packing import check_packing_model

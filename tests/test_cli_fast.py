@@ -229,3 +229,27 @@ def test_recipe_sizes_without_a_unit_are_refused_before_the_imports():
     assert "lazytrain.host_memory_budget: 100.5 has no unit" in text, text
     r = load_recipe(RECIPE, ["lazytrain.gpu_memory_budget=24GiB", "lazytrain.prepared_states_budget=0"])
     assert r.lazytrain["gpu_memory_budget"] == "24GiB" and r.lazytrain["prepared_states_budget"] == 0
+
+
+def test_a_model_larger_than_the_host_limit_fails_before_the_data_or_the_model_load(tmp_path):
+    """The weights alone above the process's host-memory limit (a 1 GiB cgroup here, a 7B model in fp32): one error
+    naming the need, the limit and its source, before the data set is read or any weight allocated (it had built
+    the model for minutes until the allocation failed)."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "memory.max").write_text(str(1 << 30))
+    out = _python(f"""
+        import os, sys
+        os.environ["LAZYTRAIN_CGROUP_ROOT"] = {str(root)!r}
+        import lazytrain_hf.data as data, lazytrain_hf.models as models
+        def never(*a, **k):
+            raise AssertionError("loaded before the check")
+        data.load_math_dataset = models.load_model = never
+        from lazytrain_hf.cli import main
+        print("RC", main(["train", "--config", {str(RECIPE)!r}, "--set", "model.name_or_path=qwen2.5-7b",
+                          "--set", "training.output_dir={tmp_path / 'out'}"]))
+        """, timeout=300)
+    err = out.stderr
+    assert "RC 2" in out.stdout and "AssertionError" not in err, out.stdout[-2000:] + err[-3000:]
+    assert "error: LazyTrain: building 'qwen2.5-7b' (7.62 B parameters in float32) needs 28.37 GiB" in err, err
+    assert f"cgroup v2 memory.max at {root / 'memory.max'}" in err and "Fix: a smaller model" in err, err

@@ -198,3 +198,23 @@ def memlock_note(pin: bool) -> str | None:
         return None
     return (f"RLIMIT_MEMLOCK is {format_bytes(lim.bytes)}; the executor page-locks host memory through the CUDA "
             "driver (cudaHostRegister, pinned copies), which that limit does not bound")
+
+
+def check_host_before_building(config: Any, dtype: str, name: str) -> None:
+    """Before a model is built or loaded (`models.load_model`): its weights in `dtype` against this rank's share of
+    the host-memory limit, so that a model too large for the host is one error instead of minutes of allocation and
+    an out-of-memory kill. The run needs more than its weights (gradients, optimizer states): the Trainer checks that
+    before pinning (`check_host_before_pinning`); `lazytrain-hf plan` names it beforehand.
+
+    Raises:
+        ResourceLimitError: the weights alone are above the limit (need, limit and its source, fix).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    need = n * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    check_need(need, host_limit_per_rank(), f"building {name!r} ({n / 1e9:.2f} B parameters in {dtype})",
+               "a smaller model, or a machine (or container memory limit) with more memory; `lazytrain-hf plan "
+               "--model ...` gives the whole run's host need")
