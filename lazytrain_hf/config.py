@@ -119,8 +119,11 @@ def cpu_threads() -> int:
 
 
 def format_bytes(n: int | float | None) -> str:
-    """Format bytes as GiB with two decimals (``None`` -> ``"-"``)."""
-    return "-" if n is None else f"{n / GIB:.2f} GiB"
+    """Format bytes as GiB with two decimals, MiB below 0.01 GiB (so a small size does not read "0.00 GiB");
+    ``None`` -> ``"-"``."""
+    if n is None:
+        return "-"
+    return f"{n / 2**20:.2f} MiB" if 0 < abs(n) < 0.01 * GIB else f"{n / GIB:.2f} GiB"
 
 
 _WHERE = "lazytrain_config"  # how messages name the keys (recipes name them lazytrain.<key>)

@@ -454,8 +454,8 @@ def fixed_plan_for_trainer(trainer: Any) -> Schedule:
     try:
         return search_plans(solve, rows, [resident])
     except InfeasiblePlanError as e:
-        logger.warning("LazyTrain fixed policy: %s Running it at %d rows per pass: expect CUDA out of memory", e,
-                       rows[-1])
+        logger.warning("LazyTrain fixed policy: %s Running it at %d rows per pass (its fewest): expect an "
+                       "out-of-memory error", e, rows[-1])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             sched = solve(rows[-1], resident, strict=False)

@@ -83,6 +83,6 @@ def test_the_fixed_policy_with_no_fitting_row_count_runs_at_one_row_per_pass(tmp
     with caplog.at_level("WARNING"):
         s = plan.fixed_plan_for_trainer(t)
     assert s.policy == "fixed" and s.rows_per_pass == 1
-    assert "Running it at 1 rows per pass: expect CUDA out of memory" in caplog.text
+    assert "Running it at 1 rows per pass (its fewest): expect an out-of-memory error" in caplog.text
     roomy = plan.fixed_plan_for_trainer(_trainer(tmp_path, "roomy", gpu_memory_budget="1GiB", policy="fixed"))
     assert roomy.rows_per_pass == 4  # the whole micro-batch fits
