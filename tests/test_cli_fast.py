@@ -238,6 +238,8 @@ def test_a_model_larger_than_the_host_limit_fails_before_the_data_or_the_model_l
     root = tmp_path / "cgroup"
     root.mkdir()
     (root / "memory.max").write_text(str(1 << 30))
+    data = tmp_path / "gsm8k.jsonl"  # a valid local source, so the recipe preflight passes wherever the clone is
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2 #### 2"}) + "\n")
     out = _python(f"""
         import os, sys
         os.environ["LAZYTRAIN_CGROUP_ROOT"] = {str(root)!r}
@@ -247,7 +249,7 @@ def test_a_model_larger_than_the_host_limit_fails_before_the_data_or_the_model_l
         data.load_math_dataset = models.load_model = never
         from lazytrain_hf.cli import main
         print("RC", main(["train", "--config", {str(RECIPE)!r}, "--set", "model.name_or_path=qwen2.5-7b",
-                          "--set", "training.output_dir={tmp_path / 'out'}"]))
+                          "--set", "training.output_dir={tmp_path / 'out'}", "--set", "data.source={data}"]))
         """, timeout=300)
     err = out.stderr
     assert "RC 2" in out.stdout and "AssertionError" not in err, out.stdout[-2000:] + err[-3000:]
