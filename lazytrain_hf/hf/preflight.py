@@ -210,10 +210,13 @@ def check_host_before_building(config: Any, dtype: str, name: str) -> None:
         ResourceLimitError: the weights alone are above the limit (need, limit and its source, fix).
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    from ..profiling.analytic import model_shape
+
+    try:
+        n = model_shape(config).num_params  # counted on the meta device
+    except ValueError:  # no decoder layers where the executor looks (policy "none" trains any causal LM)
+        return
     need = n * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     check_need(need, host_limit_per_rank(), f"building {name!r} ({n / 1e9:.2f} B parameters in {dtype})",
                "a smaller model, or a machine (or container memory limit) with more memory; `lazytrain-hf plan "
