@@ -68,6 +68,13 @@ class InfeasiblePlanError(ValueError):
         return (self.min_gpu_bytes is None and self.min_host_bytes is not None and self.host_budget_bytes is not None
                 and self.host_budget_bytes < self.min_host_bytes)
 
+    @property
+    def host_alone_short(self) -> bool:
+        """`host_too_small`, and at the smallest host budget the given GPU budget fits: more host memory alone would
+        do."""
+        need, have = self.min_gpu_bytes_at_min_host, self.gpu_budget_bytes
+        return self.host_too_small and need is not None and have is not None and need <= have
+
     def restated(self, message: str, **changes: Any) -> InfeasiblePlanError:
         """The same budgets with another message (a prefix or suffix added to `str(self)` by a caller: `facts` gets
         the same addition) and `changes` to the attributes."""

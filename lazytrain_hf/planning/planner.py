@@ -235,9 +235,5 @@ def search_plans(solve: Callable[[int, str], Schedule], rows: list[int], residen
             return best
     assert errors, "search_plans needs at least one row count and one placement"
     if all(e.host_too_small for e in errors):
-        def fits_gpu(e: InfeasiblePlanError) -> bool:  # more host memory alone would do
-            need, have = e.min_gpu_bytes_at_min_host, e.gpu_budget_bytes
-            return need is not None and have is not None and need <= have
-
-        raise min(reversed(errors), key=lambda e: (not fits_gpu(e), e.min_host_bytes))
+        raise min(reversed(errors), key=lambda e: (not e.host_alone_short, e.min_host_bytes))
     raise errors[-1]
