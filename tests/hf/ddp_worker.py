@@ -26,6 +26,7 @@ import os
 import torch
 from tiny_data import tiny_dataset  # this script's folder is on sys.path
 from transformers import TrainerCallback
+from worker_exit import exit_worker  # this script's folder is on sys.path
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 from lazytrain_hf.models import load_model
@@ -55,11 +56,7 @@ def main() -> None:
     a = p.parse_args()
     for tag in a.ga.split(","):
         train(a, tag)
-    # gloo's threads outliving the interpreter abort the process at exit ("terminate called without an active
-    # exception", seen intermittently on 2 cores): take the group down first
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    exit_worker()
 
 
 def _schedule_file(a: argparse.Namespace, model: torch.nn.Module) -> str:

@@ -29,6 +29,7 @@ import signal
 import torch
 from tiny_data import tiny_dataset  # this script's folder is on sys.path
 from transformers import Trainer, TrainerCallback
+from worker_exit import exit_worker  # this script's folder is on sys.path
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 from lazytrain_hf.models import load_model
@@ -144,9 +145,7 @@ def main() -> None:
         launcher_term(a.out)
     else:
         runs(a.out)
-    # gloo's threads outliving the interpreter abort the process at exit: take the group down first
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":
