@@ -73,11 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the layer's next load; lazytrain_config.gpu_layer_updates, default on)")
     parser.add_argument("--rows-per-pass", type=int, default=None,
                         help="the executor's max_rows_per_pass (layers run over the batch in chunks of this many rows)")
-    parser.add_argument("--resident", choices=("auto", "gpu", "host_embedding", "host"), default="auto",
+    parser.add_argument("--resident", choices=("auto", "gpu", "host_embedding", "host", "host_sliced"),
+                        default="auto",
                         help="where the embedding and LM head live (lazytrain_config.resident_placement): on the "
-                             "GPU, the embedding in host memory, or both in host memory; auto (default): --policy "
-                             "milp plans each and keeps the fastest that fits, --policy fixed keeps them on the GPU "
-                             "when they take at most half the GPU memory")
+                             "GPU, the embedding in host memory, both in host memory, or both with the head streamed "
+                             "in vocabulary slices; auto (default): --policy milp plans gpu, host_embedding and host "
+                             "and keeps the fastest that fits, host_sliced only when none fits; --policy fixed keeps "
+                             "them on the GPU when they take at most half the GPU memory")
     parser.add_argument("--hardware", default=None,
                         help="hardware profile JSON (from lazytrain_hf.profiling.probe), or 'defaults' for the "
                              "H200 figures; default: this machine's cached probe if any, else the H200 figures")
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from .models import check_supported, resolve_config
     from .planning.fixed import fixed_resident
     from .planning.milp import InfeasiblePlanError, with_margin
-    from .planning.planner import largest_feasible_batch, make_schedule, rows_options, search_plans
+    from .planning.planner import largest_feasible_batch, make_schedule, rows_options, search_plans, split_placements
     from .planning.request import resolve_request
     from .planning.schedule import input_hashes
     from .profiling.analytic import analytic_cost_model, model_shape, resident_placements
@@ -216,11 +218,11 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            sched = search_plans(solve, rows, candidates)
+            sched = search_plans(solve, rows, *split_placements(candidates))
         except InfeasiblePlanError as e:
             e = with_margin(e, args.gpu_memory_margin)
             # leaner placements than the leanest tried (an explicit one, or the fixed rule's): less GPU memory
-            order = ("gpu", "host_embedding", "host")
+            order = ("gpu", "host_embedding", "host", "host_sliced")
             others = [p for p in allowed if p not in candidates and order.index(p) > order.index(candidates[-1])]
             batch = 0
             if args.batch_size > 1:  # the largest batch with a plan at these budgets, in the leanest setting tried
@@ -586,7 +588,9 @@ def _print_resident(sched: Any, cm: Any, tried: list[str]) -> None:
     where = {"gpu": "embedding and LM head on the GPU (weights, gradients, optimizer states)",
              "host_embedding": "embedding in host memory (looked up and updated on the CPU); LM head on the GPU",
              "host": "embedding and LM head in host memory (updated on the CPU; the head's weights copied to the "
-                     "GPU once per step)"}[sched.resident]
+                     "GPU once per step)",
+             "host_sliced": "embedding and LM head in host memory (updated on the CPU; the head's weights streamed "
+                            "to the GPU in vocabulary slices, its gradient back slice by slice)"}[sched.resident]
     print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU")
     rows = "all" if sched.rows_per_pass in (None, cm.meta.get("batch_size")) else sched.rows_per_pass
     also = f" (planned: {_tried_summary(tried)})" if len(tried) > 1 else ""

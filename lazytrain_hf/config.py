@@ -264,10 +264,13 @@ class PlanningConfig(_Group):
     resident_placement: str = field(default="auto", metadata=_help(
         'Where the input embedding and the LM head live with their gradients and fp32 optimizer states: "gpu"; '
         '"host_embedding" (the embedding in host memory, looked up and updated on the CPU; untied heads only); '
-        '"host" (the LM head too; its weights are copied to the GPU once per step); "auto": policy "milp" plans '
-        'each and takes the fastest that fits, policy "fixed" keeps them on the GPU when they take at most half '
-        "the GPU budget, else \"host\". The final norm stays on the GPU; data-parallel runs keep them on the GPU.",
-        choices=("auto", "gpu", "host_embedding", "host")))
+        '"host" (the LM head too; its weights are copied to the GPU once per step); "host_sliced" (as "host", but '
+        "the head's weights stream to the GPU in vocabulary slices and its gradient comes back slice by slice: no "
+        'GPU copy of the whole head; the Trainer\'s own loss only); "auto": policy "milp" plans "gpu", '
+        '"host_embedding" and "host" and takes the fastest that fits, "host_sliced" only when none fits; policy '
+        '"fixed" keeps them on the GPU when they take at most half the GPU budget, else "host". The final norm '
+        "stays on the GPU; data-parallel runs keep them on the GPU.",
+        choices=("auto", "gpu", "host_embedding", "host", "host_sliced")))
     gpu_memory_margin: float = field(default=0.12, metadata=_help(
         "Fraction of the GPU budget the MILP keeps free for allocator fragmentation and workspaces the analytic "
         "cost model does not count, in [0, 0.9); the default follows the out-of-memory runs in benchmarks/NOTES.md."))

@@ -12,7 +12,7 @@ from ..config import GIB
 from ..planning.buckets import BucketSchedules
 from ..planning.estimate import op_times
 from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
-from ..planning.planner import make_schedule, rows_options, search_plans
+from ..planning.planner import make_schedule, rows_options, search_plans, split_placements
 from ..planning.request import PlanRequest, resolve_request, same_tokens_batch
 from ..planning.schedule import Schedule, input_hashes, plan_fingerprint
 from ..profiling.analytic import analytic_cost_model
@@ -374,12 +374,17 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
 
 def resident_candidates(trainer: Any) -> list[str]:
     """Placements of the embedding and LM head the planner tries: the configured one, or (`auto`) every one this
-    model can run (streaming/resident.py), GPU first; data-parallel ranks keep them on the GPU."""
+    model can run (streaming/resident.py), GPU first, those of `planning.planner.FALLBACK_PLACEMENTS` last (tried
+    only when no other has a plan); data-parallel ranks keep them on the GPU; a loss of the user's
+    (hf/user_loss.py) multiplies by the whole head, so not "host_sliced"."""
     cfg = trainer.lazy_config
     if cfg.resident_placement != "auto":
         return [cfg.resident_placement]
     ex = trainer.executor
-    return ["gpu"] if ex.dp is not None else list(ex.resident.allowed())
+    if ex.dp is not None:
+        return ["gpu"]
+    user_loss = bool(getattr(trainer, "user_loss", None))
+    return [p for p in ex.resident.allowed() if not (user_loss and p == "host_sliced")]
 
 
 def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
@@ -414,7 +419,8 @@ def plan_buckets_for_trainer(trainer: Any, compute_scale: float = 1.0,
 
     placements = [resident] if resident else resident_candidates(trainer)
     try:
-        longest = search_plans(solve, [rows] if rows else rows_options(B, request.rows_per_pass), placements)
+        longest = search_plans(solve, [rows] if rows else rows_options(B, request.rows_per_pass),
+                               *split_placements(placements))
     except InfeasiblePlanError as e:
         raise trainer_error(trainer, e, placements[-1]) from None
     if len(tried) > 1:

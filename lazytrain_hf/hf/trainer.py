@@ -123,6 +123,7 @@ class LazyTrainerMixin(TRLHooks):
             #: linear-attention layers)
             self.linear_attention_kernel = select_linear_attention(self.model, self.args.device)
             return
+        _check_placement_for_loss(cfg.resident_placement, user_loss_reasons(self, Trainer.compute_loss))
         fp32_weights = any(p.dtype == torch.float32 for p in self.model.parameters())
         device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
         if device.type == self.args.device.type and device.index is None:
@@ -579,6 +580,16 @@ def check_token_ids(inputs: dict[str, Any], model: nn.Module) -> None:
                      "the model's. Fix: tokenize with the model's own tokenizer (or pick a model whose vocabulary "
                      "covers the tokenizer), or grow the embedding to the tokenizer: "
                      "model.resize_token_embeddings(len(tokenizer)).")
+
+
+def _check_placement_for_loss(placement: str, user_loss: list[str]) -> None:
+    """Refuse "host_sliced" (the executor's own loss over LM-head slices) when the loss is the user's, which
+    multiplies by the whole head (hf/user_loss.py), before the executor pins anything."""
+    if user_loss and placement == "host_sliced":
+        raise ValueError(f"lazytrain_config.resident_placement='host_sliced' runs the executor's own loss over slices "
+                         f"of the LM head, but the loss here is the user's ({', '.join(user_loss)}), which "
+                         "multiplies by the whole head: set resident_placement to 'host' (its weights copied to the "
+                         "GPU once per step) or 'auto'")
 
 
 def _check_not_empty(train_dataset: Any) -> None:

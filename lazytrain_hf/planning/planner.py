@@ -8,7 +8,7 @@ discrete-event simulator's (`simulator.simulate`) to `Schedule.predicted`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import format_bytes
@@ -28,7 +28,7 @@ from .schedule import fingerprint as _fingerprint
 from .simulator import simulate
 
 __all__ = ["make_schedule", "make_schedule_from_config", "largest_feasible_batch", "POLICIES", "InfeasiblePlanError",
-           "over_budget_error", "search_plans", "rows_options"]
+           "over_budget_error", "search_plans", "rows_options", "FALLBACK_PLACEMENTS", "split_placements"]
 
 POLICIES = ("milp", "fixed")
 
@@ -208,16 +208,46 @@ def rows_options(batch_size: int, rows_per_pass: int | None) -> list[int]:
     return out
 
 
-def search_plans(solve: Callable[[int, str], Schedule], rows: list[int], residents: list[str]) -> Schedule:
+#: placements the planner tries only when no other has a plan: their GPU time has not been measured yet
+#: (benchmarks/NOTES.md), so they widen what fits without replacing a measured choice
+FALLBACK_PLACEMENTS = ("host_sliced",)
+
+
+def split_placements(placements: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(`placements` tried first, those tried only when none of them has a plan: `FALLBACK_PLACEMENTS`)."""
+    return ([p for p in placements if p not in FALLBACK_PLACEMENTS],
+            [p for p in placements if p in FALLBACK_PLACEMENTS])
+
+
+def search_plans(solve: Callable[[int, str], Schedule], rows: list[int], residents: list[str],
+                 fallback: Sequence[str] = ()) -> Schedule:
     """The plan to run: for the first of `rows` (rows per pass, largest first) with any feasible plan, the fastest
-    over the `residents` placements of the embedding and LM head (`Schedule.resident`). `solve(rows, resident)`
-    plans one combination or raises InfeasiblePlanError. The schedule records both choices.
+    over the `residents` placements of the embedding and LM head (`Schedule.resident`); when none has a plan at any
+    rows per pass, the same search over `fallback`. `solve(rows, resident)` plans one combination or raises
+    InfeasiblePlanError. The schedule records both choices.
 
     Raises:
         InfeasiblePlanError: no combination fits; of the fewest rows' errors, the one of the leanest placement (the
             last: the smallest GPU budget), or when the host budget is what every placement lacks, the one needing
             the least host memory with the GPU budget given (else the least host memory).
     """
+    errors: list[InfeasiblePlanError] = []  # of the fewest rows tried, in order: the leanest placement last
+    for group in (residents, list(fallback)):
+        if not group:
+            continue
+        found, group_errors = _search_plans(solve, rows, group)
+        if found is not None:
+            return found
+        errors += group_errors
+    assert errors, "search_plans needs at least one row count and one placement"
+    if all(e.host_too_small for e in errors):
+        raise min(reversed(errors), key=lambda e: (not e.host_alone_short, e.min_host_bytes))
+    raise errors[-1]
+
+
+def _search_plans(solve: Callable[[int, str], Schedule], rows: list[int], residents: list[str]
+                  ) -> tuple[Schedule | None, list[InfeasiblePlanError]]:
+    """(the plan, []) or (None, the errors of the fewest rows per pass, one per placement)."""
     errors: list[InfeasiblePlanError] = []
     for r in rows:
         best = None
@@ -232,8 +262,5 @@ def search_plans(solve: Callable[[int, str], Schedule], rows: list[int], residen
             if best is None or sched.predicted["step_ms"] < best.predicted["step_ms"]:
                 best = sched
         if best is not None:
-            return best
-    assert errors, "search_plans needs at least one row count and one placement"
-    if all(e.host_too_small for e in errors):
-        raise min(reversed(errors), key=lambda e: (not e.host_alone_short, e.min_host_bytes))
-    raise errors[-1]
+            return best, []
+    return None, errors

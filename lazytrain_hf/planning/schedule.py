@@ -18,14 +18,18 @@ from typing import Any
 
 from ..config import did_you_mean
 
-__all__ = ["LayerPlan", "Schedule", "TIERS", "RESIDENT_PLACEMENTS", "fingerprint", "plan_inputs", "plan_fingerprint", "input_hashes",
+__all__ = ["LayerPlan", "Schedule", "TIERS", "RESIDENT_PLACEMENTS", "HEAD_VOCAB_SLICE_ROWS", "fingerprint", "plan_inputs", "plan_fingerprint", "input_hashes",
            "differing_inputs"]
 
 TIERS = ("gpu", "cpu", "nvme")
 #: where the embedding and the LM head live (`Schedule.resident`): "gpu" (weights, gradients and optimizer states on
 #: the GPU), "host_embedding" (the embedding's on the host: looked up and updated there), "host" (the LM head's too:
-#: updated on the CPU, its bf16 weights copied to the GPU once per optimizer step for the head)
-RESIDENT_PLACEMENTS = ("gpu", "host_embedding", "host")
+#: updated on the CPU, its bf16 weights copied to the GPU once per optimizer step for the head), "host_sliced" (as
+#: "host", but the head multiplies by slices of `HEAD_VOCAB_SLICE_ROWS` vocabulary rows streamed from host memory, each
+#: slice's weight gradient sent back as it is made: no GPU copy of the whole head; streaming/vocab_head.py)
+RESIDENT_PLACEMENTS = ("gpu", "host_embedding", "host", "host_sliced")
+#: vocabulary rows of one LM-head slice under "host_sliced": 16384 x 5120 bf16 is 160 MiB, two in flight
+HEAD_VOCAB_SLICE_ROWS = 16384
 
 
 @dataclass

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..optim.functional import CHUNK_ELEMENTS
 from ..planning.cost_model import CostModel
-from ..planning.schedule import RESIDENT_PLACEMENTS
+from ..planning.schedule import HEAD_VOCAB_SLICE_ROWS, RESIDENT_PLACEMENTS
 from .hardware import H200_DEFAULTS, HardwareProfile
 
 __all__ = ["ModelShape", "model_shape", "analytic_cost_model", "layer_flops", "resident_placements"]
@@ -152,8 +152,10 @@ def model_shape(config: Any, name: str = "") -> ModelShape:
 
 
 def resident_placements(shape: ModelShape) -> tuple[str, ...]:
-    """The embedding / LM head placements the executor can run for this shape (a tied head: "gpu", "host")."""
-    return ("gpu", "host") if shape.lm_head_params == 0 else RESIDENT_PLACEMENTS
+    """The embedding / LM head placements the executor can run for this shape (a tied head: all but
+    "host_embedding")."""
+    return tuple(p for p in RESIDENT_PLACEMENTS if p != "host_embedding") if shape.lm_head_params == 0 \
+        else RESIDENT_PLACEMENTS
 
 
 def layer_flops(shape: ModelShape, i: int, batch_size: int, seq_len: int) -> dict[str, float]:
@@ -277,8 +279,10 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
             `streaming/resident.py`): "gpu" (weights, gradients and optimizer states on the GPU), "host_embedding"
             (the embedding's in host memory, looked up and updated on the CPU: its output goes up and its gradient
             [B, T, H] comes back), "host" (the LM head's too: updated on the CPU, its bf16 weights copied up once
-            per step, its gradient sent back after the head). Their optimizer states are `resident_states` plus
-            the master weights; the final norm stays on the GPU.
+            per step, its gradient sent back after the head), "host_sliced" (as "host", the head's weights streamed
+            in slices of `HEAD_VOCAB_SLICE_ROWS` rows during the head, twice, and its gradient sent back slice by
+            slice: no whole copy on the GPU). Their optimizer states are `resident_states` plus the master weights;
+            the final norm stays on the GPU.
         resident_states: the embedding / LM head optimizer states: "fp32" (Hybrid8's default: 8 bytes/param) or
             "8bit" (an optimizer that quantizes them too, as `state_dtype` "8bit" does the layers').
         kept_grads: GPU-updated layers keep their bf16 gradients on the GPU from backward to the update
@@ -358,7 +362,9 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     act = BF16 * n * H
     tied = shape.lm_head_params == 0
     frozen_head = frozen_embed if tied else frozen_head
-    head_flops = (2.0 if frozen_head else 4.0) * n * H * V + 2.0 * n * H * V  # backward (input [+ weight]) + forward
+    sliced = resident == "host_sliced"
+    # backward (input [+ weight]) + forward; sliced, the forward's logits again in the backward sweep
+    head_flops = (2.0 if frozen_head else 4.0) * n * H * V + (4.0 if sliced else 2.0) * n * H * V
     # a host-placed embedding's lookup and upload before the first layer, and the blocking download and index-add
     # of its gradient after the last backward: on the step's critical path (the head's, as the GPU embedding's is)
     host_embed_ms = 0.0
@@ -381,7 +387,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     embed_p, norm_p = shape.embed_params, shape.norm_params
     head_p = shape.lm_head_params or shape.embed_params  # the weight the head multiplies by (tied: the embedding)
     host_embed = resident != "gpu"
-    host_head = resident == "host"
+    host_head = resident in ("host", "host_sliced")
     # parameters whose weights, gradients and states live on the GPU; the rest live in host memory
     if tied and resident == "host_embedding":
         raise ValueError("analytic_cost_model: resident='host_embedding' needs an untied LM head (a tied weight is "
@@ -392,7 +398,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         + (head_b * shape.lm_head_params if host_head else 0)  # + the embedding's [B, T, H] staging buffer
     host_params = ((0 if frozen_embed else embed_p) if host_embed else 0) + \
         ((0 if frozen_head else shape.lm_head_params) if host_head else 0)  # updated on the CPU
-    head_copy = BF16 * head_p if host_head else 0  # the GPU working copy of a host-placed head's weights
+    head_copy = BF16 * head_p if host_head and not sliced else 0  # the GPU working copy of a host-placed head
     head_grad = 0 if frozen_head else head_copy  # its weight gradient, sent back right after the head
     # head workspace (streaming/head.py): final norm internals (fp32 copy + bf16); per logit of a chunk the bf16
     # logits and, in its backward, three fp32 [chunk, V] tensors at once (log-softmax output, the loss gradient,
@@ -401,6 +407,22 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # With 2 fp32 tensors per logit and a [V, H] product per chunk (autograd's accumulation) the Qwen3.6-27B-width
     # head planned 16.9 GiB at 24 GiB, batch 8, and needed 22.4 GiB on an H200 (benchmarks/results/hybrid-20261201.json)
     head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + BF16 * n * H + head_grad
+    head_ms = head_flops / matmul_efficiency / peak
+    if sliced:
+        # streaming/resident.py `sliced_loss` and vocab_head.py: the target rows, their normed copy, the loss's own
+        # copy, its fp32 dL/dh, the bf16 result and the returned [B, T, H] gradient (14 bytes per token and hidden
+        # unit); the norm's fp32 internals per chunk; a chunk's [chunk, Vc] logits as above; two weight slices in
+        # flight, one slice's gradient (fp32-summed over token chunks when there are several); per token fp32 running
+        # max, sum, target logit and log-sum-exp
+        vc = min(HEAD_VOCAB_SLICE_ROWS, V)
+        slice_grad = 0 if frozen_head else (BF16 + (FP32 if n > chunk else 0)) * vc * H
+        head_work = (14 * n * H + (FP32 + BF16) * chunk * H + (BF16 + 3 * FP32) * chunk * vc
+                     + 2 * BF16 * vc * H + slice_grad + 4 * FP32 * n)
+        # the slices go up twice (one sweep each) and their gradients come back, on one side stream, while the head
+        # computes: the head takes the longer of the two, plus the first slice's copy that nothing hides
+        link_ms = (2 * BF16 * head_p / (hardware.h2d_gbps * 1e6)
+                   + (0 if frozen_head else BF16 * head_p / (hardware.d2h_gbps * 1e6)))
+        head_ms = max(head_ms, link_ms) + BF16 * vc * H / (hardware.h2d_gbps * 1e6)
     gpu_opt_b = state_b + master_b + BF16  # per param: states + master + gradient (up) / weight (down)
     # the update's fp32 temporaries over one slice of CHUNK_ELEMENTS (optim/functional.py: param + Kahan sum, fp32
     # gradient, bf16 result, its fp32 copy and the residual: 18 bytes per element at the write-back). Missing, the
@@ -425,7 +447,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         gpu_optim_work_bytes=[int(gpu_opt_b * p) + t for p, t in zip(trained, gpu_opt_tmp)], retained_bytes=retained,
         kept_grad_bytes=[BF16 * p for p in trained] if kept_grads else [],
         resident_bytes=int(gpu_resident_b + head_copy),
-        head_ms=head_flops / matmul_efficiency / peak + host_embed_ms,
+        head_ms=head_ms + host_embed_ms,
         head_work_bytes=int(head_work), head_grad_bytes=head_grad, head_h2d_bytes=head_copy,
         embed_grad_bytes=act if host_embed and not frozen_embed else 0,
         embed_optim_params=0 if frozen_embed else shape.embed_params,

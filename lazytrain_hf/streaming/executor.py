@@ -599,8 +599,11 @@ class StreamingExecutor:
             denominator = targets.ne(-100).sum().clamp(min=1)
         run = self.stream_pass(input_ids, attention_mask, position_ids, sync_gradients)
         h = next(run)
-        loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
-                                  denominator, self.config.loss_chunk_tokens)
+        if self.resident.head_sliced:
+            loss, g = self.resident.sliced_loss(h, targets, self.base.norm, denominator, self.config.loss_chunk_tokens)
+        else:
+            loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
+                                      denominator, self.config.loss_chunk_tokens)
         self.resident.head_backward_done()
         del h
         run.send(g)
@@ -789,15 +792,20 @@ class StreamingExecutor:
         """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None); the summed token loss
         is divided by `denominator` (default: the valid shifted labels, a mean)."""
         h = self.forward_hidden(input_ids, attention_mask, position_ids)
-        norm, head = self.base.norm, self.resident.head_module()
+        norm, sliced = self.base.norm, self.resident.head_sliced
         loss = None
         if labels is not None:
             targets = shift_labels(labels.to(self.device))
             if denominator is None:
                 denominator = targets.ne(-100).sum().clamp(min=1)
-            loss, _ = chunked_lm_loss(h, targets, norm, head, denominator, self.config.loss_chunk_tokens,
-                                      backward=False)
-        logits = chunked_logits(h, norm, head, self.config.loss_chunk_tokens) if return_logits else None
+            if sliced:
+                loss, _ = self.resident.sliced_loss(h, targets, norm, denominator, self.config.loss_chunk_tokens,
+                                                    backward=False)
+            else:
+                loss, _ = chunked_lm_loss(h, targets, norm, self.resident.head_module(), denominator,
+                                          self.config.loss_chunk_tokens, backward=False)
+        logits = (chunked_logits(h, norm, self.resident.head_module(), self.config.loss_chunk_tokens)
+                  if return_logits else None)
         return loss, logits
 
     def close(self) -> None:

@@ -10,6 +10,13 @@
 - "host": the LM head too (a tied weight is both at once). The head multiplies by a GPU working copy of the host
   weights, refreshed once per optimizer step on a side stream while the forward runs; its weight gradient goes back
   to the host right after the head. The final norm stays on the compute device in every placement.
+- "host_sliced": as "host", but the head never has a GPU copy of the whole weight: its loss runs over vocabulary
+  slices (`vocab_head.vocab_chunked_lm_loss`), each slice copied up on a side stream while the one before computes
+  (two slices in flight, fetched once per sweep: twice per micro-batch with backward), and each slice's weight
+  gradient sent back to the host buffer as it is made. The [V, H] copy and its gradient (2 x 2.5 GB at a 248k x 5120
+  head) become two [`HEAD_VOCAB_SLICE_ROWS`, H] slices and one slice gradient, for 8 instead of 6 N V H FLOPs and
+  3 V H bf16 bytes over PCIe. Only the executor's own loss runs this way; the inference logits
+  (`forward_inference(return_logits=True)`) multiply by a temporary whole copy.
 
 Host weights and gradient buffers are page-locked at their exact size (`Registrations`, cudaHostRegister): the caching
 host allocator's power-of-two rounding locked a 2.5 GB embedding as 4 GiB. Their optimizer states stay pageable
@@ -27,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..planning.schedule import RESIDENT_PLACEMENTS
+from ..planning.schedule import HEAD_VOCAB_SLICE_ROWS, RESIDENT_PLACEMENTS
+from .head import IGNORE_INDEX
 from .host_store import Registrations, sq_norm
+from .vocab_head import vocab_chunked_lm_loss
 
 __all__ = ["ResidentParts", "initial_placement", "resident_gpu_bytes"]
 
@@ -44,6 +53,60 @@ class _HeadCopy(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class _SliceFetcher:
+    """`weight_slice` for `vocab_chunked_lm_loss` under "host_sliced": the k-th call returns slice `order[k]` of the
+    host head weight on the compute device and starts the copy of `order[k + 1]` into the other of two device buffers
+    on the side stream. A buffer is overwritten only after the compute stream has queued everything that reads it
+    (the side stream waits for the compute stream when the copy is issued). On a CPU device: views, no copies."""
+
+    def __init__(self, parts: ResidentParts, order: list[int]) -> None:
+        self.parts, self.order, self.k = parts, order, 0
+        self.ready: dict[int, torch.cuda.Event] = {}  # call index -> its copy's event
+        w = parts.head.weight
+        if parts._side is not None and not parts._slices:
+            rows = min(parts.vocab_slice_rows, w.shape[0])
+            parts._slices = [torch.empty(rows, w.shape[1], dtype=w.dtype, device=parts.device) for _ in range(2)]
+
+    def _rows(self, c: int) -> slice:
+        r = self.parts.vocab_slice_rows
+        return slice(c * r, min((c + 1) * r, self.parts.head.weight.shape[0]))
+
+    def _issue(self, k: int) -> None:
+        parts = self.parts
+        src = parts.head.weight.data[self._rows(self.order[k])]
+        buf = parts._slices[k % 2][:src.shape[0]]
+        parts._side.wait_stream(torch.cuda.current_stream(parts.device))
+        with torch.cuda.stream(parts._side):
+            buf.copy_(src, non_blocking=True)
+            self.ready[k] = torch.cuda.Event()
+            self.ready[k].record(parts._side)
+
+    def __call__(self, c: int) -> torch.Tensor:
+        k = self.k
+        if k >= len(self.order) or self.order[k] != c:
+            raise RuntimeError(f"head slices asked out of order: call {k} wants slice {c}, planned {self.order}")
+        self.k += 1
+        parts = self.parts
+        if parts._side is None:
+            return parts.head.weight.detach()[self._rows(c)]
+        if k not in self.ready:
+            self._issue(k)
+        torch.cuda.current_stream(parts.device).wait_event(self.ready.pop(k))
+        out = parts._slices[k % 2][:self._rows(c).stop - self._rows(c).start]
+        if k + 1 < len(self.order):
+            self._issue(k + 1)
+        return out
+
+    def done(self) -> None:
+        """Drop copies issued for calls that never came (a loss with no target row fetches nothing) and the two
+        buffers: they are the head's workspace, not held through the layers' passes."""
+        self.ready.clear()
+        if self.parts._side is not None:
+            for buf in self.parts._slices:  # allocated on the compute stream, written on the side stream
+                buf.record_stream(self.parts._side)
+        self.parts._slices = []
 
 
 class ResidentParts:
@@ -78,6 +141,9 @@ class ResidentParts:
         self._flat: dict[int, torch.Tensor] = {}  # data_ptr -> the registered flat buffer under a host tensor
         self._stage: torch.Tensor | None = None  # host embedding: the lookup's output / its gradient, reused
         self._stage_read: torch.cuda.Event | None = None  # the last copy out of `_stage` (a non-blocking H2D)
+        #: vocabulary rows per head slice under "host_sliced" (tests set fewer, to run several slices)
+        self.vocab_slice_rows = HEAD_VOCAB_SLICE_ROWS
+        self._slices: list[torch.Tensor] = []  # "host_sliced": two device buffers of a slice, used in turn
 
     # ---- placement -----------------------------------------------------------------------------------------
     @property
@@ -86,7 +152,12 @@ class ResidentParts:
 
     @property
     def head_on_host(self) -> bool:
-        return self.placement == "host"
+        return self.placement in ("host", "host_sliced")
+
+    @property
+    def head_sliced(self) -> bool:
+        """The head's loss runs over vocabulary slices streamed from host memory (`sliced_loss`)."""
+        return self.placement == "host_sliced"
 
     def host_parameters(self) -> list[nn.Parameter]:
         """The parameters in host memory under the current placement (a tied weight once)."""
@@ -117,9 +188,9 @@ class ResidentParts:
         if placement == "host_embedding" and self.tied:
             raise ValueError("resident placement 'host_embedding' needs an untied LM head: this model ties it to the "
                              "embedding (one weight for both); use 'gpu' or 'host'")
-        if placement == "host" and getattr(self.head, "bias", None) is not None:
-            raise ValueError("resident placement 'host' streams the LM head's weight only, but this model's head has "
-                             "a bias; use 'gpu' or 'host_embedding'")
+        if placement in ("host", "host_sliced") and getattr(self.head, "bias", None) is not None:
+            raise ValueError(f"resident placement {placement!r} streams the LM head's weight only, but this model's "
+                             "head has a bias; use 'gpu' or 'host_embedding'")
 
     def apply(self, placement: str, optimizer: Any = None) -> None:
         """Move the embedding / LM head weights (and their optimizer states in `optimizer`, if any) to where
@@ -152,9 +223,12 @@ class ResidentParts:
             self._stage = None
         self._touched = None
         self._copy = None
+        self._slices = []
         self._stale = True
+        head = ("in host memory (streamed in vocabulary slices)" if self.head_sliced else
+                "in host memory (GPU copy per step)" if self.head_on_host else "on the GPU")
         logger.info("LazyTrain: embedding %s, LM head %s", "in host memory" if self.embed_on_host else "on the GPU",
-                    "in host memory (GPU copy per step)" if self.head_on_host else "on the GPU")
+                    head)
 
     def _host_empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Zeroed host memory of `shape`, in pages of its own, page-locked at its exact size when pinning."""
@@ -261,7 +335,7 @@ class ResidentParts:
     # ---- LM head ---------------------------------------------------------------------------------------------
     def start_refresh(self) -> None:
         """Begin copying the host head weights to the GPU (before the forward, so the copy overlaps it)."""
-        if not self.head_on_host or not self._stale:
+        if self.placement != "host" or not self._stale:
             return
         w = self.head.weight
         if self._copy is None:
@@ -278,9 +352,12 @@ class ResidentParts:
         self._stale = False
 
     def head_module(self) -> nn.Module:
-        """The module the head multiplies by: the model's LM head, or the refreshed GPU copy of a host head."""
+        """The module the head multiplies by: the model's LM head, or the refreshed GPU copy of a host head (a
+        temporary one under "host_sliced", whose loss goes through `sliced_loss` instead)."""
         if not self.head_on_host:
             return self.head
+        if self.head_sliced:
+            return _HeadCopy(self.head.weight.detach().to(self.device, copy=True).requires_grad_(False))
         self.start_refresh()
         if self._copy_done is not None:
             torch.cuda.current_stream(self.device).wait_event(self._copy_done)
@@ -289,8 +366,8 @@ class ResidentParts:
 
     def head_backward_done(self) -> None:
         """After the head's backward: send the working copy's weight gradient to the host (D2H on a side stream),
-        keep its squared norm, free it on the device."""
-        if not self.head_on_host:
+        keep its squared norm, free it on the device. Nothing under "host_sliced" (`sliced_loss` sent it)."""
+        if self.placement != "host":
             return
         g = self._copy.weight.grad
         self._copy.weight.grad = None
@@ -315,6 +392,78 @@ class ResidentParts:
             g.record_stream(self._side)
         else:
             dst.copy_(g)
+
+    def sliced_loss(self, hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module,
+                    denominator: float | torch.Tensor, chunk_tokens: int, backward: bool = True,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`head.chunked_lm_loss` under "host_sliced": the same loss and dL/dhidden (the final norm's gradient
+        accumulated in its `.grad`), the head's weight gradient added slice by slice into its host buffer.
+
+        The final norm runs without grad over the target rows at once (the slices need them all for each sweep),
+        and again with grad per `chunk_tokens` rows to take dL/dnormed back through it.
+        """
+        B, T, H = hidden.shape
+        flat = hidden.reshape(B * T, H)
+        tgt = targets.reshape(B * T)
+        rows = tgt.ne(IGNORE_INDEX).nonzero().squeeze(1)
+        with torch.no_grad():
+            x = flat.index_select(0, rows)
+            normed = torch.cat([norm(x[a:a + chunk_tokens]) for a in range(0, x.shape[0], chunk_tokens)]) \
+                if x.shape[0] else norm(x)
+        w = self.head.weight
+        train_head = backward and w.requires_grad and rows.numel() > 0  # no target row: `.grad` left untouched
+        first = w.grad is None  # the window's first micro-batch: slices go straight into the buffer
+        order = list(range(-(-w.shape[0] // self.vocab_slice_rows))) * (2 if backward else 1)
+        fetch = _SliceFetcher(self, order)
+        sq = [] if train_head and first else None
+        if train_head:
+            dst = self._window_grad(w) if first else self._head_stage_buffer()
+            self._stage_pending = not first
+        send = self._slice_sender(dst, sq) if train_head else None
+        loss, g_normed = vocab_chunked_lm_loss(normed, tgt.index_select(0, rows), fetch, w.shape[0],
+                                               self.vocab_slice_rows, denominator, chunk_tokens, backward, send)
+        del normed
+        if train_head:
+            self._head_sq = torch.stack(sq).sum() if sq else None
+            if self._side is not None:
+                self._grad_done = torch.cuda.Event()
+                self._grad_done.record(self._side)
+        fetch.done()
+        if not backward:
+            return loss, None
+        grad = torch.zeros_like(flat)
+        for a in range(0, rows.numel(), chunk_tokens):  # dL/dnormed back through the norm, chunk by chunk
+            with torch.enable_grad():
+                xc = x[a:a + chunk_tokens].detach().requires_grad_()
+                norm(xc).backward(g_normed[a:a + chunk_tokens])
+            grad.index_copy_(0, rows[a:a + chunk_tokens], xc.grad)
+        return loss, grad.view(B, T, H)
+
+    def _head_stage_buffer(self) -> torch.Tensor:
+        """The host buffer a later micro-batch's head gradient goes to before `finish` adds it into the window's."""
+        p = self.head.weight
+        if self._head_stage is None:
+            self._head_stage = self._host_empty(p.shape, p.dtype)
+        return self._head_stage
+
+    def _slice_sender(self, dst: torch.Tensor, sq: list[torch.Tensor] | None):
+        """`grad_slice` for `vocab_chunked_lm_loss`: slice c's weight gradient into rows of `dst` on the host (a
+        D2H on the side stream; `finish` waits for it), its squared norm into `sq` (on the device)."""
+        rows = self.vocab_slice_rows
+
+        def send(c: int, dw: torch.Tensor) -> None:
+            if sq is not None:
+                sq.append(sq_norm(dw))
+            out = dst[c * rows:c * rows + dw.shape[0]]
+            if self._side is None:
+                out.copy_(dw)
+                return
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                out.copy_(dw, non_blocking=True)
+            dw.record_stream(self._side)
+
+        return send
 
     def finish(self, embed_grad: torch.Tensor | None) -> None:
         """End of a micro-batch's backward: the head gradient has reached the host (added into the window's), then

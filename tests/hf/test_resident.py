@@ -33,6 +33,47 @@ def test_host_placed_resident_parts_train_as_the_stock_trainer(tmp_path, arch, p
     _assert_equal(stock, lazy)
 
 
+@pytest.mark.parametrize("arch", ["qwen3.5-tiny", "qwen2-tiny-tied"])
+def test_the_sliced_head_trains_as_the_stock_trainer(tmp_path, monkeypatch, arch):
+    """"host_sliced" with 37-row vocabulary slices (14 of the 512-token vocabulary): loss, grad_norm and
+    parameters of 3 clipped steps equal the stock Trainer's."""
+    monkeypatch.setattr("lazytrain_hf.streaming.resident.HEAD_VOCAB_SLICE_ROWS", 37)
+    stock, lazy = _train_pair(tmp_path, arch, lazy_cfg={**EXACT, "resident_placement": "host_sliced"})
+    assert lazy.executor.resident.placement == "host_sliced" and lazy.executor.resident.vocab_slice_rows == 37
+    assert lazy.model.lm_head.weight.device.type == "cpu"
+    _assert_equal(stock, lazy)
+
+
+def test_milp_streams_the_head_in_slices_only_when_no_other_placement_fits(tmp_path):
+    """qwen3-tiny-vocab under 0.62 GiB (0.55 after the margin, 0.5 of it the allocator reserve): neither the GPU
+    placement (0.63 GiB) nor "host" (0.56 GiB: the head's GPU copy, its gradient and a 16-token chunk's logits over
+    the 152k vocabulary) has a plan; "host_sliced" (0.52 GiB) does, with 10 slices of 16384 rows, and trains as the
+    stock Trainer."""
+    cfg = {**EXACT, "policy": "milp", "gpu_memory_budget": "0.62GiB", "plan_buckets": 1}
+    stock, lazy = _train_pair(tmp_path, "qwen3-tiny-vocab", lazy_cfg=cfg)
+    assert lazy.executor.schedule.resident == lazy.executor.resident.placement == "host_sliced"
+    _assert_equal(stock, lazy)
+
+
+def test_a_user_loss_refuses_the_sliced_head_before_the_executor_is_built(tmp_path):
+    from transformers import Trainer
+
+    from lazytrain_hf import LazyTrainer, LazyTrainingArguments
+    from lazytrain_hf.models import load_model
+
+    from .tiny_data import tiny_dataset
+
+    class Scaled(LazyTrainer):
+        def compute_loss(self, model, inputs, **kw):
+            return Trainer.compute_loss(self, model, inputs, **kw)
+
+    model = load_model("qwen3-tiny", "float32")
+    args = LazyTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                                 lazytrain_config={"resident_placement": "host_sliced", "device": "cpu"})
+    with pytest.raises(ValueError, match="resident_placement to 'host'.*or 'auto'"):
+        Scaled(model=model, args=args, train_dataset=tiny_dataset(model.config.vocab_size, 4))
+
+
 def test_milp_puts_the_resident_parts_on_the_host_when_the_gpu_budget_cannot_hold_them(tmp_path):
     """qwen3-tiny-vocab: a 152k-token tied embedding (9.7 M parameters, 0.11 GiB with its gradient and fp32
     states) under a 0.68 GiB budget (0.60 after the margin): the planner needs 0.63 GiB with it on the GPU and

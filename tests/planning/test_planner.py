@@ -159,3 +159,37 @@ def test_search_plans_takes_the_largest_rows_with_a_plan_and_the_fastest_placeme
     assert calls == [(8, "gpu"), (8, "host"), (4, "gpu"), (4, "host")]
     with pytest.raises(InfeasiblePlanError, match="1 rows, host"):
         search_plans(solve, [8, 1], ["gpu", "host"])
+
+
+def test_fallback_placements_are_tried_only_when_no_other_has_a_plan():
+    """"host_sliced" (no GPU time measured yet) never replaces a placement that plans, however much faster it is
+    predicted; when none does, it is searched over every rows per pass, and its error is the one raised."""
+    from lazytrain_hf.planning.fixed import fixed_schedule
+    from lazytrain_hf.planning.planner import InfeasiblePlanError, search_plans, split_placements
+
+    assert split_placements(["gpu", "host", "host_sliced"]) == (["gpu", "host"], ["host_sliced"])
+    assert split_placements(["host_sliced"]) == ([], ["host_sliced"])
+    calls = []
+
+    def solver(ms):
+        def solve(rows, resident):
+            calls.append((rows, resident))
+            if (rows, resident) not in ms:
+                raise InfeasiblePlanError(f"no plan at {rows} rows, {resident}", min_gpu_bytes=None,
+                                          min_host_bytes=None, min_gpu_bytes_any_host=None)
+            s = fixed_schedule(4)
+            s.predicted = {"step_ms": ms[rows, resident]}
+            return s
+        return solve
+
+    got = search_plans(solver({(2, "host"): 90.0, (8, "host_sliced"): 10.0}), [8, 2], ["gpu", "host"], ["host_sliced"])
+    assert (got.rows_per_pass, got.resident) == (2, "host")
+    assert ("host_sliced" not in {r for _, r in calls})
+    calls.clear()
+    got = search_plans(solver({(2, "host_sliced"): 70.0}), [8, 2], ["gpu", "host"], ["host_sliced"])
+    assert (got.rows_per_pass, got.resident) == (2, "host_sliced")
+    assert calls == [(8, "gpu"), (8, "host"), (2, "gpu"), (2, "host"), (8, "host_sliced"), (2, "host_sliced")]
+    with pytest.raises(InfeasiblePlanError, match="2 rows, host_sliced"):
+        search_plans(solver({}), [8, 2], ["gpu", "host"], ["host_sliced"])
+    got = search_plans(solver({(8, "host_sliced"): 5.0}), [8], [], ["host_sliced"])  # configured explicitly
+    assert got.resident == "host_sliced"

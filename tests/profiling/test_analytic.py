@@ -106,6 +106,33 @@ def test_resident_placements_trade_gpu_bytes_for_host_bytes_and_cpu_time(name):
     assert emb.head_ms - gpu.head_ms == pytest.approx(row_ms) and host.head_ms == pytest.approx(emb.head_ms)
 
 
+def test_the_sliced_head_trades_its_gpu_copy_and_logits_for_two_slices_and_link_time():
+    """"host_sliced" at Qwen3.6-27B width, 8 x 1024: no [V, H] copy or gradient on the GPU and a [chunk, 16384]
+    instead of a [chunk, 248320] logits workspace (9.3 -> 1.8 GiB of head workspace, 2.4 -> 0 GiB resident), the
+    same host bytes and CPU update as "host"; its head time is 8 N V H FLOPs or the slices' 3 V H bf16 bytes over
+    PCIe, whichever is longer, plus one slice's copy; nothing on the link outside the head."""
+    config = resolve_config("qwen3.6-27b")
+    host, sl = (analytic_cost_model(config, 8, 1024, gpu_bytes=24 * GIB, host_bytes=400 * GIB, resident=r)
+                for r in ("host", "host_sliced"))
+    H, V = config.hidden_size, config.vocab_size
+    assert host.resident_bytes - sl.resident_bytes == 2 * V * H
+    assert host.head_work_bytes > 9 * GIB and sl.head_work_bytes < 2 * GIB
+    assert sl.head_h2d_bytes == sl.head_grad_bytes == 0
+    assert (sl.host_fixed_bytes, sl.resident_cpu_params) == (host.host_fixed_bytes, host.resident_cpu_params)
+    hw, n = H200_DEFAULTS, 8 * 1024
+    compute = host.head_ms * 8 / 6  # the "host" head: 6 N V H
+    link = 2 * 2 * V * H / (hw.h2d_gbps * 1e6) + 2 * V * H / (hw.d2h_gbps * 1e6)
+    first = 2 * 16384 * H / (hw.h2d_gbps * 1e6)
+    assert host.head_ms == pytest.approx(6 * n * V * H / 0.7 / (hw.gpu_tflops * 1e9) + _host_rows_ms(config, hw))
+    assert sl.head_ms == pytest.approx(max(compute - 8 / 6 * _host_rows_ms(config, hw), link) + first
+                                       + _host_rows_ms(config, hw))
+
+
+def _host_rows_ms(config, hw, n: int = 8 * 1024) -> float:
+    """The host-placed embedding's lookup, upload, gradient download and index-add (ms)."""
+    return 2 * n * config.hidden_size / 1e6 * (1 / hw.h2d_gbps + 1 / hw.d2h_gbps + 2 / HOST_EMBED_ROWS_GBPS)
+
+
 def test_fixed_rule_puts_resident_parts_on_the_host_when_they_take_over_half_the_gpu():
     from lazytrain_hf.planning.fixed import fixed_resident
 
