@@ -418,12 +418,12 @@ class ResidentParts:
         sq = [] if train_head and first else None
         if train_head:
             dst = self._window_grad(w) if first else self._head_stage_buffer()
-            self._stage_pending = not first
         send = self._slice_sender(dst, sq) if train_head else None
         loss, g_normed = vocab_chunked_lm_loss(normed, tgt.index_select(0, rows), fetch, w.shape[0],
                                                self.vocab_slice_rows, denominator, chunk_tokens, backward, send)
         del normed
         if train_head:
+            self._stage_pending = not first  # `finish` adds the staged slices into the window's gradient
             self._head_sq = torch.stack(sq).sum() if sq else None
             if self._side is not None:
                 self._grad_done = torch.cuda.Event()
@@ -494,6 +494,7 @@ class ResidentParts:
         for p in self.host_parameters():
             p.grad = None
         self._head_sq = None
+        self._stage_pending = False  # a micro-batch cut short (an out-of-memory abort) staged a gradient for nothing
         self._stale = True
 
 

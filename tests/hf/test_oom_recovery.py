@@ -143,6 +143,19 @@ class _Fault:
                                          "(injected by the test)")
 
 
+@pytest.mark.parametrize("placement", ["host", "host_sliced"])
+def test_an_oom_after_a_host_heads_staged_gradient_adds_nothing_stale(tmp_path, monkeypatch, placement):
+    """The second micro-batch of a window stages its host head's gradient for `finish` to add; an out-of-memory
+    error in the layers' backward after that aborts the window, whose retry must not add the abandoned stage."""
+    cfg = {**MILP, "resident_placement": placement}
+    clean = _run(tmp_path, "clean", "qwen3.5-tiny", cfg, gradient_accumulation_steps=2)
+    fault = _Fault(monkeypatch, "backward", 4)
+    hit = _run(tmp_path, "hit", "qwen3.5-tiny", cfg, gradient_accumulation_steps=2)
+    assert fault.raised == 1 and hit.oom_recoveries == 1
+    assert hit.executor.resident.placement == placement
+    _assert_equal_runs(hit, clean)
+
+
 def _assert_equal_runs(a, b):
     for key in ("loss", "grad_norm"):
         la, lb = _logs(a, key), _logs(b, key)
