@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"warning: {w.message}")
     _print_table(sched, cm)
-    _print_resident(sched, cm, tried)
+    _print_resident(sched, cm, tried, candidates)
     _print_prediction(sched, cm)
     if args.max_batch > 0:
         # feasibility: the placement that needs the least GPU memory among those this run may take
@@ -584,17 +584,25 @@ def _tried_summary(tried: list[tuple[int, str, float | None]]) -> str:
     return "; ".join(out)
 
 
-def _print_resident(sched: Any, cm: Any, tried: list[str]) -> None:
+def _print_resident(sched: Any, cm: Any, tried: list[tuple[int, str, float | None]], candidates: list[str]) -> None:
     where = {"gpu": "embedding and LM head on the GPU (weights, gradients, optimizer states)",
              "host_embedding": "embedding in host memory (looked up and updated on the CPU); LM head on the GPU",
              "host": "embedding and LM head in host memory (updated on the CPU; the head's weights copied to the "
                      "GPU once per step)",
              "host_sliced": "embedding and LM head in host memory (updated on the CPU; the head's weights streamed "
                             "to the GPU in vocabulary slices, its gradient back slice by slice)"}[sched.resident]
-    print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU")
+    print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU, the head's workspace "
+          f"{_gib(cm.head_work_bytes)} while it runs")
     rows = "all" if sched.rows_per_pass in (None, cm.meta.get("batch_size")) else sched.rows_per_pass
-    also = f" (planned: {_tried_summary(tried)})" if len(tried) > 1 else ""
-    print(f"rows per pass: {rows}{also}")
+    print(f"rows per pass: {rows}")
+    if len(tried) > 1:
+        print(f"placements planned: {_tried_summary(tried)}")
+    from .planning.planner import FALLBACK_PLACEMENTS
+
+    skipped = [p for p in candidates if p in FALLBACK_PLACEMENTS and p not in {t[1] for t in tried}]
+    for p in skipped:
+        print(f"placement {p} not planned: auto tries it only when no other placement fits (not yet measured on a "
+              f"GPU); --resident {p} plans it")
 
 
 def _print_prediction(sched: Any, cm: Any) -> None:

@@ -99,6 +99,7 @@ def test_plan_cli_finds_a_24gib_plan_for_the_27b_shape(capsys):
     out = capsys.readouterr().out
     assert "resident parts: embedding and LM head in host memory" in out
     assert "gpu: 8 rows per pass: no plan" in out and "predicted step" in out
+    assert "placement host_sliced not planned: auto tries it only when no other placement fits" in out
 
 
 def test_the_plan_prices_the_embedding_states_the_optimizer_keeps(tmp_path):

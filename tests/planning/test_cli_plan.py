@@ -321,7 +321,7 @@ def test_fixed_policy_takes_fewer_rows_per_pass_as_the_trainer_does(capsys):
                             "--hardware", "defaults"))
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "rows per pass: 8 (planned: gpu: 16 rows per pass: no plan; 8 rows per pass:" in out, out
+    assert "rows per pass: 8\nplacements planned: gpu: 16 rows per pass: no plan; 8 rows per pass:" in out, out
     largest = int(re.search(r"largest feasible batch \(fixed, seq 1024\): (\d+)", out).group(1))
     assert largest > 16, out
 
