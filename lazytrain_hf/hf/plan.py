@@ -14,7 +14,7 @@ from ..planning.estimate import op_times
 from ..planning.milp import InfeasiblePlanError, solve_milp, with_margin
 from ..planning.planner import make_schedule, rows_options, search_plans, split_placements
 from ..planning.request import PlanRequest, resolve_request, same_tokens_batch
-from ..planning.schedule import Schedule, input_hashes, plan_fingerprint
+from ..planning.schedule import RESIDENT_PLACEMENTS, Schedule, input_hashes, plan_fingerprint
 from ..profiling.analytic import analytic_cost_model
 from ..profiling.hardware import H200_DEFAULTS, probe
 from ..profiling.layer_costs import apply_layer_measurements, measure_layer_costs
@@ -372,14 +372,14 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
     return dataclasses.replace(out, **worst), "measured"
 
 
-def resident_candidates(trainer: Any) -> list[str]:
+def resident_candidates(trainer: Any, placement: str | None = None) -> list[str]:
     """Placements of the embedding and LM head the planner tries: the configured one, or (`auto`) every one this
     model can run (streaming/resident.py), GPU first, those of `planning.planner.FALLBACK_PLACEMENTS` last (tried
     only when no other has a plan); data-parallel ranks keep them on the GPU; a loss of the user's
     (hf/user_loss.py) multiplies by the whole head, so not "host_sliced"."""
-    cfg = trainer.lazy_config
-    if cfg.resident_placement != "auto":
-        return [cfg.resident_placement]
+    placement = placement or trainer.lazy_config.resident_placement  # `placement`: instead of the configured one
+    if placement != "auto":
+        return [placement]
     ex = trainer.executor
     if ex.dp is not None:
         return ["gpu"]
@@ -476,6 +476,10 @@ def trainer_fix(trainer: Any, e: InfeasiblePlanError, resident: str | None = Non
     per pass or shorter sequences."""
     cfg, request = trainer.lazy_config, trainer.plans.request
     fixes = []
+    leaner = leaner_placement(trainer)
+    if leaner is not None:
+        fixes.append(f"lazytrain_config.resident_placement='{leaner}' (now '{cfg.resident_placement}'; 'auto' finds "
+                     "it too), which has a plan at these budgets")
     if e.host_too_small and e.min_host_bytes:
         fixes.append(f"set lazytrain_config.host_memory_budget to at least '{_gib_text(e.min_host_bytes)}' (now "
                      f"{_gib_text(request.budgets.host_bytes)})")
@@ -496,6 +500,24 @@ def trainer_fix(trainer: Any, e: InfeasiblePlanError, resident: str | None = Non
         fixes.append(f"lazytrain_config.max_rows_per_pass=1 (now {request.rows_per_pass})")
     fixes.append(f"shorter sequences (the longest is {e.seq_len or request.seq_len} tokens)")
     return ", or ".join(fixes)
+
+
+def leaner_placement(trainer: Any) -> str | None:
+    """With a configured embedding / LM head placement that has no plan: the first placement after it in
+    `RESIDENT_PLACEMENTS` (less GPU memory) that the run may take (`resident_candidates` under 'auto') and that plans
+    at this run's batch and budgets, one row per pass; None when none does or the placement is 'auto'."""
+    cfg = trainer.lazy_config
+    if cfg.resident_placement == "auto":
+        return None
+    order = list(RESIDENT_PLACEMENTS)
+    candidates = resident_candidates(trainer, "auto")
+    for placement in [p for p in order[order.index(cfg.resident_placement) + 1:] if p in candidates]:
+        try:
+            plan_for_trainer(trainer, trainer.plans.request.seq_len, resident=placement, rows=1)
+        except InfeasiblePlanError:
+            continue
+        return placement
+    return None
 
 
 def trainer_error(trainer: Any, e: InfeasiblePlanError, resident: str | None = None) -> InfeasiblePlanError:

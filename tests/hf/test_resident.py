@@ -55,6 +55,24 @@ def test_milp_streams_the_head_in_slices_only_when_no_other_placement_fits(tmp_p
     _assert_equal(stock, lazy)
 
 
+def test_a_configured_placement_without_a_plan_names_the_leaner_one_that_has_one(tmp_path):
+    """resident_placement 'host' under the budget where only 'host_sliced' plans (the test above): the error's fix
+    names it first."""
+    from lazytrain_hf import LazyTrainer, LazyTrainingArguments
+    from lazytrain_hf.models import load_model
+    from lazytrain_hf.planning.milp import InfeasiblePlanError
+
+    from .test_trainer import _collate, _common, _dataset
+
+    model = load_model("qwen3-tiny-vocab", "float32", seed=3)
+    cfg = {**EXACT, "policy": "milp", "gpu_memory_budget": "0.62GiB", "plan_buckets": 1, "resident_placement": "host"}
+    lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy"), lazytrain_config=cfg),
+                       train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
+    with pytest.raises(InfeasiblePlanError, match="Fix: lazytrain_config.resident_placement='host_sliced' "
+                                                  r"\(now 'host'; 'auto' finds it too\)"):
+        lazy.train()
+
+
 def test_a_user_loss_refuses_the_sliced_head_before_the_executor_is_built(tmp_path):
     from transformers import Trainer
 
