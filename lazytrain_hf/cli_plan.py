@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from .planning.milp import InfeasiblePlanError, with_margin
     from .planning.planner import largest_feasible_batch, make_schedule, rows_options, search_plans, split_placements
     from .planning.request import resolve_request
-    from .planning.schedule import input_hashes
+    from .planning.schedule import RESIDENT_PLACEMENTS, input_hashes
     from .profiling.analytic import analytic_cost_model, model_shape, resident_placements
 
     try:
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         except InfeasiblePlanError as e:
             e = with_margin(e, args.gpu_memory_margin)
             # leaner placements than the leanest tried (an explicit one, or the fixed rule's): less GPU memory
-            order = ("gpu", "host_embedding", "host", "host_sliced")
+            order = RESIDENT_PLACEMENTS
             others = [p for p in allowed if p not in candidates and order.index(p) > order.index(candidates[-1])]
             batch = 0
             if args.batch_size > 1:  # the largest batch with a plan at these budgets, in the leanest setting tried

@@ -409,14 +409,14 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + BF16 * n * H + head_grad
     head_ms = head_flops / matmul_efficiency / peak
     if sliced:
-        # streaming/resident.py `sliced_loss` and vocab_head.py: the target rows, their normed copy, the loss's own
-        # copy, its fp32 dL/dh, the bf16 result and the returned [B, T, H] gradient (14 bytes per token and hidden
-        # unit); the norm's fp32 internals per chunk; a chunk's [chunk, Vc] logits as above; two weight slices in
+        # streaming/resident.py `sliced_loss` and vocab_head.py: the target rows, their normed copy, the loss's fp32
+        # dL/dh and its bf16 result (10 bytes per token and hidden unit; the returned [B, T, H] gradient comes after
+        # the normed copy is freed); the norm's fp32 internals per chunk; a chunk's [chunk, Vc] logits as above; two weight slices in
         # flight, one slice's gradient (fp32-summed over token chunks when there are several); per token fp32 running
         # max, sum, target logit and log-sum-exp
         vc = min(HEAD_VOCAB_SLICE_ROWS, V)
         slice_grad = 0 if frozen_head else (BF16 + (FP32 if n > chunk else 0)) * vc * H
-        head_work = (14 * n * H + (FP32 + BF16) * chunk * H + (BF16 + 3 * FP32) * chunk * vc
+        head_work = (10 * n * H + (FP32 + BF16) * chunk * H + (BF16 + 3 * FP32) * chunk * vc
                      + 2 * BF16 * vc * H + slice_grad + 4 * FP32 * n)
         # the slices go up twice (one sweep each) and their gradients come back, on one side stream, while the head
         # computes: the head takes the longer of the two, plus the first slice's copy that nothing hides

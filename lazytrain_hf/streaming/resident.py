@@ -57,17 +57,18 @@ class _HeadCopy(nn.Module):
 
 class _SliceFetcher:
     """`weight_slice` for `vocab_chunked_lm_loss` under "host_sliced": the k-th call returns slice `order[k]` of the
-    host head weight on the compute device and starts the copy of `order[k + 1]` into the other of two device buffers
-    on the side stream. A buffer is overwritten only after the compute stream has queued everything that reads it
-    (the side stream waits for the compute stream when the copy is issued). On a CPU device: views, no copies."""
+    host head weight on the compute device and starts the copy of `order[k + 1]` into the other of its two device
+    buffers on the side stream. A buffer is overwritten only after the compute stream has queued everything that reads
+    it (the side stream waits for the compute stream when the copy is issued). On a CPU device: views, no copies.
+    The buffers are the head's workspace: they go with the fetcher (`done`), not held through the layers' passes."""
 
     def __init__(self, parts: ResidentParts, order: list[int]) -> None:
         self.parts, self.order, self.k = parts, order, 0
         self.ready: dict[int, torch.cuda.Event] = {}  # call index -> its copy's event
         w = parts.head.weight
-        if parts._side is not None and not parts._slices:
-            rows = min(parts.vocab_slice_rows, w.shape[0])
-            parts._slices = [torch.empty(rows, w.shape[1], dtype=w.dtype, device=parts.device) for _ in range(2)]
+        rows = min(parts.vocab_slice_rows, w.shape[0])
+        self.buffers = [] if parts._side is None else [
+            torch.empty(rows, w.shape[1], dtype=w.dtype, device=parts.device) for _ in range(2)]
 
     def _rows(self, c: int) -> slice:
         r = self.parts.vocab_slice_rows
@@ -76,7 +77,7 @@ class _SliceFetcher:
     def _issue(self, k: int) -> None:
         parts = self.parts
         src = parts.head.weight.data[self._rows(self.order[k])]
-        buf = parts._slices[k % 2][:src.shape[0]]
+        buf = self.buffers[k % 2][:src.shape[0]]
         parts._side.wait_stream(torch.cuda.current_stream(parts.device))
         with torch.cuda.stream(parts._side):
             buf.copy_(src, non_blocking=True)
@@ -94,19 +95,18 @@ class _SliceFetcher:
         if k not in self.ready:
             self._issue(k)
         torch.cuda.current_stream(parts.device).wait_event(self.ready.pop(k))
-        out = parts._slices[k % 2][:self._rows(c).stop - self._rows(c).start]
+        out = self.buffers[k % 2][:self._rows(c).stop - self._rows(c).start]
         if k + 1 < len(self.order):
             self._issue(k + 1)
         return out
 
     def done(self) -> None:
         """Drop copies issued for calls that never came (a loss with no target row fetches nothing) and the two
-        buffers: they are the head's workspace, not held through the layers' passes."""
+        buffers."""
         self.ready.clear()
-        if self.parts._side is not None:
-            for buf in self.parts._slices:  # allocated on the compute stream, written on the side stream
-                buf.record_stream(self.parts._side)
-        self.parts._slices = []
+        for buf in self.buffers:  # allocated on the compute stream, written on the side stream
+            buf.record_stream(self.parts._side)
+        self.buffers = []
 
 
 class ResidentParts:
@@ -143,7 +143,6 @@ class ResidentParts:
         self._stage_read: torch.cuda.Event | None = None  # the last copy out of `_stage` (a non-blocking H2D)
         #: vocabulary rows per head slice under "host_sliced" (tests set fewer, to run several slices)
         self.vocab_slice_rows = HEAD_VOCAB_SLICE_ROWS
-        self._slices: list[torch.Tensor] = []  # "host_sliced": two device buffers of a slice, used in turn
 
     # ---- placement -----------------------------------------------------------------------------------------
     @property
@@ -223,7 +222,6 @@ class ResidentParts:
             self._stage = None
         self._touched = None
         self._copy = None
-        self._slices = []
         self._stale = True
         head = ("in host memory (streamed in vocabulary slices)" if self.head_sliced else
                 "in host memory (GPU copy per step)" if self.head_on_host else "on the GPU")
@@ -379,9 +377,7 @@ class ResidentParts:
         if first:
             dst = self._window_grad(p)
         else:
-            if self._head_stage is None:
-                self._head_stage = self._host_empty(p.shape, p.dtype)
-            dst = self._head_stage
+            dst = self._head_stage_buffer()
             self._stage_pending = True
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
@@ -408,8 +404,9 @@ class ResidentParts:
         rows = tgt.ne(IGNORE_INDEX).nonzero().squeeze(1)
         with torch.no_grad():
             x = flat.index_select(0, rows)
-            normed = torch.cat([norm(x[a:a + chunk_tokens]) for a in range(0, x.shape[0], chunk_tokens)]) \
-                if x.shape[0] else norm(x)
+            normed = torch.empty_like(x)
+            for a in range(0, x.shape[0], chunk_tokens):  # the norm's fp32 internals one chunk at a time
+                normed[a:a + chunk_tokens] = norm(x[a:a + chunk_tokens])
         w = self.head.weight
         train_head = backward and w.requires_grad and rows.numel() > 0  # no target row: `.grad` left untouched
         first = w.grad is None  # the window's first micro-batch: slices go straight into the buffer

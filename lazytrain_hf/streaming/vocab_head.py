@@ -69,8 +69,9 @@ def vocab_chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, weight_sl
     if tgt.numel() and (int(tgt.min()) < 0 or int(tgt.max()) >= vocab_size):
         raise ValueError(f"vocab_chunked_lm_loss: targets must lie in [0, {vocab_size}) or be {IGNORE_INDEX}, but got "
                          f"values in [{int(tgt.min())}, {int(tgt.max())}]: check vocab_size against the tokenizer")
-    h = hidden.index_select(0, rows).detach()  # [n, H]
     n = rows.numel()
+    every = n == N  # every row has a target (resident.py's sliced loss passes only those): no row copy or scatter
+    h = hidden.detach() if every else hidden.index_select(0, rows).detach()  # [n, H]
     n_slices = -(-vocab_size // vocab_chunk)
     denom = denominator.to(dev, torch.float32) if torch.is_tensor(denominator) else float(denominator)
     loss = torch.zeros((), dtype=torch.float32, device=dev)
@@ -132,6 +133,8 @@ def vocab_chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, weight_sl
         if grad_slice is not None:
             grad_slice(c, dw if dw_acc is None else dw_acc.to(w.dtype))
         del w, dw, dw_acc
+    if every:
+        return loss.detach(), dh.to(hidden.dtype)
     grad = torch.zeros_like(hidden)
     grad.index_copy_(0, rows, dh.to(hidden.dtype))
     return loss.detach(), grad

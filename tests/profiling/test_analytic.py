@@ -108,7 +108,7 @@ def test_resident_placements_trade_gpu_bytes_for_host_bytes_and_cpu_time(name):
 
 def test_the_sliced_head_trades_its_gpu_copy_and_logits_for_two_slices_and_link_time():
     """"host_sliced" at Qwen3.6-27B width, 8 x 1024: no [V, H] copy or gradient on the GPU and a [chunk, 16384]
-    instead of a [chunk, 248320] logits workspace (9.3 -> 1.8 GiB of head workspace, 2.4 -> 0 GiB resident), the
+    instead of a [chunk, 248320] logits workspace (9.3 -> 1.7 GiB of head workspace, 2.4 -> 0 GiB resident), the
     same host bytes and CPU update as "host"; its head time is 8 N V H FLOPs or the slices' 3 V H bf16 bytes over
     PCIe, whichever is longer, plus one slice's copy; nothing on the link outside the head."""
     config = resolve_config("qwen3.6-27b")
