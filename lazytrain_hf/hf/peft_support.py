@@ -145,11 +145,17 @@ def model_frozen_costs(model: torch.nn.Module) -> dict[str, Any]:
         quantized.append((sum(math.prod(p.quant_state.shape) for p in q),
                           sum(p.numel() * p.element_size()
                               + sum(t.numel() * t.element_size() for _, t in quant_tensors(p)) for p in q)))
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     out = {"frozen": frozen, "adapter_params": adapters,
-           "frozen_embed": not model.get_input_embeddings().weight.requires_grad,
-           "frozen_head": not model.get_output_embeddings().weight.requires_grad}
+           "frozen_embed": not embed.requires_grad, "frozen_head": not head.requires_grad}
     if any(q for q, _ in quantized):
         out["quantized"] = quantized
+    # the hidden states carry the embedding's dtype (fp32 after peft's prepare_model_for_kbit_training, even under
+    # bf16 autocast), and a frozen embedding / head keeps its own weight dtype: priced as bf16, a Llama-3-70B QLoRA
+    # plan held half its boundaries' bytes (benchmarks/results/qlora-20261203.json)
+    sizes = {"hidden_itemsize": embed.element_size(), "embed_itemsize": embed.element_size(),
+             "head_itemsize": head.element_size()}
+    out.update({k: v for k, v in sizes.items() if v != 2})
     return out
 
 
@@ -168,6 +174,7 @@ def layout_of(costs: dict[str, Any]) -> dict[str, Any] | None:
            "embed": bool(costs["frozen_embed"]), "head": bool(costs["frozen_head"])}
     if "quantized" in costs:
         out["quantized"] = [list(q) for q in costs["quantized"]]
+    out.update({k: int(costs[k]) for k in ("hidden_itemsize", "embed_itemsize", "head_itemsize") if k in costs})
     return out
 
 
@@ -214,6 +221,8 @@ def planned_lora_costs(config: Any, r: int, target_modules: str | list[str] | No
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(str(e).splitlines()[0]) from e
     out = model_frozen_costs(model)
+    for k in ("hidden_itemsize", "embed_itemsize", "head_itemsize"):  # the meta build's fp32; recipes load bf16
+        out.pop(k, None)
     if quantized is not None:
         out["quantized"] = quantized
     return out

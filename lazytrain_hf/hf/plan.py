@@ -247,8 +247,12 @@ def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.
     B = request.batch_size
     cm = analytic_cost_model(request.model, B, seq_len, request.hardware, **request.cost_model_kwargs(rows, resident),
                              **peft_support.frozen_costs(trainer.executor))
-    cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, trainer.executor.device, B, seq_len,
-                                           trainer.plans.layer_costs, rows)
+    ex = trainer.executor
+    # frozen layers (adapters, a 4-bit base) are measured as they run: the model's own layer, not a fresh bf16 one
+    own = getattr(ex, "store", None) is not None and any(ex.frozen)
+    cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, ex.device, B, seq_len,
+                                           trainer.plans.layer_costs, rows, layers=ex.layers if own else None,
+                                           autocast_dtype=getattr(ex, "autocast_dtype", None) if own else None)
     if compute_scale != 1.0:
         cm = cm.scaled_compute(compute_scale)
     if cpu_optim_params_per_s is not None:
@@ -323,7 +327,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
 
 
 def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.device, B: int, T: int,
-                         cache: dict | None = None, rows: int | None = None) -> tuple[Any, str]:
+                         cache: dict | None = None, rows: int | None = None, layers: Any = None,
+                         autocast_dtype: torch.dtype | None = None) -> tuple[Any, str]:
     """`cm` with the forward / backward times and the memory (autograd-saved activations, forward and backward
     workspaces) of one decoder layer per kind measured on the CUDA `device` at one row pass (min(B,
     rows or cfg.max_rows_per_pass) rows x T), scaled to the micro-batch's passes, and what was used: "measured" or
@@ -331,7 +336,8 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
     does not fit next to what the GPU already holds is measured at half the rows, then a quarter, ..., and scaled
     up (times and activations are linear in rows). `cache`: measurements by (rows, T, device), reused when present
     and filled when not. With `cfg.compile_linear_attention` the linear-attention layer is measured compiled where
-    the reference kernels run, as the executor runs it."""
+    the reference kernels run, as the executor runs it. `layers` / `autocast_dtype`: measure the model's own
+    layers under the executor's autocast (`measure_layer_costs`; frozen and 4-bit layers)."""
     if not cfg.profile_layers or device.type != "cuda":
         return cm, "analytic"
     rows = min(B, rows or cfg.max_rows_per_pass or B)
@@ -343,7 +349,8 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
             break
         try:
             measured = measure_layer_costs(model_config, r, T, device, memory=True,
-                                           compile_linear_attention=cfg.compile_linear_attention)
+                                           compile_linear_attention=cfg.compile_linear_attention, layers=layers,
+                                           autocast_dtype=autocast_dtype)
         except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             logger.info("layer profiling at %d x %d ran out of GPU memory (%s); measuring at %d rows", r, T,

@@ -257,7 +257,9 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                         kept_grads: bool = True, name: str = "",
                         resident: str = "gpu", resident_states: str = "fp32", frozen: Sequence[bool] | None = None,
                         adapter_params: int = 0, frozen_embed: bool = False, frozen_head: bool = False,
-                        quantized: Sequence[tuple[int, int]] | None = None, host_weight_ranks: int = 1) -> CostModel:
+                        quantized: Sequence[tuple[int, int]] | None = None, host_weight_ranks: int = 1,
+                        hidden_itemsize: int = BF16, embed_itemsize: int = BF16,
+                        head_itemsize: int = BF16) -> CostModel:
     """A `CostModel` for `config_or_shape` (a transformers config or a `ModelShape`) at [batch_size, seq_len].
 
     Args:
@@ -302,6 +304,11 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         host_weight_ranks: data-parallel ranks on this host that map one host copy of the streamed layers' weights
             (streaming/shared_host.py): `host_fixed_bytes` (bytes per rank) counts 1 / host_weight_ranks of those
             weights, so the host counts them once. 1: each rank its own copy.
+        hidden_itemsize: bytes per element of the hidden states between layers (boundaries, a retained layer's
+            output, the embedding's output): the input embedding's dtype. 4 for a float32 embedding, as
+            peft's `prepare_model_for_kbit_training` leaves a QLoRA base, or an fp32 model under bf16 autocast.
+        embed_itemsize, head_itemsize: bytes per parameter of a frozen embedding / LM head's weight (its dtype);
+            a trained one is priced as bf16 weights plus its states.
 
     Raises:
         ValueError: non-positive batch or sequence length, unknown state_dtype / master_weights.
@@ -317,6 +324,10 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         problems.append(f"resident_states must be '8bit' or 'fp32', but got {resident_states!r}")
     if resident not in RESIDENT_PLACEMENTS:
         problems.append(f"resident must be one of {RESIDENT_PLACEMENTS}, but got {resident!r}")
+    bad_sizes = {k: v for k, v in (("hidden_itemsize", hidden_itemsize), ("embed_itemsize", embed_itemsize),
+                                   ("head_itemsize", head_itemsize)) if v not in (1, 2, 4, 8)}
+    if bad_sizes:
+        problems.append(f"element sizes must be 1, 2, 4 or 8 bytes, but got {bad_sizes}")
     if rows_per_pass is not None and rows_per_pass < 1:
         problems.append(f"rows_per_pass must be >= 1 or None, but got {rows_per_pass}")
     shape = config_or_shape if isinstance(config_or_shape, ModelShape) else model_shape(config_or_shape, name)
@@ -355,11 +366,11 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         saved.append(int(s * n_pass))
         fwd_work.append(int(fw * n_pass))
         bwd_work.append(int(bw * n_pass))
-        retained.append(int(s * n) + BF16 * n * H)  # whole micro-batch: activations and the output
+        retained.append(int(s * n) + hidden_itemsize * n * H)  # whole micro-batch: activations and the output
     params = shape.layer_params
     trained = [0 if f else p for p, f in zip(params, frozen)]  # parameters with gradients and optimizer work
     weight_b = [BF16 * (p - q) + b for p, (q, b) in zip(params, quantized)]  # streamed weights (4-bit: packed)
-    act = BF16 * n * H
+    act = hidden_itemsize * n * H
     tied = shape.lm_head_params == 0
     frozen_head = frozen_embed if tied else frozen_head
     sliced = resident == "host_sliced"
@@ -369,7 +380,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # of its gradient after the last backward: on the step's critical path (the head's, as the GPU embedding's is)
     host_embed_ms = 0.0
     if resident != "gpu":
-        rows_b = BF16 * n * H
+        rows_b = hidden_itemsize * n * H
         host_embed_ms = rows_b * (1 / (hardware.h2d_gbps * 1e6)
                                   + (0 if frozen_embed else 1 / (hardware.d2h_gbps * 1e6))
                                   + (1 if frozen_embed else 2) / (HOST_EMBED_ROWS_GBPS * 1e6))
@@ -383,7 +394,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # part keeps its weights only
     small_b = BF16 + BF16 + 2 * FP32 + master_b  # the final norm (below min_8bit_size) and LoRA adapters: fp32 states
     resident_b = BF16 + BF16 + (state_b if resident_states == "8bit" else 2 * FP32) + master_b
-    embed_b, head_b = (BF16 if frozen_embed else resident_b), (BF16 if frozen_head else resident_b)
+    embed_b, head_b = (embed_itemsize if frozen_embed else resident_b), (head_itemsize if frozen_head else resident_b)
     embed_p, norm_p = shape.embed_params, shape.norm_params
     head_p = shape.lm_head_params or shape.embed_params  # the weight the head multiplies by (tied: the embedding)
     host_embed = resident != "gpu"
@@ -394,11 +405,12 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
                          "the embedding and the head at once): use 'gpu' or 'host'")
     gpu_resident_b = (small_b * (norm_p + adapter_params) + (0 if host_embed else embed_b * embed_p)
                       + (0 if host_head else head_b * shape.lm_head_params))
-    host_resident_b = ((embed_b * embed_p + BF16 * n * H) if host_embed else 0) \
+    host_resident_b = ((embed_b * embed_p + act) if host_embed else 0) \
         + (head_b * shape.lm_head_params if host_head else 0)  # + the embedding's [B, T, H] staging buffer
     host_params = ((0 if frozen_embed else embed_p) if host_embed else 0) + \
         ((0 if frozen_head else shape.lm_head_params) if host_head else 0)  # updated on the CPU
-    head_copy = BF16 * head_p if host_head and not sliced else 0  # the GPU working copy of a host-placed head
+    head_w = head_itemsize if frozen_head else BF16  # bytes per element of the head's GPU working copy
+    head_copy = head_w * head_p if host_head and not sliced else 0  # the GPU working copy of a host-placed head
     head_grad = 0 if frozen_head else head_copy  # its weight gradient, sent back right after the head
     # head workspace (streaming/head.py): final norm internals (fp32 copy + bf16); per logit of a chunk the bf16
     # logits and, in its backward, three fp32 [chunk, V] tensors at once (log-softmax output, the loss gradient,
@@ -406,7 +418,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # right after the head). A GPU-placed head's gradient is in the resident bytes; it grows in place per chunk.
     # With 2 fp32 tensors per logit and a [V, H] product per chunk (autograd's accumulation) the Qwen3.6-27B-width
     # head planned 16.9 GiB at 24 GiB, batch 8, and needed 22.4 GiB on an H200 (benchmarks/results/hybrid-20261201.json)
-    head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + BF16 * n * H + head_grad
+    head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + hidden_itemsize * n * H + head_grad
     head_ms = head_flops / matmul_efficiency / peak
     if sliced:
         # streaming/resident.py `sliced_loss` and vocab_head.py: the target rows, their normed copy, the loss's fp32
@@ -417,12 +429,12 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         vc = min(HEAD_VOCAB_SLICE_ROWS, V)
         slice_grad = 0 if frozen_head else (BF16 + (FP32 if n > chunk else 0)) * vc * H
         head_work = (10 * n * H + (FP32 + BF16) * chunk * H + (BF16 + 3 * FP32) * chunk * vc
-                     + 2 * BF16 * vc * H + slice_grad + 4 * FP32 * n)
+                     + 2 * head_w * vc * H + slice_grad + 4 * FP32 * n)
         # the slices go up twice (one sweep each) and their gradients come back, on one side stream, while the head
         # computes: the head takes the longer of the two, plus the first slice's copy that nothing hides
-        link_ms = (2 * BF16 * head_p / (hardware.h2d_gbps * 1e6)
+        link_ms = (2 * head_w * head_p / (hardware.h2d_gbps * 1e6)
                    + (0 if frozen_head else BF16 * head_p / (hardware.d2h_gbps * 1e6)))
-        head_ms = max(head_ms, link_ms) + BF16 * vc * H / (hardware.h2d_gbps * 1e6)
+        head_ms = max(head_ms, link_ms) + head_w * vc * H / (hardware.h2d_gbps * 1e6)
     gpu_opt_b = state_b + master_b + BF16  # per param: states + master + gradient (up) / weight (down)
     # the update's fp32 temporaries over one slice of CHUNK_ELEMENTS (optim/functional.py: param + Kahan sum, fp32
     # gradient, bf16 result, its fp32 copy and the residual: 18 bytes per element at the write-back). Missing, the
@@ -434,7 +446,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     meta = {"model": shape.name, "model_type": shape.model_type, "batch_size": batch_size, "seq_len": seq_len,
             "rows_per_pass": rows_per_pass, "resident": resident,
             "num_params": shape.num_params, "frozen_layers": sum(frozen), "adapter_params": int(adapter_params),
-            "frozen_embed": bool(frozen_embed), "frozen_head": bool(frozen_head),
+            "frozen_embed": bool(frozen_embed), "frozen_head": bool(frozen_head), "hidden_itemsize": hidden_itemsize,
+            "embed_itemsize": embed_itemsize, "head_itemsize": head_itemsize,
             "quantized_params": sum(q for q, _ in quantized),
             "hardware": hardware.source, "hardware_measured": hardware.measured,
             "estimate": "analytic"}

@@ -12,6 +12,12 @@ On a machine without CUDA it returns None (a no-op), unless `allow_cpu=True` (te
 no memory figures. With `compile_linear_attention` (LazyTrainConfig.compile_linear_attention) a linear-attention
 layer on the reference kernels is measured compiled, as the executor runs it; the compile happens in the first,
 untimed warm-up.
+
+Layers that do not train in full (LoRA adapters over frozen weights, a 4-bit QLoRA base) are measured as they run:
+with `layers` given, a device copy of the model's own first layer of each kind (its dtypes, 4-bit weights and
+adapters; the weight gradients only of what trains) under the executor's autocast. A fresh bf16 layer would time
+weight-gradient GEMMs a frozen layer never runs and miss the adapters' work and the 4-bit weights' dequantization
+(on a Llama-3-70B nf4 base the dense layer's profile was 1.24x fast: benchmarks/results/qlora-20261203.json).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ class LayerMeasurement:
 
 def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any = "cuda", *, warmup: int = 2,
                         iters: int = 5, allow_cpu: bool = False, seed: int = 0, memory: bool = True,
-                        compile_linear_attention: bool = False) -> dict[str, LayerMeasurement] | None:
+                        compile_linear_attention: bool = False, layers: Any = None,
+                        autocast_dtype: Any = None) -> dict[str, LayerMeasurement] | None:
     """Measure the first decoder layer of each kind; {kind: LayerMeasurement}, or None without CUDA.
 
     Args:
@@ -64,6 +71,10 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
         memory: also measure the memory figures (resets the device's peak-memory statistics); False: times only.
         compile_linear_attention: measure the linear-attention layer with its GatedDeltaNet module compiled where
             the reference kernels run (`kernels.compile_linear_attention`; at least one warm-up then, the compile).
+        layers: the model's decoder layers (host copies): measure a device copy of the first of each kind as it is
+            (frozen and 4-bit weights, adapters) instead of a fresh bf16 layer; None: the fresh layer.
+        autocast_dtype: run the measured layer under torch.autocast to this dtype (the executor's
+            `autocast_dtype`); None: off.
     """
     import torch
 
@@ -74,11 +85,13 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
         return None
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # mid-training: keep the run's RNG
         torch.manual_seed(seed)
-        return _measure_kinds(config, batch_size, seq_len, dev, warmup, iters, memory, compile_linear_attention)
+        return _measure_kinds(config, batch_size, seq_len, dev, warmup, iters, memory, compile_linear_attention,
+                              layers, autocast_dtype)
 
 
 def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup: int, iters: int,
-                   memory: bool, compile_la: bool = False) -> dict[str, LayerMeasurement]:
+                   memory: bool, compile_la: bool = False, layers: Any = None,
+                   autocast_dtype: Any = None) -> dict[str, LayerMeasurement]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,41 +111,63 @@ def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup:
         rotary = type(body.rotary_emb)(config=config)
     out: dict[str, LayerMeasurement] = {}
     for kind, idx in first.items():
-        layer = body.layers[idx].to_empty(device=dev)
-        with torch.no_grad():
-            for name, p in layer.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.02)
-                elif "norm" in name and "qwen3_5" in config.model_type and "linear_attn.norm" not in name:
-                    p.zero_()  # Qwen3.5's RMSNorms scale by (1 + weight); the gated norm inside linear_attn by weight
-                elif "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02)
-        layer = layer.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        if layers is not None:
+            layer = _device_copy(layers[idx], dev)
+        else:
+            layer = _fresh_layer(body.layers[idx], config, dev)
         compiled = path == TORCH_COMPILE and compile_linear_attention(layer) > 0
         out[kind] = _measure_one(layer, rotary, kind, idx, batch_size, seq_len, config.hidden_size, dev,
                                  max(warmup, 1) if compiled else warmup, iters, memory,
-                                 mrope="qwen3_5" in config.model_type)
+                                 mrope="qwen3_5" in config.model_type, autocast_dtype=autocast_dtype)
         del layer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return out
 
 
+def _device_copy(layer: Any, dev: Any) -> Any:
+    """A copy of the model's layer `layer` on `dev` with its own dtypes, 4-bit weights and requires_grad flags."""
+    from ..streaming.quant import keep_packing, template_copy
+
+    out = template_copy(layer).to(dev)
+    keep_packing(out)
+    return out
+
+
+def _fresh_layer(meta_layer: Any, config: Any, dev: Any) -> Any:
+    """The meta layer `meta_layer` materialized on `dev` with random weights, in bf16 (fp32 on a CPU)."""
+    import torch
+
+    layer = meta_layer.to_empty(device=dev)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            elif "norm" in name and "qwen3_5" in config.model_type and "linear_attn.norm" not in name:
+                p.zero_()  # Qwen3.5's RMSNorms scale by (1 + weight); the gated norm inside linear_attn by weight
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return layer.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
+
 def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H: int, dev: Any, warmup: int,
-                 iters: int, memory: bool = True, mrope: bool = False) -> LayerMeasurement:
+                 iters: int, memory: bool = True, mrope: bool = False, autocast_dtype: Any = None
+                 ) -> LayerMeasurement:
     import torch
 
     cuda = dev.type == "cuda"
-    dtype = next(layer.parameters()).dtype
+    # the hidden states' dtype: the layer's floating parameters' (a 4-bit weight's packed data is uint8)
+    dtype = next(p.dtype for p in layer.parameters() if p.is_floating_point())
     x = torch.randn(B, T, H, device=dev, dtype=dtype)
     pos = torch.arange(T, device=dev).unsqueeze(0).expand(B, -1)
     # Qwen3.5's multimodal rotary takes (3, B, T) position ids (transformers <= 5.17 indexes them as 3-D)
     cos, sin = rotary(x, pos[None].expand(3, -1, -1) if mrope else pos)
 
     def fwd(inp: Any) -> Any:
-        out = layer(inp, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
+        with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = layer(inp, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
         return out[0] if isinstance(out, tuple) else out
 
     def timed(fn: Any) -> float:
@@ -156,7 +191,7 @@ def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H
     saved = fwd_work = bwd_work = None
     if cuda and memory:
         act = x.numel() * x.element_size()
-        grads = sum(p.numel() * p.element_size() for p in layer.parameters())
+        grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)

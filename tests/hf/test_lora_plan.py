@@ -54,7 +54,9 @@ def test_a_full_training_schedule_loaded_into_a_lora_run_warns_naming_the_frozen
     lora, lora_path = _schedule_of(tmp_path, "lora", _lora("qwen2-tiny"))
     layout = lora.plans.request.frozen
     adapters = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
-    assert layout == {"layers": [0, 1, 2, 3], "adapter_params": adapters, "embed": True, "head": True}
+    # the fp32 test model: its hidden states and frozen embedding / head are 4 bytes an element
+    assert layout == {"layers": [0, 1, 2, 3], "adapter_params": adapters, "embed": True, "head": True,
+                      "hidden_itemsize": 4, "embed_itemsize": 4, "head_itemsize": 4}
     assert full.plans.request.frozen is None
 
     cases = [(_lora("qwen2-tiny"), full_path, True), (_lora("qwen2-tiny"), lora_path, False),
@@ -81,7 +83,7 @@ def test_plan_lora_costs_equal_the_trainers_on_the_real_model(tmp_path, arch):
     config = resolve_config(arch)
     # (PEFT has no default target modules for Qwen3.5)
     for targets in ((None,) if arch == "qwen3-tiny" else ()) + ("all-linear", ["q_proj", "v_proj"]):
-        real = peft.get_peft_model(load_model(arch, "float32"),
+        real = peft.get_peft_model(load_model(arch, "bfloat16"),  # as a recipe loads it
                                    peft.LoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM"))
         planned = planned_lora_costs(config, 4, targets)
         assert planned == model_frozen_costs(real) and all(planned["frozen"]) and planned["adapter_params"] > 0
@@ -93,8 +95,52 @@ def test_plan_lora_costs_equal_the_trainers_on_the_real_model(tmp_path, arch):
     load_model(arch, "float32").save_pretrained(str(tmp_path / "base"))
     for double in (False, True):
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=double,
-                                   bnb_4bit_compute_dtype=torch.float32)
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
         base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), quantization_config=quant,
-                                                    device_map="cpu", dtype=torch.float32)
+                                                    device_map="cpu", dtype=torch.bfloat16)
         real = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
         assert planned_lora_costs(config, 4, "all-linear", True, double) == model_frozen_costs(real)
+
+
+def test_hidden_states_and_frozen_parts_are_priced_at_their_dtype(tmp_path, monkeypatch):
+    """The plan prices the hidden states (boundaries, retained outputs) at the embedding's dtype and a frozen
+    embedding / LM head at its own: 4 bytes for an fp32 base (as peft's prepare_model_for_kbit_training leaves a
+    QLoRA one), 2 for bf16; and it profiles a frozen run's own layers under the executor's autocast."""
+    import torch
+
+    from lazytrain_hf.hf import plan
+    from lazytrain_hf.hf.peft_support import frozen_costs
+    from lazytrain_hf.profiling import analytic_cost_model
+
+    seen = []
+    real = plan.measured_layer_costs
+
+    def spy(*a, **kw):
+        seen.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(plan, "measured_layer_costs", spy)
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(load_model("qwen3-tiny", dtype, seed=3),
+                                    peft.LoraConfig(r=4, target_modules="all-linear"))
+        tr = _trainer(tmp_path, f"lora-{dtype}", model, policy="milp", resident_placement="gpu")
+        tr.train()
+        assert seen[-1]["layers"] is tr.executor.layers
+        req = tr.plans.request
+        B, T, H = req.batch_size, req.seq_len, model.config.hidden_size
+        costs = frozen_costs(tr.executor)
+        resident, rows = plan.running_choices(tr)
+        kw = dict(req.cost_model_kwargs(rows, resident), **costs)
+        cm = analytic_cost_model(req.model, B, T, req.hardware, **kw)
+        assert cm.act_bytes[0] == size * B * T * H
+        assert plan.cost_model_for_trainer(tr, T)[0].act_bytes[0] == size * B * T * H
+        bf16 = analytic_cost_model(req.model, B, T, req.hardware,
+                                   **{k: v for k, v in kw.items() if not k.endswith("_itemsize")})
+        embed = model.get_input_embeddings().weight.numel()
+        head = model.get_output_embeddings().weight
+        head = 0 if head is model.get_input_embeddings().weight else head.numel()
+        assert cm.resident_bytes - bf16.resident_bytes == (size - 2) * (embed + head)
+    full = _trainer(tmp_path, "full", load_model("qwen3-tiny", "float32", seed=3), policy="milp")
+    full.train()
+    assert seen[-1]["layers"] is None

@@ -50,7 +50,7 @@ def test_a_pass_that_does_not_fit_is_measured_at_fewer_rows_and_scaled(monkeypat
     tried = []
     big = 10 * max(cm.saved_bytes)
 
-    def fake(cfg, rows, T, device, memory=True, compile_linear_attention=False):
+    def fake(cfg, rows, T, device, memory=True, **kw):
         tried.append(rows)
         if rows > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
@@ -148,3 +148,62 @@ def test_planning_measures_on_cuda():
     cm, (out, used) = _measured("cuda", max_rows_per_pass=2)
     assert used == "measured" and out.meta["estimate"] == "measured layers"
     assert all(f > 0 for f in out.fwd_ms) and out.fwd_ms != cm.fwd_ms
+
+
+def _lora_layers(arch: str = "qwen3-tiny"):
+    """The decoder layers of a tiny `arch` model in fp32 wrapped with LoRA on every linear layer."""
+    peft = pytest.importorskip("peft")
+    from lazytrain_hf.models import load_model
+
+    model = peft.get_peft_model(load_model(arch, "float32", seed=0),
+                                peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    return model.base_model.model.model.layers
+
+
+def test_frozen_layers_are_measured_as_they_run(monkeypatch):
+    """With `layers` the profiler measures a copy of the model's own layer (its LoRA adapters, frozen base weights,
+    dtype) under the executor's autocast, not a fresh dense bf16 layer whose weight gradients a frozen layer never
+    computes; the model's layer is left untouched (no gradients, same weights)."""
+    from lazytrain_hf.profiling import layer_costs
+
+    layers = _lora_layers()
+    before = {n: p.detach().clone() for n, p in layers[0].named_parameters()}
+    seen = []
+    real = layer_costs._measure_one
+
+    def spy(layer, *a, **kw):
+        seen.append((layer, kw.get("autocast_dtype")))
+        return real(layer, *a, **kw)
+
+    monkeypatch.setattr(layer_costs, "_measure_one", spy)
+    m = measure_layer_costs(resolve_config("qwen3-tiny"), 2, 16, "cpu", allow_cpu=True, warmup=1, iters=1,
+                            layers=layers, autocast_dtype=torch.bfloat16)
+    assert m["full_attention"].fwd_ms > 0 and m["full_attention"].bwd_ms >= 0
+    (layer, autocast), = seen
+    assert autocast == torch.bfloat16 and layer is not layers[0]
+    names = {n for n, _ in layer.named_parameters()}
+    assert any("lora_A" in n for n in names) and names == set(before)
+    assert not any(p.requires_grad for n, p in layer.named_parameters() if "lora_" not in n)
+    for n, p in layers[0].named_parameters():
+        assert p.grad is None and torch.equal(p, before[n]), n
+
+    seen.clear()  # without `layers`: the fresh dense layer of the config, no autocast
+    measure_layer_costs(resolve_config("qwen3-tiny"), 2, 16, "cpu", allow_cpu=True, warmup=0, iters=1)
+    (layer, autocast), = seen
+    assert autocast is None and not any("lora_" in n for n, _ in layer.named_parameters())
+    assert all(p.requires_grad for p in layer.parameters())
+
+
+def test_four_bit_layers_are_measured_with_their_packed_weights(tmp_path):
+    """A QLoRA layer (nf4 base, fp32 norms and adapters) is measured with its 4-bit weights: the hidden states
+    take the layer's floating dtype, not the packed weights' uint8."""
+    pytest.importorskip("bitsandbytes")
+    from lazytrain_hf.streaming.quant import is_4bit
+    from tests.hf.test_qlora import _base, _qlora
+
+    model = _qlora(_base(tmp_path, "qwen3-tiny"))
+    layers = model.base_model.model.model.layers
+    assert any(is_4bit(p) for p in layers[0].parameters())
+    m = measure_layer_costs(model.config, 2, 16, "cpu", allow_cpu=True, warmup=0, iters=1, layers=layers)
+    assert m["full_attention"].fwd_ms > 0
+
