@@ -418,7 +418,10 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     # right after the head). A GPU-placed head's gradient is in the resident bytes; it grows in place per chunk.
     # With 2 fp32 tensors per logit and a [V, H] product per chunk (autograd's accumulation) the Qwen3.6-27B-width
     # head planned 16.9 GiB at 24 GiB, batch 8, and needed 22.4 GiB on an H200 (benchmarks/results/hybrid-20261201.json)
-    head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + hidden_itemsize * n * H + head_grad
+    # + an fp32 frozen head's bf16 copy for its products under autocast (streaming/head.py `_compute_copies`)
+    head_cast = BF16 * head_p if head_w > BF16 else 0
+    head_work = (FP32 + BF16) * n * H + (BF16 + 3 * FP32) * chunk * V + hidden_itemsize * n * H + head_grad \
+        + head_cast
     head_ms = head_flops / matmul_efficiency / peak
     if sliced:
         # streaming/resident.py `sliced_loss` and vocab_head.py: the target rows, their normed copy, the loss's fp32

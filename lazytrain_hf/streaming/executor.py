@@ -603,7 +603,7 @@ class StreamingExecutor:
             loss, g = self.resident.sliced_loss(h, targets, self.base.norm, denominator, self.config.loss_chunk_tokens)
         else:
             loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
-                                      denominator, self.config.loss_chunk_tokens)
+                                      denominator, self.config.loss_chunk_tokens, compute_dtype=self.autocast_dtype)
         self.resident.head_backward_done()
         del h
         run.send(g)
@@ -803,9 +803,10 @@ class StreamingExecutor:
                                                     backward=False)
             else:
                 loss, _ = chunked_lm_loss(h, targets, norm, self.resident.head_module(), denominator,
-                                          self.config.loss_chunk_tokens, backward=False)
-        logits = (chunked_logits(h, norm, self.resident.head_module(), self.config.loss_chunk_tokens)
-                  if return_logits else None)
+                                          self.config.loss_chunk_tokens, backward=False,
+                                          compute_dtype=self.autocast_dtype)
+        logits = (chunked_logits(h, norm, self.resident.head_module(), self.config.loss_chunk_tokens,
+                                 compute_dtype=self.autocast_dtype) if return_logits else None)
         return loss, logits
 
     def close(self) -> None:

@@ -6,6 +6,11 @@ one with -100 padding, cross-entropy ignores -100, and the sum is divided by `de
 chunk of `chunk_tokens` of them runs forward and backward at once. Peak memory of a chunk: 12 bytes per logit
 (log-softmax output, the loss gradient and the logits' gradient, fp32) plus the bf16 logits; the LM head's weight
 gradient is added into `.grad` in place (a [V, H] product per chunk otherwise: 2.5 GB at a 248k x 5120 head).
+
+With a `compute_dtype` (the executor's autocast, bf16=True over fp32 weights) the head's products run in that dtype
+from a copy of the weight made once per call, as the stock model's lm_head does under autocast; the weight gradient
+is accumulated in the weight's dtype. In fp32 an fp32 head of a Llama-3-70B QLoRA run took 5.7x its bf16 time
+(benchmarks/results/qlora-20261203.json).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module, lm_head: nn.Module,
                     denominator: float | torch.Tensor, chunk_tokens: int = 2048, backward: bool = True,
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Loss and, if `backward`, dL/dhidden, accumulating norm / lm_head parameter grads as a side effect.
 
     Args:
@@ -35,6 +40,7 @@ def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module
         norm, lm_head: the model's final norm and output projection (on hidden's device).
         denominator: divide the summed token losses by this (token-weighted mean across micro-batches).
         chunk_tokens: target-carrying rows of the flattened [B*T, H] hidden processed at once.
+        compute_dtype: run the head's products in this dtype (autocast's; None: the weight's).
 
     Returns:
         (loss, grad_hidden): fp32 scalar loss (detached), and [B, T, H] gradient in hidden's dtype or None.
@@ -50,6 +56,7 @@ def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module
     denom = denominator.to(hidden.device, torch.float32) if torch.is_tensor(denominator) else float(denominator)
     weight = lm_head.weight
     bias = getattr(lm_head, "bias", None)
+    w, b = _compute_copies(weight, bias, compute_dtype)
     for c0 in range(0, rows.numel(), chunk_tokens):
         idx = rows[c0:c0 + chunk_tokens]
         with torch.enable_grad() if backward else torch.no_grad():
@@ -57,7 +64,7 @@ def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module
             h = norm(x)
             hd = h.detach().requires_grad_(backward)
             # the linear outside autograd's weight path: its weight gradient is added into `.grad` in place below
-            logits = F.linear(hd, weight.detach(), None if bias is None else bias.detach())
+            logits = F.linear(hd.to(w.dtype), w, b)
             if backward:
                 logits.requires_grad_()
             # one expression: the fp32 copy is held by nothing but log_softmax's input (ForCausalLMLoss upcasts)
@@ -65,10 +72,10 @@ def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, norm: nn.Module
             if backward:
                 (dlogits,) = torch.autograd.grad(part, logits)
                 del logits
-                _add_grad(weight, dlogits.t(), hd.detach())
+                _add_grad(weight, dlogits.t(), hd.detach().to(w.dtype))
                 if bias is not None and bias.requires_grad:
                     _add_bias_grad(bias, dlogits.sum(0))
-                h.backward(dlogits @ weight.detach())
+                h.backward((dlogits @ w).to(h.dtype))
                 del dlogits
                 grad.index_copy_(0, idx, x.grad)
         loss += part.detach()
@@ -81,9 +88,21 @@ def _add_grad(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if not weight.requires_grad:
         return
     if weight.grad is None:
-        weight.grad = torch.mm(a, b)
-    else:
+        weight.grad = torch.mm(a, b).to(weight.dtype)
+    elif a.dtype == weight.grad.dtype:
         weight.grad.addmm_(a, b)
+    else:  # a lower compute dtype (autocast): the product in it, accumulated in the gradient's dtype
+        weight.grad.add_(torch.mm(a, b))
+
+
+def _compute_copies(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's weight and bias as its products use them: detached, in `compute_dtype` where autocast would cast
+    them (a float32 weight under a lower autocast dtype), else as they are."""
+    cast = compute_dtype is not None and weight.dtype == torch.float32 and compute_dtype != torch.float32
+    w = weight.detach().to(compute_dtype) if cast else weight.detach()
+    b = None if bias is None else (bias.detach().to(compute_dtype) if cast else bias.detach())
+    return w, b
 
 
 @torch.no_grad()
@@ -96,10 +115,18 @@ def _add_bias_grad(bias: torch.Tensor, g: torch.Tensor) -> None:
 
 @torch.no_grad()
 def chunked_logits(hidden: torch.Tensor, norm: nn.Module, lm_head: nn.Module, chunk_tokens: int = 2048,
-                   out_device: torch.device | str | None = None) -> torch.Tensor:
-    """[B, T, H] -> [B, T, V] logits in lm_head's dtype, computed chunk by chunk into `out_device` memory."""
+                   out_device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """[B, T, H] -> [B, T, V] logits in lm_head's dtype (`compute_dtype`'s under autocast, as `chunked_lm_loss`),
+    computed chunk by chunk into `out_device` memory."""
     B, T, H = hidden.shape
     flat = hidden.reshape(B * T, H)
-    outs = [lm_head(norm(flat[r0:r0 + chunk_tokens])).to(out_device or hidden.device)
+    w, b = _compute_copies(lm_head.weight, getattr(lm_head, "bias", None), compute_dtype)
+    cast = w.dtype != lm_head.weight.dtype
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(w.dtype), w, b) if cast else lm_head(x)
+
+    outs = [head(norm(flat[r0:r0 + chunk_tokens])).to(out_device or hidden.device)
             for r0 in range(0, B * T, chunk_tokens)]
     return torch.cat(outs).view(B, T, -1)

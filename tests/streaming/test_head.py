@@ -123,3 +123,28 @@ def test_chunked_logits_match_lm_head(chunk):
     got = chunked_logits(hidden, norm, head, chunk_tokens=chunk)
     assert got.shape == (B, T, V)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_compute_dtype_runs_the_head_as_autocast_does(bias):
+    """compute_dtype=bf16 over fp32 weights (bf16=True on an fp32 model): loss, dL/dhidden and the fp32 weight and
+    bias gradients equal the stock model's under torch.autocast (lm_head in bf16, the loss upcast to fp32), and
+    differ from the fp32 head's; the logits come out in bf16, as autocast's lm_head gives them."""
+    norm, head, hidden, labels = _parts(bias=bias)
+    num_items = int(shift_labels(labels).ne(-100).sum())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_dh, ref_grads = _reference(norm, head, hidden, labels, num_items)
+    fp32_loss, _ = chunked_lm_loss(hidden, shift_labels(labels), norm, head, num_items, chunk_tokens=B * T)
+    for p in [*norm.parameters(), *head.parameters()]:
+        p.grad = None
+    loss, dh = chunked_lm_loss(hidden, shift_labels(labels), norm, head, num_items, chunk_tokens=B * T,
+                               compute_dtype=torch.bfloat16)
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0) and not torch.allclose(loss, fp32_loss, rtol=1e-6, atol=0)
+    assert torch.allclose(dh, ref_dh, rtol=1e-5, atol=1e-7)
+    for name, p in _named(norm, head).items():
+        assert p.grad.dtype == torch.float32
+        assert torch.allclose(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7), name
+    logits = chunked_logits(hidden, norm, head, 4, compute_dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        ref = head(norm(hidden))
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, ref)
