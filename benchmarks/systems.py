@@ -482,7 +482,9 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
     predicted_step_s / solve_ms / mip_gap are those of the MILP plan made at train begin (after the profiler timed
     the layers, before any calibration re-plan): `plan_at_start` (StepTimer.plan_at_start), else the running plan.
     extra.predicted_step_s_calibrated: after calibration, the re-planned step, or the running plan valued at the
-    measured costs when it was kept for want of a clear gain; None when no calibration changed the prediction."""
+    measured costs when it was kept for want of a clear gain; None when no calibration changed the prediction.
+    A plan's step is one micro-batch: with gradient accumulation both are per optimizer step (x the micro-batches,
+    as the calibration compares them) and extra.predicted_micro_batch_s keeps the plan's own figure."""
     ex = getattr(trainer, "executor", None)
     if ex is None:
         return {}, {}
@@ -495,13 +497,16 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
     if sched.policy in ("milp", "fixed"):  # the fixed policy's plan predicts too (hf/plan.py fixed_plan_for_trainer)
         start = plan_at_start or {"step_ms": sched.predicted.get("step_ms"), "solve_ms": sched.solver.get("solve_ms"),
                                   "mip_gap": sched.solver.get("mip_gap")}
-        row.update(predicted_step_s=(start["step_ms"] or 0) / 1e3 or None, solve_ms=start["solve_ms"],
+        acc = int(getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1) or 1)
+        row.update(predicted_step_s=acc * (start["step_ms"] or 0) / 1e3 or None, solve_ms=start["solve_ms"],
                    mip_gap=start["mip_gap"])
         if cal is not None and cal.done and cal.predicted_before_ms is not None:  # re-planned: the running plan's
-            calibrated = (sched.predicted.get("step_ms") or 0) / 1e3 or None
+            calibrated = acc * (sched.predicted.get("step_ms") or 0) / 1e3 or None
         elif cal is not None and cal.done and cal.kept_running_ms is not None:
-            calibrated = cal.kept_running_ms / 1e3
-    extra = {"predicted_step_s_calibrated": calibrated, "schedule_policy": sched.policy, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
+            calibrated = acc * cal.kept_running_ms / 1e3
+    extra = {"predicted_step_s_calibrated": calibrated, "schedule_policy": sched.policy,
+             "predicted_micro_batch_s": (start["step_ms"] or 0) / 1e3 or None if sched.policy in ("milp", "fixed")
+             else None, "checkpoints": sum(lp.checkpoint for lp in sched.layers),
              "retained": sum(lp.retain for lp in sched.layers), "prefetch_depth": sched.prefetch_depth,
              "recomputed_layers": ex.stats.recomputed_layers, "weight_loads": ex.stats.weight_loads,
              "slot_reuse": ex.reuse_slots, "rows_per_pass": sched.rows_per_pass or ex.config.max_rows_per_pass,
@@ -529,11 +534,12 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
 
 
 def op_times(op_ms: list[dict[str, list[float]]], kinds: list[str], step_s: list[float],
-             planned: dict[str, dict[str, float]] | None) -> dict[str, Any] | None:
+             planned: dict[str, dict[str, float]] | None, micro_batches: int = 1) -> dict[str, Any] | None:
     """The timed steps' GPU time per executor op and layer kind (median ms over the steps, from
-    `StepStats.op_ms`), with the train-begin plan's figure for each (`planning.estimate.op_times`) and their ratio;
-    busy_ms = their sum, idle_ms = the step's wall time minus it (waits, launch gaps, the optimizer step, the
-    embedding). None when no step was timed per op (not an instrumented CUDA run)."""
+    `StepStats.op_ms`: one micro-batch's, the step's last), with the train-begin plan's figure for each
+    (`planning.estimate.op_times`, per micro-batch too) and their ratio; busy_ms = their sum x `micro_batches`
+    (the step's micro-batches taken alike), idle_ms = the step's wall time minus it (waits, launch gaps, the
+    optimizer step, the embedding). None when no step was timed per op (not an instrumented CUDA run)."""
     steps = [(m, t) for m, t in zip(op_ms, step_s) if m]
     if not steps:
         return None
@@ -554,7 +560,7 @@ def op_times(op_ms: list[dict[str, list[float]]], kinds: list[str], step_s: list
             continue
         out[key] = {"measured_ms": round(med, 2), "planned_ms": None if plan is None else round(plan, 2),
                     "ratio": round(med / plan, 4) if plan else None}
-    busy = [sum(a.values()) for a in per_step]
+    busy = [sum(a.values()) * micro_batches for a in per_step]
     out["busy_ms"] = round(statistics.median(busy), 1)
     out["idle_ms"] = round(statistics.median([t * 1e3 - b for (_, t), b in zip(steps, busy)]), 1)
     return out

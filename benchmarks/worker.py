@@ -211,7 +211,8 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
             planned = {op: {k: v / scale for k, v in by_kind.items()} for op, by_kind in planned.items()}
         kinds = ["linear_attention" if t == "linear_attention" else "full_attention"  # the cost model's kinds
                  for t in (getattr(model_config, "layer_types", None) or ["full_attention"] * L)[:L]]
-        ops = op_times(timer.op_ms[warm:], kinds, timer.step_s[warm:], planned)
+        ops = op_times(timer.op_ms[warm:], kinds, timer.step_s[warm:], planned,
+                       micro_batches=extra.get("gradient_accumulation_steps", 1))
         if ops is not None:
             extra["gpu_op_ms"] = ops
     else:

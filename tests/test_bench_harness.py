@@ -660,6 +660,9 @@ def test_op_times_set_measured_gpu_ops_against_the_plan_per_layer_kind():
     assert out["busy_ms"] == 15.0  # per-step sums 13, 17, 15
     assert out["idle_ms"] == 8.0  # 20-13, 25-17, 30-15
     assert op_times([{}, {}], kinds, [1.0, 1.0], planned) is None
+    two = op_times(steps, kinds, [0.040, 0.050, 0.060], planned, micro_batches=2)  # each step's ops ran twice
+    assert two["fwd linear_attention"] == out["fwd linear_attention"]  # per micro-batch, as the plan's figure
+    assert two["busy_ms"] == 30.0 and two["idle_ms"] == 16.0
 
 
 def test_max_batch_search_starts_at_the_planners_guess():
