@@ -152,7 +152,7 @@ def model_frozen_costs(model: torch.nn.Module) -> dict[str, Any]:
         out["quantized"] = quantized
     # the hidden states carry the embedding's dtype (fp32 after peft's prepare_model_for_kbit_training, even under
     # bf16 autocast), and a frozen embedding / head keeps its own weight dtype: priced as bf16, a Llama-3-70B QLoRA
-    # plan held half its boundaries' bytes (benchmarks/results/qlora-20261203.json)
+    # plan held half its boundaries' bytes (benchmarks/results/qlora-b32-before-fixes-20261203.json)
     sizes = {"hidden_itemsize": embed.element_size(), "embed_itemsize": embed.element_size(),
              "head_itemsize": head.element_size()}
     out.update({k: v for k, v in sizes.items() if v != 2})
