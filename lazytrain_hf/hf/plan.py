@@ -252,7 +252,9 @@ def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.
     own = getattr(ex, "store", None) is not None and any(ex.frozen)
     cm, layer_costs = measured_layer_costs(cm, trainer.model.config, cfg, ex.device, B, seq_len,
                                            trainer.plans.layer_costs, rows, layers=ex.layers if own else None,
-                                           autocast_dtype=getattr(ex, "autocast_dtype", None) if own else None)
+                                           autocast_dtype=getattr(ex, "autocast_dtype", None) if own else None,
+                                           hidden_dtype=trainer.model.get_input_embeddings().weight.dtype if own
+                                           else None)
     if compute_scale != 1.0:
         cm = cm.scaled_compute(compute_scale)
     if cpu_optim_params_per_s is not None:
@@ -328,7 +330,8 @@ def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: 
 
 def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.device, B: int, T: int,
                          cache: dict | None = None, rows: int | None = None, layers: Any = None,
-                         autocast_dtype: torch.dtype | None = None) -> tuple[Any, str]:
+                         autocast_dtype: torch.dtype | None = None, hidden_dtype: torch.dtype | None = None
+                         ) -> tuple[Any, str]:
     """`cm` with the forward / backward times and the memory (autograd-saved activations, forward and backward
     workspaces) of one decoder layer per kind measured on the CUDA `device` at one row pass (min(B,
     rows or cfg.max_rows_per_pass) rows x T), scaled to the micro-batch's passes, and what was used: "measured" or
@@ -336,8 +339,9 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
     does not fit next to what the GPU already holds is measured at half the rows, then a quarter, ..., and scaled
     up (times and activations are linear in rows). `cache`: measurements by (rows, T, device), reused when present
     and filled when not. With `cfg.compile_linear_attention` the linear-attention layer is measured compiled where
-    the reference kernels run, as the executor runs it. `layers` / `autocast_dtype`: measure the model's own
-    layers under the executor's autocast (`measure_layer_costs`; frozen and 4-bit layers)."""
+    the reference kernels run, as the executor runs it. `layers` / `autocast_dtype` / `hidden_dtype`: measure the
+    model's own layers under the executor's autocast on hidden states of the model's dtype (`measure_layer_costs`;
+    frozen and 4-bit layers)."""
     if not cfg.profile_layers or device.type != "cuda":
         return cm, "analytic"
     rows = min(B, rows or cfg.max_rows_per_pass or B)
@@ -350,7 +354,7 @@ def measured_layer_costs(cm: Any, model_config: Any, cfg: Any, device: torch.dev
         try:
             measured = measure_layer_costs(model_config, r, T, device, memory=True,
                                            compile_linear_attention=cfg.compile_linear_attention, layers=layers,
-                                           autocast_dtype=autocast_dtype)
+                                           autocast_dtype=autocast_dtype, hidden_dtype=hidden_dtype)
         except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             logger.info("layer profiling at %d x %d ran out of GPU memory (%s); measuring at %d rows", r, T,

@@ -59,7 +59,7 @@ class LayerMeasurement:
 def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any = "cuda", *, warmup: int = 2,
                         iters: int = 5, allow_cpu: bool = False, seed: int = 0, memory: bool = True,
                         compile_linear_attention: bool = False, layers: Any = None,
-                        autocast_dtype: Any = None) -> dict[str, LayerMeasurement] | None:
+                        autocast_dtype: Any = None, hidden_dtype: Any = None) -> dict[str, LayerMeasurement] | None:
     """Measure the first decoder layer of each kind; {kind: LayerMeasurement}, or None without CUDA.
 
     Args:
@@ -76,6 +76,8 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
             (frozen and 4-bit weights, adapters) instead of a fresh bf16 layer; None: the fresh layer.
         autocast_dtype: run the measured layer under torch.autocast to this dtype (the executor's
             `autocast_dtype`); None: off.
+        hidden_dtype: the dtype of the layer's input hidden states (the model's input embedding's); None: the
+            measured layer's first floating parameter's.
     """
     import torch
 
@@ -87,12 +89,12 @@ def measure_layer_costs(config: Any, batch_size: int, seq_len: int, device: Any 
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # mid-training: keep the run's RNG
         torch.manual_seed(seed)
         return _measure_kinds(config, batch_size, seq_len, dev, warmup, iters, memory, compile_linear_attention,
-                              layers, autocast_dtype)
+                              layers, autocast_dtype, hidden_dtype)
 
 
 def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup: int, iters: int,
                    memory: bool, compile_la: bool = False, layers: Any = None,
-                   autocast_dtype: Any = None) -> dict[str, LayerMeasurement]:
+                   autocast_dtype: Any = None, hidden_dtype: Any = None) -> dict[str, LayerMeasurement]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +121,8 @@ def _measure_kinds(config: Any, batch_size: int, seq_len: int, dev: Any, warmup:
         compiled = path == TORCH_COMPILE and compile_linear_attention(layer) > 0
         out[kind] = _measure_one(layer, rotary, kind, idx, batch_size, seq_len, config.hidden_size, dev,
                                  max(warmup, 1) if compiled else warmup, iters, memory,
-                                 mrope="qwen3_5" in config.model_type, autocast_dtype=autocast_dtype)
+                                 mrope="qwen3_5" in config.model_type, autocast_dtype=autocast_dtype,
+                                 hidden_dtype=hidden_dtype)
         del layer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -154,13 +157,13 @@ def _fresh_layer(meta_layer: Any, config: Any, dev: Any) -> Any:
 
 
 def _measure_one(layer: Any, rotary: Any, kind: str, idx: int, B: int, T: int, H: int, dev: Any, warmup: int,
-                 iters: int, memory: bool = True, mrope: bool = False, autocast_dtype: Any = None
-                 ) -> LayerMeasurement:
+                 iters: int, memory: bool = True, mrope: bool = False, autocast_dtype: Any = None,
+                 hidden_dtype: Any = None) -> LayerMeasurement:
     import torch
 
     cuda = dev.type == "cuda"
     # the hidden states' dtype: the layer's floating parameters' (a 4-bit weight's packed data is uint8)
-    dtype = next(p.dtype for p in layer.parameters() if p.is_floating_point())
+    dtype = hidden_dtype or next(p.dtype for p in layer.parameters() if p.is_floating_point())
     x = torch.randn(B, T, H, device=dev, dtype=dtype)
     pos = torch.arange(T, device=dev).unsqueeze(0).expand(B, -1)
     # Qwen3.5's multimodal rotary takes (3, B, T) position ids (transformers <= 5.17 indexes them as 3-D)

@@ -126,7 +126,7 @@ def test_hidden_states_and_frozen_parts_are_priced_at_their_dtype(tmp_path, monk
                                     peft.LoraConfig(r=4, target_modules="all-linear"))
         tr = _trainer(tmp_path, f"lora-{dtype}", model, policy="milp", resident_placement="gpu")
         tr.train()
-        assert seen[-1]["layers"] is tr.executor.layers
+        assert seen[-1]["layers"] is tr.executor.layers and seen[-1]["hidden_dtype"] == getattr(torch, dtype)
         req = tr.plans.request
         B, T, H = req.batch_size, req.seq_len, model.config.hidden_size
         costs = frozen_costs(tr.executor)

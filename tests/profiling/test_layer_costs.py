@@ -173,13 +173,16 @@ def test_frozen_layers_are_measured_as_they_run(monkeypatch):
 
     def spy(layer, *a, **kw):
         seen.append((layer, kw.get("autocast_dtype")))
-        return real(layer, *a, **kw)
+        out = real(layer, *a, **kw)
+        seen.append(kw.get("hidden_dtype"))
+        return out
 
     monkeypatch.setattr(layer_costs, "_measure_one", spy)
     m = measure_layer_costs(resolve_config("qwen3-tiny"), 2, 16, "cpu", allow_cpu=True, warmup=1, iters=1,
-                            layers=layers, autocast_dtype=torch.bfloat16)
+                            layers=layers, autocast_dtype=torch.bfloat16, hidden_dtype=torch.float32)
     assert m["full_attention"].fwd_ms > 0 and m["full_attention"].bwd_ms >= 0
-    (layer, autocast), = seen
+    (layer, autocast), hidden = seen
+    assert hidden == torch.float32
     assert autocast == torch.bfloat16 and layer is not layers[0]
     names = {n for n, _ in layer.named_parameters()}
     assert any("lora_A" in n for n in names) and names == set(before)
@@ -189,7 +192,7 @@ def test_frozen_layers_are_measured_as_they_run(monkeypatch):
 
     seen.clear()  # without `layers`: the fresh dense layer of the config, no autocast
     measure_layer_costs(resolve_config("qwen3-tiny"), 2, 16, "cpu", allow_cpu=True, warmup=0, iters=1)
-    (layer, autocast), = seen
+    (layer, autocast), _ = seen
     assert autocast is None and not any("lora_" in n for n, _ in layer.named_parameters())
     assert all(p.requires_grad for p in layer.parameters())
 
