@@ -202,6 +202,32 @@ def test_cuda_offload_frees_device_memory(tmp_path, tier):
     stash.clear()
 
 
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_cpu_tier_fetches_the_next_boundary_ahead_off_the_compute_stream(tmp_path):
+    """get(i) starts the H2D copy of the next CPU-tier boundary backward needs on the stash's own stream: it
+    completes while the compute stream is still busy, and every boundary comes back bit-exact, whatever the tiers
+    between them."""
+    dev = torch.device("cuda")
+    stash = ActivationStash(dev, str(tmp_path))
+    tiers = ["cpu", "gpu", "cpu", "nvme", "cpu"]
+    xs = {i: _bits(4096, torch.bfloat16, seed=i).view(1, 4, 1024).to(dev) for i in range(len(tiers))}
+    for i, x in xs.items():
+        stash.put(i, x, tiers[i])
+    torch.cuda.synchronize()
+    got = {4: stash.get(4)}
+    ahead = stash.entries[2]
+    assert ahead.device_copy is not None and ahead.tensor is None  # fetched ahead, its host buffer given back
+    torch.cuda._sleep(2_000_000_000)  # the compute stream busy for about a second
+    ahead.fetched.synchronize()
+    assert not torch.cuda.current_stream(dev).query(), "the fetch-ahead waited for the compute stream"
+    for i in (3, 2, 1, 0):
+        got[i] = stash.get(i)
+    for i, x in xs.items():
+        assert _same_bits(got[i].cpu(), x.cpu()), i
+    stash.clear()
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, 4097, 1 << 20])
 def test_aligned_empty(nbytes):
     buf = nvme.aligned_empty(nbytes)
