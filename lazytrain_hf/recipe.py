@@ -398,7 +398,13 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
             lazy = LazyTrainConfig.from_any(lazy).to_dict()
         elif not isinstance(lazy, dict):
             raise ValueError(f"the lazytrain section must be a mapping or a YAML path, but got {lazy!r}")
-        LazyTrainConfig.from_any(dict(lazy))
+        placement = LazyTrainConfig.from_any(dict(lazy)).resident_placement
+        smoothing = training.get("label_smoothing_factor")
+        if placement == "host_sliced" and _number(smoothing, False) and smoothing > 0:  # before the model loads
+            problems.append("lazytrain.resident_placement 'host_sliced' runs the executor's own loss over slices of "
+                            f"the LM head, but training.label_smoothing_factor={smoothing} makes the loss the "
+                            "Trainer's, which multiplies by the whole head: set resident_placement to 'host' or "
+                            "'auto', or drop the label smoothing")
     except (ValueError, FileNotFoundError) as e:  # named as the recipe names them: lazytrain.<key>
         text = str(e).replace("lazytrain_config.", "lazytrain.").replace("lazytrain_config key", "lazytrain key")
         problems.append(text.replace("\n", "\n    "))

@@ -255,3 +255,18 @@ def test_a_model_larger_than_the_host_limit_fails_before_the_data_or_the_model_l
     assert "RC 2" in out.stdout and "AssertionError" not in err, out.stdout[-2000:] + err[-3000:]
     assert "error: LazyTrain: building 'qwen2.5-7b' (7.62 B parameters in float32) needs 28.37 GiB" in err, err
     assert f"cgroup v2 memory.max at {root / 'memory.max'}" in err and "Fix: a smaller model" in err, err
+
+
+def test_a_recipe_with_label_smoothing_and_the_sliced_head_is_refused_before_the_model_loads():
+    """Label smoothing makes the loss the Trainer's, which multiplies by the whole LM head: the sliced head cannot
+    run it, and the recipe says so when it is read (the Trainer refuses it too, after the model is loaded)."""
+    import pytest
+
+    from lazytrain_hf.recipe import load_recipe
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "cpu_default.yaml"
+    with pytest.raises(ValueError, match=r"'host_sliced'.*label_smoothing_factor=0.1 makes.*set resident_placement"):
+        load_recipe(recipe, ["lazytrain.resident_placement=host_sliced", "training.label_smoothing_factor=0.1"])
+    for sets in (["lazytrain.resident_placement=host", "training.label_smoothing_factor=0.1"],
+                 ["lazytrain.resident_placement=host_sliced", "training.label_smoothing_factor=0.0"]):
+        load_recipe(recipe, sets)

@@ -143,9 +143,8 @@ class LazyTrainerMixin(TRLHooks):
             self._setup_fp16(fp32_weights)
         if self.args.bf16 and fp32_weights:  # as the stock Trainer's autocast: fp32 master weights, bf16 matmuls
             self.executor.autocast_dtype = torch.bfloat16
-            logger.info("LazyTrain: bf16=True over float32 weights: the decoder layers compute under bfloat16 "
-                        "autocast, the weights and their updates stay float32; the executor's chunked LM head and "
-                        "loss compute in float32")
+            logger.info("LazyTrain: bf16=True over float32 weights: the decoder layers and the LM head compute "
+                        "under bfloat16 autocast (the loss in float32), the weights and their updates stay float32")
         dp = self.executor.dp
         mode = "sharded" if self.executor.shard is not None else "replicated"
         logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "
@@ -274,7 +273,7 @@ class LazyTrainerMixin(TRLHooks):
         if fp32_weights and self.executor.device.type == "cuda":
             self.executor.autocast_dtype = torch.float16
             compute = "the decoder layers compute under float16 autocast, the weights and their updates stay " \
-                      "float32; the chunked LM head and loss compute in float32"
+                      "float32; the LM head computes under it too, the loss in float32"
         elif fp32_weights:  # as accelerate: no fp16 autocast off the GPU
             compute = f"on {self.executor.device.type} the model computes in its own dtype (float32: no fp16 " \
                       "autocast off CUDA, as the stock Trainer)"
