@@ -542,7 +542,8 @@ def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any,
     margin = args.gpu_memory_margin
     kept = f" ({margin:.0%} of the GPU budget kept free: --gpu-memory-margin)" if margin else ""
     print(f"batch {args.batch_size} x seq {args.seq_len} = {cm.tokens_per_step} tokens/step; budgets: GPU "
-          f"{_gib(cm.gpu_bytes)}{kept}, host {_gib(cm.pinned_host_bytes)} (fixed part {_gib(cm.host_fixed_bytes)}), "
+          f"{_gib(cm.gpu_bytes)}{kept}, host {_gib(cm.pinned_host_bytes)} (fixed part {_gib(cm.host_fixed_bytes)} "
+          f"with resident placement {cm.meta.get('resident', 'gpu')}), "
           f"NVMe {_gib(cm.nvme_bytes)}")
     print(f"hardware: {hardware.source}{'' if hardware.measured else ' (not measured here)'}; H2D "
           f"{hardware.h2d_gbps:.1f} / D2H {hardware.d2h_gbps:.1f} / both {hardware.bidir_gbps:.1f} GB/s, "

@@ -282,7 +282,7 @@ def test_a_lora_plan_keeps_the_frozen_base_at_2_bytes_per_parameter(tmp_path, ca
                         "qlora": ("--lora-r", "16", "--lora-target-modules", "all-linear", "--load-in-4bit")}.items():
         assert cli_plan.run(_args(*base, *extra, "--out-dir", str(tmp_path / name))) == 0
         out = capsys.readouterr().out
-        printed[name] = (float(re.search(r"\(fixed part ([0-9.]+) GiB\)", out).group(1)),
+        printed[name] = (float(re.search(r"\(fixed part ([0-9.]+) GiB with", out).group(1)),
                          float(re.search(r"; host ([0-9.]+) GiB of", out).group(1)))
         fixed[name] = json.loads(next((tmp_path / name).glob("*.cost_model.json")).read_text())["host_fixed_bytes"]
         if name != "full":
