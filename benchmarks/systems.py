@@ -361,6 +361,8 @@ def build_args(system: str, spec: dict[str, Any], batch_size: int, max_steps: in
                "master_weights": spec.get("master_weights", "kahan"),
                "loss_chunk_tokens": spec.get("loss_chunk_tokens", 2048),
                "keep_gpu_grads": spec.get("keep_gpu_grads", True),
+               # 8-bit embedding / LM head moments (the product's default keeps them fp32: 8.7 GB at Qwen2.5-7B)
+               "resident_state_dtype": spec.get("embedding_states", "8bit"),
                "gpu_memory_budget": f"{cap}GiB" if cap else None, "cap_gpu_memory": bool(cap),
                # calibrate the MILP plan on the warm-up steps (the first two are never used: the overlapped
                # optimizer allocates its states in step 2), so the timed steps run one plan, predicted before them.
@@ -418,31 +420,13 @@ def build_trainer(system: str, spec: dict[str, Any], model: Any, args: Any, data
     common = dict(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
                   callbacks=[timer])
     if system.startswith("lazytrain"):
-        product = spec.get("configuration") == PRODUCT_DEFAULTS or system in LORA_BASE
-        trainer = _lazy_trainer_cls("fp32" if product else spec.get("embedding_states", "8bit"))(**common)
+        from lazytrain_hf.hf import LazyTrainer
+
+        trainer = LazyTrainer(**common)
     else:
         trainer = Trainer(**common)
     timer.trainer = trainer
     return trainer
-
-
-def _lazy_trainer_cls(embedding_states: str):
-    """LazyTrainer, or (embedding_states="8bit", bench_executor's default) a subclass giving the embedding and
-    lm_head 8-bit states too: fp32 states for Qwen2.5-7B's 1.09 B embedding + head parameters would hold 8.7 GB of
-    a 24 GiB GPU budget. A quality knob, not a throughput one."""
-    from lazytrain_hf.hf import LazyTrainer
-
-    if embedding_states == "fp32":
-        return LazyTrainer
-
-    class BenchLazyTrainer(LazyTrainer):
-        @staticmethod
-        def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
-            cls, kwargs = LazyTrainer.get_optimizer_cls_and_kwargs(args, model)
-            kwargs["fp32_state_params"] = []
-            return cls, kwargs
-
-    return BenchLazyTrainer
 
 
 def _lazy_sft_cls():

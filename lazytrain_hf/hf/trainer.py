@@ -232,9 +232,15 @@ class LazyTrainerMixin(TRLHooks):
             extra = {"state_dtype": cfg.state_dtype, "master_weights": cfg.master_weights,
                      "block_size": cfg.block_size, "min_8bit_size": cfg.min_8bit_size}
             kwargs.update({k: v for k, v in extra.items() if k not in explicit})
-            if cfg.fp32_state_modules and model is not None:
-                named = params_named(model, cfg.fp32_state_modules)
-                kwargs["fp32_state_params"] = list(kwargs.get("fp32_state_params") or []) + named
+            named = params_named(model, cfg.fp32_state_modules) if cfg.fp32_state_modules and model is not None else []
+            fp32 = list(kwargs.get("fp32_state_params") or []) + named
+            if cfg.resident_state_dtype == "8bit" and model is not None:  # unless fp32_state_modules names them
+                parts = (model.get_input_embeddings(), model.get_output_embeddings())
+                resident = {id(m.weight) for m in parts if getattr(m, "weight", None) is not None}
+                keep = {id(p) for p in named}
+                fp32 = [p for p in fp32 if id(p) not in resident or id(p) in keep]
+            if fp32 or "fp32_state_params" in kwargs:
+                kwargs["fp32_state_params"] = fp32
         return cls, kwargs
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -121,32 +121,41 @@ def test_plan_cli_finds_a_24gib_plan_for_the_27b_shape(capsys):
 
 
 def test_the_plan_prices_the_embedding_states_the_optimizer_keeps(tmp_path):
-    """Hybrid8 keeps the embedding / LM head in fp32 states unless its fp32_state_params leaves them out; the plan
-    reads which from the optimizer the Trainer created, so the resident parts' bytes are those that are allocated."""
+    """Hybrid8 keeps the embedding / LM head in fp32 states unless lazytrain_config.resident_state_dtype is 8bit
+    (the same optimizer as one built with fp32_state_params leaving them out: bit-equal training); the plan reads
+    which from the optimizer the Trainer created, so the resident parts' bytes are those that are allocated; a part
+    fp32_state_modules names keeps fp32 states."""
     from lazytrain_hf import LazyTrainer, LazyTrainingArguments
     from lazytrain_hf.hf.plan import cost_model_for_trainer
     from lazytrain_hf.models import load_model
 
     from .test_trainer import _collate, _common, _dataset
 
-    class EightBitEmbedding(LazyTrainer):
+    class EightBitEmbedding(LazyTrainer):  # what the benchmark harness did before the option existed
         @staticmethod
         def get_optimizer_cls_and_kwargs(args, model=None):
             cls, kwargs = LazyTrainer.get_optimizer_cls_and_kwargs(args, model)
             return cls, {**kwargs, "fp32_state_params": []}
 
     cfg = {"state_dtype": "8bit", "min_8bit_size": 256, "policy": "milp", "plan_buckets": 1}
-    runs = {}
-    for name, cls in (("fp32", LazyTrainer), ("8bit", EightBitEmbedding)):
+    runs, params = {}, {}
+    for name, cls, extra in (("fp32", LazyTrainer, {}), ("8bit", LazyTrainer, {"resident_state_dtype": "8bit"}),
+                             ("subclass", EightBitEmbedding, {}),
+                             ("named", LazyTrainer, {"resident_state_dtype": "8bit",
+                                                     "fp32_state_modules": ["embed_tokens"]})):
         model = load_model("qwen3-tiny-untied", "float32", seed=3)
         lazy = cls(model=model, args=LazyTrainingArguments(**_common(tmp_path, name, max_steps=1),
-                                                           lazytrain_config=cfg),
+                                                           lazytrain_config={**cfg, **extra}),
                    train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
         lazy.train()
-        emb = model.get_input_embeddings().weight
-        assert (lazy.optimizer.state[emb]["state1"].dtype == torch.uint8) == (name == "8bit")
-        assert lazy.plans.request.resident_states == name
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        eight = {n: lazy.optimizer.state[p]["state1"].dtype == torch.uint8 for n, p in (("emb", emb), ("head", head))}
+        assert eight == {"emb": name in ("8bit", "subclass"), "head": name != "fp32"}, (name, eight)
+        assert lazy.plans.request.resident_states == ("8bit" if name == "subclass" else
+                                                      "fp32" if name == "named" else name)
         runs[name] = cost_model_for_trainer(lazy, 16, resident="gpu")[0]
+        params[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(p, params["subclass"][n]) for n, p in params["8bit"].items())
     E = runs["fp32"].embed_optim_params + runs["fp32"].head_optim_params - load_model("qwen3-tiny-untied").config.hidden_size
     block = 256  # the plan's block size (LazyTrainConfig default): 8-bit moments are 2 bytes + 2 fp32 absmax per block
     assert runs["fp32"].resident_bytes - runs["8bit"].resident_bytes == pytest.approx(E * (8 - 2 - 8 / block), rel=1e-6)
