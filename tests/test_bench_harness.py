@@ -487,13 +487,41 @@ def test_paper_suite_definition():
     suite = run.SUITES["paper"]
     assert suite["models"] == ["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "qwen2.5-14b", "qwen3-14b"]
     assert all(m in ARCHITECTURES and resolve_config(m).model_type in ("qwen2", "qwen3") for m in suite["models"])
-    assert suite["caps"] == [24, 80] and suite["max_batch_caps"] == [24] and suite["device"] == "cuda"
+    assert suite["caps"] == [24, 80, None] and suite["max_batch_caps"] == [24] and suite["device"] == "cuda"
     assert suite["systems"] == ["lazytrain_milp", "lazytrain_fixed", "stock_trainer"]
     assert run._configuration(suite) == systems.PRODUCT_DEFAULTS
     for cap in suite["caps"]:
         assert set(suite["batch"][cap]) == set(suite["systems"]) == set(suite["timeout"])
-        assert all(32 in suite["batch"][cap][s] for s in suite["systems"])
+        ran = [s for s in suite["systems"] if suite["batch"][cap][s]]
+        assert ran and all(32 in suite["batch"][cap][s] for s in ran)
         assert suite["row_s"][cap] < min(suite["timeout"][s] for s in run.LT)
+    # uncapped, only the stock Trainer: the pair of the 24 GiB MILP rows at 32k tokens a step
+    assert [s for s in suite["systems"] if suite["batch"][None][s]] == ["stock_trainer"]
+
+
+def test_paper_targets_pair_24_gib_milp_rows_with_the_uncapped_stock_trainer():
+    """benchmarks.report.paper_targets: the train-begin prediction's worst error, the 24 GiB MILP rows at >= 32k
+    tokens against the uncapped stock Trainer at the same batch (n/a where stock is out of memory), the 14B wait and
+    TFLOPS, and peak host RSS per parameter."""
+    from benchmarks.report import paper_targets
+
+    def row(system, cap, B, status="ok", step=2.0, tflops=300.0, pred=2.1, rss=40.0, wait=50.0, model="qwen2.5-14b"):
+        return {"system": system, "model": model, "gpu_cap_gib": cap, "batch_size": B, "seq_len": 1024,
+                "status": status, "step_s_median": step, "tflops_6nd": tflops, "predicted_step_s": pred,
+                "peak_host_rss_gib": rss, "params": 14.8e9, "extra": {"exposed_update_wait_ms": wait}}
+
+    doc = {"rows": [row("lazytrain_milp", 24, 32, tflops=380.0), row("lazytrain_milp", 24, 16, pred=2.5),
+                    row("lazytrain_fixed", 24, 32), row("stock_trainer", None, 32, tflops=400.0, pred=None)]}
+    out = "\n".join(paper_targets(doc, "qwen2.5-14b"))
+    assert "worst +25.0% (lazytrain_milp, 24 GiB, B=16) | not met" in out
+    assert "B=32: lazytrain_milp >= 0.9x the uncapped stock Trainer's TFLOPS 6ND | 0.950x (380.0 vs 400.0) | met" in out
+    assert "B=16" not in out.split("prediction")[1].split("\n", 1)[1]  # 16k tokens: no stock pair asked
+    assert "wait 2.5%, 380.0 TFLOPS (B=32) | met" in out
+    assert "largest 2.90 (lazytrain_milp, 24 GiB, B=32) | met" in out
+    doc["rows"][-1] = row("stock_trainer", None, 32, status="oom", tflops=None, pred=None)
+    assert "stock oom | n/a (stock does not run)" in "\n".join(paper_targets(doc, "qwen2.5-14b"))
+    doc["rows"] = doc["rows"][:-1]
+    assert "stock not run | not measured" in "\n".join(paper_targets(doc, "qwen2.5-14b"))
 
 
 @requires_gsm8k
