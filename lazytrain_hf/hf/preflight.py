@@ -25,7 +25,7 @@ from ..profiling.limits import Limit, check_need, disk_free, host_memory_limit, 
 from ..streaming.shared_host import check_shm_space, segment_bytes
 
 __all__ = ["host_limit_per_rank", "fixed_host_bytes", "check_host_before_pinning", "check_plan", "checkpoint_bytes",
-           "check_checkpoint_space", "memlock_note", "ranks_per_host", "shared_weight_ranks", "shared_copy_bytes"]
+           "saved_model_bytes", "check_checkpoint_space", "memlock_note", "ranks_per_host", "shared_weight_ranks", "shared_copy_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,14 +153,15 @@ def check_plan(trainer: Any, schedule: Any) -> None:
 
 
 def checkpoint_bytes(trainer: Any) -> int:
-    """A checkpoint's size: the model's parameters (each tensor once, as saved) and the optimizer's states of every
-    parameter it updates (the states held, plus, for parameters without them yet or held by another rank under
-    sharded updates, what their first step allocates: the optimizer's `state_specs`; another optimizer without
-    states yet: two fp32 moments per trainable parameter), plus a small allowance for the other files."""
+    """A checkpoint's size: the model's saved weights (`saved_model_bytes`: a PEFT model's adapters only) and the
+    optimizer's states of every parameter it updates (the states held, plus, for parameters without them yet or held
+    by another rank under sharded updates, what their first step allocates: the optimizer's `state_specs`; another
+    optimizer without states yet: two fp32 moments per trainable parameter), plus a small allowance for the other
+    files."""
     import torch
 
     params = {id(p): p for p in trainer.model.parameters()}.values()
-    model = sum(p.numel() * p.element_size() for p in params)
+    model = saved_model_bytes(trainer.model)
     opt = getattr(trainer, "optimizer", None)
     inner = getattr(opt, "optimizer", opt)
     held = getattr(inner, "state", None) or {}
@@ -175,6 +176,19 @@ def checkpoint_bytes(trainer: Any) -> int:
     if getattr(trainer.args, "save_only_model", False):
         states = 0
     return int(model + states + CHECKPOINT_OVERHEAD_BYTES)
+
+
+def saved_model_bytes(model: Any) -> int:
+    """Bytes of the weights `save_model` writes for `model`: a PEFT model's adapters (every adapter's
+    `get_peft_model_state_dict`, modules_to_save included), not its frozen base; else each parameter once."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        from peft.utils import get_peft_model_state_dict
+
+        tensors = {id(t): t for name in model.peft_config for t in get_peft_model_state_dict(
+            model, adapter_name=name).values()}.values()
+    else:
+        tensors = {id(p): p for p in model.parameters()}.values()
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def check_checkpoint_space(trainer: Any, directory: str, need: int | None = None) -> None:

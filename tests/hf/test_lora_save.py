@@ -63,3 +63,20 @@ def test_merged_model_saves_and_loads_as_a_plain_model_with_the_trained_outputs(
     with torch.no_grad():
         got = loaded(input_ids=ids, attention_mask=mask).logits
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("arch, lora", [("qwen2-tiny", {}), ("qwen3-tiny", dict(modules_to_save=["lm_head"]))])
+def test_a_lora_checkpoint_is_sized_by_its_adapters_not_the_frozen_base(tmp_path, arch, lora):
+    """The free-space check before each save and the saved-size log line count the adapter weights save_model
+    writes (its safetensors file less the file's JSON header), not the frozen base: a 70B LoRA run's checkpoint is a few hundred MB,
+    not the base's hundreds of GB."""
+    from lazytrain_hf.hf import preflight
+
+    lazy, model = _trained(tmp_path, arch, **lora)
+    lazy.save_model(str(tmp_path / "saved"))
+    written = (tmp_path / "saved" / "adapter_model.safetensors").stat().st_size
+    weights = preflight.saved_model_bytes(model)
+    assert weights <= written <= weights + 65536, (weights, written)
+    base = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    assert weights < base / 2
+    assert preflight.checkpoint_bytes(lazy) - preflight.CHECKPOINT_OVERHEAD_BYTES < base
