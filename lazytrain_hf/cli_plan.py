@@ -538,7 +538,9 @@ def _print_header(args: argparse.Namespace, shape: Any, cm: Any, hardware: Any,
         print(f"LoRA r {args.lora_r} on {args.lora_target_modules or 'PEFT default modules'}: "
               f"{_count(int(frozen['adapter_params']))} adapter params on the GPU; the {base} base frozen "
               f"({sum(frozen['frozen'])} of {cm.num_layers} layers streamed read-only: weights only in host memory, "
-              "no gradients or optimizer states)")
+              "no gradients or optimizer states)"
+              + ("; embedding, norms and LM head in fp32 as peft.prepare_model_for_kbit_training leaves them"
+                 if args.load_in_4bit else ""))
     margin = args.gpu_memory_margin
     kept = f" ({margin:.0%} of the GPU budget kept free: --gpu-memory-margin)" if margin else ""
     print(f"batch {args.batch_size} x seq {args.seq_len} = {cm.tokens_per_step} tokens/step; budgets: GPU "
@@ -567,7 +569,8 @@ def _print_table(sched: Any, cm: Any) -> None:
     for i, lp in enumerate(sched.layers):
         tier = lp.tier if lp.checkpoint else "-"
         how = "kept" if lp.retain else ("rebuilt" if i and x[i - 1] else "re-forward")  # x[i-1]: input rebuilt
-        print(f"{i:>5}  {cm.layer_kind[i]:<16} {tier:<8} {how:<10} {lp.optimizer_device:<9}")
+        opt = "-" if not cm.num_params[i] else lp.optimizer_device  # a frozen layer has no update
+        print(f"{i:>5}  {cm.layer_kind[i]:<16} {tier:<8} {how:<10} {opt:<9}")
     print("(boundary: where the layer's input is stored for backward; backward: kept = activations retained, "
           "re-forward = forward rerun from its boundary, rebuilt = rerun from an earlier boundary; optimizer: "
           "where the layer's update runs, gpu = at its next load in the forward, cpu = host worker threads)")
@@ -592,6 +595,12 @@ def _print_resident(sched: Any, cm: Any, tried: list[tuple[int, str, float | Non
                      "GPU once per step)",
              "host_sliced": "embedding and LM head in host memory (updated on the CPU; the head's weights streamed "
                             "to the GPU in vocabulary slices, its gradient back slice by slice)"}[sched.resident]
+    frozen = [n for n, f in (("embedding", cm.meta.get("frozen_embed")), ("LM head", cm.meta.get("frozen_head"))) if f]
+    if frozen:  # LoRA's base: weights only, nothing updated
+        for text, by in ((" (weights, gradients, optimizer states)", ""), (" and updated on the CPU", " on the CPU"),
+                         ("updated on the CPU; ", "")):
+            where = where.replace(text, by)
+        where += f"; {' and '.join(frozen)} frozen (weights only, no gradient or update)"
     print(f"\nresident parts: {where}: {_gib(cm.resident_bytes)} on the GPU, the head's workspace "
           f"{_gib(cm.head_work_bytes)} while it runs")
     rows = "all" if sched.rows_per_pass in (None, cm.meta.get("batch_size")) else sched.rows_per_pass

@@ -200,7 +200,9 @@ def planned_lora_costs(config: Any, r: int, target_modules: str | list[str] | No
     """`model_frozen_costs` of the model of `config` wrapped as a recipe's peft section wraps it (`get_peft_model`
     with ``LoraConfig(r, target_modules, task_type="CAUSAL_LM")``), built on the meta device (nothing allocated):
     for `lazytrain-hf plan --lora-r`. With `load_in_4bit` (QLoRA: `BitsAndBytesConfig(load_in_4bit=True)`) every
-    nn.Linear weight of the decoder layers counts as 4-bit (`four_bit_bytes`); biases and norms stay 2 bytes.
+    nn.Linear weight of the decoder layers counts as 4-bit (`four_bit_bytes`); biases and norms stay 2 bytes, and
+    the embedding, LM head and hidden states count 4 bytes an element (fp32, as peft's
+    `prepare_model_for_kbit_training` leaves them).
 
     Raises:
         ValueError: PEFT refuses the LoraConfig (e.g. target modules this model does not have).
@@ -221,8 +223,11 @@ def planned_lora_costs(config: Any, r: int, target_modules: str | list[str] | No
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(str(e).splitlines()[0]) from e
     out = model_frozen_costs(model)
-    for k in ("hidden_itemsize", "embed_itemsize", "head_itemsize"):  # the meta build's fp32; recipes load bf16
+    for k in ("hidden_itemsize", "embed_itemsize", "head_itemsize"):  # the meta build's fp32; a bf16 load's are 2
         out.pop(k, None)
     if quantized is not None:
         out["quantized"] = quantized
+        # QLoRA as PEFT's recipe prepares it (prepare_model_for_kbit_training): embedding, norms and LM head in
+        # fp32, so the hidden states between layers too
+        out.update(hidden_itemsize=4, embed_itemsize=4, head_itemsize=4)
     return out

@@ -182,7 +182,9 @@ _CONFIG_METADATA = frozenset({"transformers_version", "torch_dtype", "dtype", "a
                               "name_or_path", "id2label", "label2id",
                               # special token ids: the Trainer copies the tokenizer's into the config; no cost
                               "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id",
-                              "decoder_start_token_id"})
+                              "decoder_start_token_id",
+                              # a 4-bit base's settings: its bytes per layer are the frozen layout's input
+                              "quantization_config"})
 #: Hardware profile fields that describe, not measure.
 _HARDWARE_TEXT = frozenset({"measured", "source", "device_name", "notes"})
 

@@ -30,6 +30,15 @@ def test_the_frozen_layout_is_a_plan_input_only_when_layers_are_frozen():
     assert differing_inputs(input_hashes(lora), other) == ["frozen"]
 
 
+def test_a_4bit_bases_quantization_config_is_not_a_model_input():
+    """The plan of a 4-bit base reads its bytes from the frozen layout: the config's quantization_config (which
+    `lazytrain-hf plan --load-in-4bit` has no copy of) does not make a CLI plan another run's."""
+    args = (2, 64, None, None, None, {"h2d_gbps": 50.0})
+    plain = dict(model_type="llama", hidden_size=64)
+    quantized = dict(plain, quantization_config={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
+    assert plan_inputs(quantized, *args)["model"] == plan_inputs(plain, *args)["model"]
+
+
 def _trainer(tmp_path, name, model, **lazy):
     return LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, name, max_steps=1),
                                                                lazytrain_config={**EXACT, **lazy}),
@@ -76,7 +85,8 @@ def test_a_full_training_schedule_loaded_into_a_lora_run_warns_naming_the_frozen
 def test_plan_lora_costs_equal_the_trainers_on_the_real_model(tmp_path, arch):
     """`lazytrain-hf plan --lora-r` builds the frozen layout on the meta device (`planned_lora_costs`): it equals what
     the Trainer reads from the wrapped model (`model_frozen_costs`), so a plan's frozen input matches the run's; with
-    --load-in-4bit the packed bytes equal bitsandbytes' own 4-bit layout (nf4, with and without double quantization)."""
+    --load-in-4bit the packed bytes equal bitsandbytes' own 4-bit layout (nf4, with and without double quantization)
+    and the fp32 embedding, head and hidden states equal those of a base prepared as PEFT's QLoRA recipe does."""
     from lazytrain_hf.hf.peft_support import layout_of, model_frozen_costs, planned_lora_costs
     from lazytrain_hf.models import resolve_config
 
@@ -98,6 +108,7 @@ def test_plan_lora_costs_equal_the_trainers_on_the_real_model(tmp_path, arch):
                                    bnb_4bit_compute_dtype=torch.bfloat16)
         base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), quantization_config=quant,
                                                     device_map="cpu", dtype=torch.bfloat16)
+        base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # PEFT's QLoRA recipe
         real = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
         assert planned_lora_costs(config, 4, "all-linear", True, double) == model_frozen_costs(real)
 
