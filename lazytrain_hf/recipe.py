@@ -261,8 +261,9 @@ def _check_peft(values: Any, problems: list[str]) -> tuple[dict[str, Any] | None
     known = lora_config_fields()
     bad = sorted(set(values) - known)
     if bad:
-        problems.append(f"unknown key(s) {[f'peft.{k}' for k in bad]}: not peft.LoraConfig fields; valid: "
-                        f"{sorted(known | {'merge_on_save'})}" + did_you_mean(bad, known | {"merge_on_save"}, "peft"))
+        problems.append(f"unknown key(s) {[f'peft.{k}' for k in bad]}: neither peft.LoraConfig fields "
+                        f"({sorted(known)}) nor merge_on_save (this project's: also write the merged model)"
+                        + did_you_mean(bad, known | {"merge_on_save"}, "peft"))
     values = {k: v for k, v in values.items() if k in known}
     values = _read_bool_words(values, {"use_rslora", "use_dora", "inference_mode", "fan_in_fan_out"})
     checks = {

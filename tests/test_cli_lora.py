@@ -77,8 +77,8 @@ def no_model_load(monkeypatch):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("peft.lora_alpah=32", r"peft\.lora_alpah.*not peft\.LoraConfig fields; valid: \[.*'lora_alpha'.*"
-                           r"\(did you mean peft\.lora_alpha\?\)"),
+    ("peft.lora_alpah=32", r"peft\.lora_alpah.*neither peft\.LoraConfig fields \(\[.*'lora_alpha'.*\]\) nor "
+                           r"merge_on_save .*\(did you mean peft\.lora_alpha\?\)"),
     ("peft.r=0", r"peft\.r must be a positive integer"),
     ("peft.lora_dropout=1.5", r"peft\.lora_dropout must be a number in \[0, 1\)"),
     ("peft.task_type=CAUSAL_LN", r"peft\.task_type must be one of .*did you mean peft\.task_type\.CAUSAL_LM"),
