@@ -333,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"lazytrain-hf {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a save that failed for lack of disk space: its one message, not a traceback
+        from .hf.checkpoint import CheckpointSaveError  # imported by then: only a train run raises it
+
+        if args.verbose or not isinstance(e, CheckpointSaveError):
+            raise
+        print(f"lazytrain-hf {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

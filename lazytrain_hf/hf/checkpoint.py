@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..config import format_bytes
-from ..profiling.limits import ResourceLimitError, disk_free
+from ..profiling.limits import ResourceLimitError, check_need, disk_free
 
 __all__ = ["MANIFEST_NAME", "STAGING_PREFIX", "CheckpointError", "CheckpointSaveError", "save_atomically",
-           "checkpoint_problems", "last_complete_checkpoint", "resolve_resume", "naming_load_errors",
+           "save_model_checked", "checkpoint_problems", "last_complete_checkpoint", "resolve_resume", "naming_load_errors",
            "remove_stale_staging", "recorded_save_seconds"]
 
 logger = logging.getLogger(__name__)
@@ -179,6 +179,40 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
     rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
                        best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
     return clock() - t0
+
+
+def save_model_checked(trainer: Any, save: Callable[[], None], output_dir: str) -> None:
+    """`save` (the stock `save_model` into `output_dir`, not a checkpoint) with its free space checked first and a
+    full disk made one error. Checkpoints hold the run; this is the model a run ends with, written by the main
+    process (the others pass through).
+
+    Raises:
+        ResourceLimitError: less free space than the model's weights (nothing was written).
+        CheckpointSaveError: the save failed for lack of space: the bytes needed and free, and the last complete
+            checkpoint to resume from.
+    """
+    from . import preflight
+
+    if not trainer.args.should_save:
+        return save()
+    need = preflight.saved_model_bytes(trainer.model) + preflight.CHECKPOINT_OVERHEAD_BYTES
+    os.makedirs(output_dir, exist_ok=True)
+    free = disk_free(output_dir)
+    check_need(need, free, f"saving the model to {output_dir!r}",
+               "free space there or pass save_model a directory on a larger disk; the run's checkpoints are kept")
+    try:
+        save()
+    except Exception as e:
+        if not _disk_full(e):
+            raise
+        last = last_complete_checkpoint(trainer.args.output_dir, warn=False)
+        raise CheckpointSaveError(
+            errno.ENOSPC, f"LazyTrain: saving the model to {output_dir!r} failed for lack of disk space "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): it needs about "
+            f"{format_bytes(need)}, {format_bytes(free.bytes)} were free when the save began and "
+            f"{format_bytes(disk_free(output_dir).bytes)} when it failed. Fix: free space there and save again; "
+            + (f"the last complete checkpoint is {last} (resume_from_checkpoint, lazytrain-hf train --resume last)"
+               if last else "no checkpoint of the run was saved")) from e
 
 
 def recorded_save_seconds(ckpt: str) -> float | None:

@@ -336,6 +336,15 @@ class LazyTrainerMixin(TRLHooks):
         missing = [k for k in load_result.missing_keys if k not in tied or tied[k] in load_result.missing_keys]
         super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The stock save; outside a checkpoint (whose save is atomic and checked: hf/checkpoint.py) with the free
+        space checked first and a full disk made one error naming the bytes and the last complete checkpoint."""
+        if _internal_call:
+            return super().save_model(output_dir, _internal_call)
+        stock = super().save_model
+        out = output_dir if output_dir is not None else self.args.output_dir
+        checkpoint.save_model_checked(self, lambda: stock(output_dir, _internal_call), out)
+
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
         ex = self.executor
         if ex is not None and ex.shard is None:

@@ -543,3 +543,35 @@ def test_the_documented_checkpoint_sizes_are_what_the_optimizer_layout_gives():
             total = f"{(weights + states + preflight.CHECKPOINT_OVERHEAD_BYTES) / GIB:.1f}"
             got += [f"{states / GIB:.1f}", total] if master == "fp32" else [total]
         assert cells == got, name
+
+
+def test_the_final_model_save_checks_its_space_and_a_full_disk_is_one_error(tmp_path, monkeypatch):
+    """save_model outside a checkpoint (a run's final model): too little free space stops it before a byte is
+    written; a disk that fills during the write is one error with the bytes needed and free and the last complete
+    checkpoint to resume from (the run's checkpoints untouched)."""
+    tr = _trainer(tmp_path, "fin", **SAVE)
+    tr.train()
+    final = tmp_path / "final"
+    need = preflight.saved_model_bytes(tr.model) + preflight.CHECKPOINT_OVERHEAD_BYTES
+    with monkeypatch.context() as m:
+        m.setattr(ckpt_mod, "disk_free", lambda d: Limit(need - 1, f"free space on the disk of {d!r}"))
+        with pytest.raises(ResourceLimitError, match="saving the model to") as e:
+            tr.save_model(str(final))
+    assert e.value.need_bytes == need and not any(final.iterdir())
+
+    orig = transformers.modeling_utils.safe_save_file
+
+    def full(tensors, f, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.modeling_utils, "safe_save_file", full)
+        with pytest.raises(ckpt_mod.CheckpointSaveError) as e:
+            tr.save_model(str(final))
+    text = str(e.value)
+    assert e.value.errno == errno.ENOSPC and "were free when the save began" in text
+    assert str(tmp_path / "fin" / "checkpoint-4") in text  # where to resume from
+    assert ckpt_mod.last_complete_checkpoint(str(tmp_path / "fin")) == str(tmp_path / "fin" / "checkpoint-4")
+    assert orig is transformers.modeling_utils.safe_save_file
+    tr.save_model(str(final))  # with room again it saves
+    assert (final / "model.safetensors").exists()
