@@ -95,6 +95,41 @@ def test_the_completion_only_loss_differs_from_the_full_sequence_loss(tmp_path):
     assert not math.isclose(_logs(masked, "loss")[0], _logs(full, "loss")[0], rel_tol=1e-3)
 
 
+def test_sft_padding_free_packs_rows_and_trains_as_the_stock_sft_trainer(tmp_path):
+    """SFTConfig(padding_free=True): TRL's collator puts a micro-batch's examples in one row with positions that
+    restart per example, and the streamed layers train on it as the stock SFTTrainer does (transformers builds the
+    block-causal mask from the positions)."""
+    stock, lazy = _pair(tmp_path, padding_free=True)
+    batch = lazy.data_collator([lazy.train_dataset[i] for i in range(2)])
+    lengths = [len(lazy.train_dataset[i]["input_ids"]) for i in range(2)]
+    assert batch["input_ids"].shape == (1, sum(lengths))
+    assert batch["position_ids"][0, lengths[0]] == 0  # the second example starts over
+    _assert_equal_runs(stock, lazy, ("loss", "grad_norm", "mean_token_accuracy", "num_tokens"))
+
+
+def test_sft_with_peft_config_trains_the_adapters_as_the_stock_sft_trainer(tmp_path):
+    """SFTTrainer(peft_config=...) through the mixin: TRL wraps the model in its PEFT adapters, the executor streams
+    the frozen base, and losses, gradient norms and the trained adapters equal the stock SFTTrainer's."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    ds, tok = _prompt_completion(vocab), _tokenizer(vocab)
+
+    def lora():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+                               init_lora_weights=False)
+
+    torch.manual_seed(0)
+    stock = SFTTrainer(model=copy.deepcopy(model), args=SFTConfig(**_config(tmp_path, "stock", optim="adamw_torch")),
+                       train_dataset=ds, processing_class=tok, peft_config=lora())
+    stock.train()
+    torch.manual_seed(0)
+    lazy = LazySFT(model=model, args=SFTConfig(**_config(tmp_path, "lazy", optim="adamw_torch")), train_dataset=ds,
+                   processing_class=tok, peft_config=lora(), lazytrain_config=dict(EXACT))
+    lazy.train()
+    assert type(lazy.model).__name__ == "PeftModel" and all(lazy.executor.frozen)
+    _assert_equal_runs(stock, lazy, ("loss", "grad_norm", "mean_token_accuracy"))
+
+
 def test_the_lazy_sft_config_class_holds_both_settings(tmp_path):
     cls = lazy_args_class(SFTConfig)
     args = cls(**_config(tmp_path, "a"), lazytrain_config={"checkpoint_every": 3})
