@@ -477,3 +477,30 @@ def test_a_batch_longer_than_the_planned_buckets_gets_its_own_plan_and_equals_st
     assert caplog.text.count("longer than the longest planned (24") == 1, caplog.text
     for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss"), strict=True):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+
+
+def test_compute_metrics_gets_the_stock_models_logits(tmp_path):
+    """Evaluation with compute_metrics: the streamed forward hands it the [B, T, V] logits and labels the stock
+    Trainer's model gives (bit-equal in fp32), so metrics on logits (accuracy here) are the same."""
+    import numpy as np
+
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    ds = tiny_dataset(model.config.vocab_size)
+    seen = {}
+
+    def metrics(name):
+        def f(p):
+            seen[name] = (p.predictions, p.label_ids)
+            pred, lab = p.predictions[:, :-1].argmax(-1), p.label_ids[:, 1:]
+            return {"acc": float((pred == lab)[lab != -100].mean())}
+        return f
+
+    stock = Trainer(model=copy.deepcopy(model), args=TrainingArguments(**_common(tmp_path, "s", optim="adamw_torch")),
+                    eval_dataset=ds, data_collator=_collate, compute_metrics=metrics("stock"))
+    lazy = LazyTrainer(model=model, args=LazyTrainingArguments(**_common(tmp_path, "l"), lazytrain_config=dict(EXACT)),
+                       train_dataset=ds, eval_dataset=ds, data_collator=_collate, compute_metrics=metrics("lazy"))
+    a, b = stock.evaluate(), lazy.evaluate()
+    assert a["eval_acc"] == b["eval_acc"] and math.isclose(a["eval_loss"], b["eval_loss"], rel_tol=1e-6)
+    (ls, ys), (ll, yl) = seen["stock"], seen["lazy"]
+    assert ls.shape == ll.shape == (len(ds), ls.shape[1], model.config.vocab_size)
+    assert np.array_equal(ys, yl) and np.abs(ls - ll).max() <= 1e-5 * np.abs(ls).max()
