@@ -575,3 +575,32 @@ def test_the_final_model_save_checks_its_space_and_a_full_disk_is_one_error(tmp_
     assert orig is transformers.modeling_utils.safe_save_file
     tr.save_model(str(final))  # with room again it saves
     assert (final / "model.safetensors").exists()
+
+
+def test_the_plans_host_and_nvme_bytes_are_checked_at_train_begin(tmp_path, monkeypatch):
+    """preflight.check_plan at train begin: a plan whose predicted host bytes exceed this rank's limit stops the run
+    before a step, naming the plan; its NVMe bytes are checked against nvme_dir's free space."""
+    from types import SimpleNamespace
+
+    probe = _trainer(tmp_path, "probe", lazy={**EXACT, "policy": "milp"}, max_steps=1)
+    probe.train()
+    host = int(probe.executor.schedule.predicted["pinned_host_bytes"])
+    assert host > 0
+    tr = _trainer(tmp_path, "run", lazy={**EXACT, "policy": "milp"}, max_steps=1)
+    steps = []
+    tr.add_callback(type("C", (TrainerCallback,), {"on_step_end": lambda s, a, st, c, **k: steps.append(1)})())
+    monkeypatch.setattr(preflight, "host_limit_per_rank", lambda ranks=None: Limit(host - 1, "a test limit"))
+    with pytest.raises(ResourceLimitError, match=r"the plan \(milp\) on the host needs") as e:
+        tr.train()
+    assert e.value.need_bytes == host and not steps
+    monkeypatch.undo()
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    fake = SimpleNamespace(lazy_config=SimpleNamespace(nvme_dir=str(nvme), host_memory_budget=None))
+    plan = SimpleNamespace(policy="milp", predicted={"pinned_host_bytes": 0, "nvme_bytes": 10 << 30})
+    monkeypatch.setattr(preflight, "disk_free", lambda d: Limit((10 << 30) - 1, f"free space on the disk of {d!r}"))
+    with pytest.raises(ResourceLimitError, match="the plan's NVMe tier in"):
+        preflight.check_plan(fake, plan)
+    monkeypatch.setattr(preflight, "disk_free", lambda d: Limit(10 << 30, f"free space on the disk of {d!r}"))
+    preflight.check_plan(fake, plan)  # exactly enough
