@@ -231,13 +231,18 @@ def lora_targets(doc: dict[str, Any], model: str) -> list[str]:
             and (e := r.get("extra") or {}).get("host_bytes_per_base_param") is not None]
     name = (f"host bytes per base parameter <= {LORA_HOST_BYTES} (lazytrain_lora, bf16 base; peak RSS less the CPU "
             "tier's activation buffers)")
-    if vals:
-        v, r = max(vals, key=lambda x: x[0])
-        out.append(f"| {name} | {v:.2f} (largest: {_cap(r['gpu_cap_gib'])}, {where(r)}) | "
-                   f"{'met' if v <= LORA_HOST_BYTES else 'not met'} |")
-    else:
-        out.append(f"| {name} | - | not measured |")
+    out.append(_largest_line(name, vals, LORA_HOST_BYTES,
+                             lambda v, r: f"{v:.2f} (largest: {_cap(r['gpu_cap_gib'])}, {where(r)})"))
     return out
+
+
+def _largest_line(name: str, items: list[tuple[float, dict[str, Any]]], limit: float, shown: Any) -> str:
+    """A target row "the largest of `items` (value, row) <= `limit`": `shown(value, row)` and met / not met, or
+    not measured without items."""
+    if not items:
+        return f"| {name} | - | not measured |"
+    v, r = max(items, key=lambda x: x[0])
+    return f"| {name} | {shown(v, r)} | {'met' if v <= limit else 'not met'} |"
 
 
 #: QLoRA targets: lazytrain_qlora at this cap, on an nf4 base with LoRA r 16 on all linear layers and >= this many
@@ -363,15 +368,11 @@ def paper_targets(doc: dict[str, Any], model: str) -> list[str]:
                        f"{'met' if met else 'not met'} |")
         else:
             out.append(f"| {name} | - | not measured |")
-    host = [(r, r["peak_host_rss_gib"] * 2**30 / r["params"]) for r in ok
+    host = [(r["peak_host_rss_gib"] * 2**30 / r["params"], r) for r in ok
             if r.get("peak_host_rss_gib") and r.get("params")]
-    name = f"every LazyTrain row: peak host RSS <= {PAPER_HOST_B} bytes per parameter"
-    if host:
-        r, b = max(host, key=lambda x: x[1])
-        out.append(f"| {name} | largest {b:.2f} ({r['system']}, {_cap(r['gpu_cap_gib'])}, B={r['batch_size']}) | "
-                   f"{'met' if b <= PAPER_HOST_B else 'not met'} |")
-    else:
-        out.append(f"| {name} | - | not measured |")
+    out.append(_largest_line(f"every LazyTrain row: peak host RSS <= {PAPER_HOST_B} bytes per parameter", host,
+                             PAPER_HOST_B, lambda b, r: f"largest {b:.2f} ({r['system']}, {_cap(r['gpu_cap_gib'])}, "
+                                                        f"B={r['batch_size']})"))
     return out
 
 
