@@ -199,10 +199,8 @@ class ActivationStash:
         elif self.cuda:  # cpu tier: the copy runs (or ran, fetched ahead) on the H2D stream
             if e.device_copy is None:
                 self._fetch(e)
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(e.fetched)
+            torch.cuda.current_stream(self.device).wait_event(e.fetched)
             out = e.device_copy
-            out.record_stream(compute)  # allocated on the H2D stream, used and freed on the compute stream
             e.device_copy = e.fetched = None
             self._read_ahead(i)
             self._fetch_ahead(i)
@@ -225,14 +223,19 @@ class ActivationStash:
 
     def _fetch(self, e: _Entry) -> None:
         """Start cpu-tier entry e's H2D copy on the H2D stream, after its D2H; its host buffer goes back to the pool
-        once the copy is done."""
-        s = self.h2d_stream
+        once the copy is done. The device copy is allocated from the compute stream's memory (where boundaries
+        always came from: no blocks cached for another stream under a tight cap), so the copy waits for the compute
+        work queued so far, the block's earlier users, and overlaps what is queued after."""
+        s, compute = self.h2d_stream, torch.cuda.current_stream(self.device)
+        e.device_copy = torch.empty(e.tensor.shape, dtype=e.tensor.dtype, device=self.device)
+        s.wait_stream(compute)
         if e.event is not None:
             s.wait_event(e.event)
         with torch.cuda.stream(s):
-            e.device_copy = e.tensor.to(self.device, non_blocking=True)
+            e.device_copy.copy_(e.tensor, non_blocking=True)
             e.fetched = torch.cuda.Event()
             e.fetched.record(s)
+        e.device_copy.record_stream(s)  # freed on the compute stream: not reused before the copy is done
         self.h2d_bytes += e.tensor.numel() * e.tensor.element_size()
         self.buffers.release(e.buf, e.fetched)
         e.tensor = e.buf = None
