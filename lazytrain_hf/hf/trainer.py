@@ -23,6 +23,7 @@ from ..config import GIB, LazyTrainConfig
 from ..kernels import select_linear_attention
 from ..models import check_supported
 from ..planning.schedule import Schedule
+from ..profiling.limits import ResourceLimitError
 from ..streaming.executor import StreamingExecutor
 from ..streaming.head import shift_labels
 from ..streaming.model import StreamingModel
@@ -180,7 +181,18 @@ class LazyTrainerMixin(TRLHooks):
             return super().train(resume, *pos, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        seconds = checkpoint.save_atomically(self, super()._save_checkpoint, model, trial, clock=self.longrun.clock)
+        try:
+            seconds = checkpoint.save_atomically(self, super()._save_checkpoint, model, trial,
+                                                 clock=self.longrun.clock)
+        except (checkpoint.CheckpointSaveError, ResourceLimitError) as e:
+            # a periodic save that found no room left nothing partial behind: one process keeps training and the
+            # next save tries again. An interruption's save, the last step's, or data parallel (the ranks would
+            # have to agree) raise.
+            if (self.args.world_size > 1 or self.longrun._stopping
+                    or self.state.global_step >= self.state.max_steps):
+                raise
+            logger.error("%s; training continues, the next save tries again", e)
+            return
         self.longrun.note_save(seconds)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:

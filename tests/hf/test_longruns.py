@@ -9,6 +9,7 @@ import builtins
 import copy
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -604,3 +605,23 @@ def test_the_plans_host_and_nvme_bytes_are_checked_at_train_begin(tmp_path, monk
         preflight.check_plan(fake, plan)
     monkeypatch.setattr(preflight, "disk_free", lambda d: Limit(10 << 30, f"free space on the disk of {d!r}"))
     preflight.check_plan(fake, plan)  # exactly enough
+
+
+def test_a_periodic_save_on_a_full_disk_is_one_error_line_and_training_continues(tmp_path, monkeypatch, caplog):
+    """One process: a save before the last step that finds the disk full leaves nothing partial, logs one error
+    and training goes on (the next save tries again), with the losses of a run whose saves all succeeded."""
+    model = load_model("qwen3-tiny", "float32", seed=7)
+    six = dict(max_steps=6, save_strategy="steps", save_steps=2)
+    ref = _trainer(tmp_path, "ref", copy.deepcopy(model), **six)
+    ref.train()
+    with monkeypatch.context() as m, caplog.at_level(logging.ERROR, logger="lazytrain_hf"):
+        Writes(m, step=2, fail_at=1, disk_full=True)
+        tr = _trainer(tmp_path, "full", copy.deepcopy(model), **six)
+        tr.train()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "saving checkpoint-2 failed for lack of disk space" in errors[0]
+    assert "training continues" in errors[0]
+    out = tmp_path / "full"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert _losses(tr) == pytest.approx(_losses(ref), rel=1e-6)
+    assert ckpt_mod.last_complete_checkpoint(str(out)) == str(out / "checkpoint-6")
