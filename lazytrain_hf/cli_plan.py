@@ -636,7 +636,7 @@ def _print_prediction(sched: Any, cm: Any) -> None:
           f"backward {kept} layers kept, {len(sched.layers) - kept - rebuilt} re-forwarded, {rebuilt} rebuilt; "
           f"{on_gpu} layers updated on the GPU{grads}")
     print(f"predicted step {p['step_ms']:.1f} ms (simulated {p.get('simulated_step_ms', float('nan')):.1f} ms), "
-          f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS ({'6ND' if not frozen else '6ND, 4ND frozen'})")
+          f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS ({'6ND' if not frozen else '6 FLOPs per trained parameter and token, 4 per frozen one'})")
     print(f"  compute {p['compute_ms']:.1f} ms + re-forward / rebuild {p['recompute_ms']:.1f} ms + GPU optimizer "
           f"{p['gpu_optim_ms']:.1f} ms + exposed transfer {p['exposed_transfer_ms']:.1f} ms + exposed CPU optimizer "
           f"{p['exposed_optimizer_ms']:.1f} ms")
