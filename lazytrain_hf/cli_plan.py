@@ -595,7 +595,8 @@ def _print_resident(sched: Any, cm: Any, tried: list[tuple[int, str, float | Non
                      "GPU once per step)",
              "host_sliced": "embedding and LM head in host memory (updated on the CPU; the head's weights streamed "
                             "to the GPU in vocabulary slices, its gradient back slice by slice)"}[sched.resident]
-    frozen = [n for n, f in (("embedding", cm.meta.get("frozen_embed")), ("LM head", cm.meta.get("frozen_head"))) if f]
+    frozen = [n for n, f in (("embedding", cm.meta.get("frozen_embed")), ("LM head", cm.meta.get("frozen_head")))
+              if f]
     if frozen:  # LoRA's base: weights only, nothing updated
         for text, by in ((" (weights, gradients, optimizer states)", ""), (" and updated on the CPU", " on the CPU"),
                          ("updated on the CPU; ", "")):
@@ -636,7 +637,8 @@ def _print_prediction(sched: Any, cm: Any) -> None:
           f"backward {kept} layers kept, {len(sched.layers) - kept - rebuilt} re-forwarded, {rebuilt} rebuilt; "
           f"{on_gpu} layers updated on the GPU{grads}")
     print(f"predicted step {p['step_ms']:.1f} ms (simulated {p.get('simulated_step_ms', float('nan')):.1f} ms), "
-          f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS ({'6ND' if not frozen else '6 FLOPs per trained parameter and token, 4 per frozen one'})")
+          f"{p['tokens_per_s']:.0f} tokens/s, {flops:.1f} TFLOPS "
+          f"({'6ND' if not frozen else '6 FLOPs per trained parameter and token, 4 per frozen one'})")
     print(f"  compute {p['compute_ms']:.1f} ms + re-forward / rebuild {p['recompute_ms']:.1f} ms + GPU optimizer "
           f"{p['gpu_optim_ms']:.1f} ms + exposed transfer {p['exposed_transfer_ms']:.1f} ms + exposed CPU optimizer "
           f"{p['exposed_optimizer_ms']:.1f} ms")

@@ -32,8 +32,8 @@ from ..config import format_bytes
 from ..profiling.limits import ResourceLimitError, check_need, disk_free
 
 __all__ = ["MANIFEST_NAME", "STAGING_PREFIX", "CheckpointError", "CheckpointSaveError", "save_atomically",
-           "save_model_checked", "checkpoint_problems", "last_complete_checkpoint", "resolve_resume", "naming_load_errors",
-           "remove_stale_staging", "recorded_save_seconds"]
+           "save_model_checked", "checkpoint_problems", "last_complete_checkpoint", "resolve_resume",
+           "naming_load_errors", "remove_stale_staging", "recorded_save_seconds"]
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from ..profiling.limits import Limit, check_need, disk_free, host_memory_limit, 
 from ..streaming.shared_host import check_shm_space, segment_bytes
 
 __all__ = ["host_limit_per_rank", "fixed_host_bytes", "check_host_before_pinning", "check_plan", "checkpoint_bytes",
-           "saved_model_bytes", "check_checkpoint_space", "memlock_note", "ranks_per_host", "shared_weight_ranks", "shared_copy_bytes"]
+           "saved_model_bytes", "check_checkpoint_space", "memlock_note", "ranks_per_host", "shared_weight_ranks",
+           "shared_copy_bytes"]
 
 logger = logging.getLogger(__name__)
 

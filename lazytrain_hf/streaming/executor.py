@@ -599,11 +599,7 @@ class StreamingExecutor:
             denominator = targets.ne(-100).sum().clamp(min=1)
         run = self.stream_pass(input_ids, attention_mask, position_ids, sync_gradients)
         h = next(run)
-        if self.resident.head_sliced:
-            loss, g = self.resident.sliced_loss(h, targets, self.base.norm, denominator, self.config.loss_chunk_tokens)
-        else:
-            loss, g = chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(),
-                                      denominator, self.config.loss_chunk_tokens, compute_dtype=self.autocast_dtype)
+        loss, g = self._head_loss(h, targets, denominator)
         self.resident.head_backward_done()
         del h
         run.send(g)
@@ -792,22 +788,25 @@ class StreamingExecutor:
         """Streamed forward without grad. Returns (loss or None, [B, T, V] logits or None); the summed token loss
         is divided by `denominator` (default: the valid shifted labels, a mean)."""
         h = self.forward_hidden(input_ids, attention_mask, position_ids)
-        norm, sliced = self.base.norm, self.resident.head_sliced
         loss = None
         if labels is not None:
             targets = shift_labels(labels.to(self.device))
             if denominator is None:
                 denominator = targets.ne(-100).sum().clamp(min=1)
-            if sliced:
-                loss, _ = self.resident.sliced_loss(h, targets, norm, denominator, self.config.loss_chunk_tokens,
-                                                    backward=False)
-            else:
-                loss, _ = chunked_lm_loss(h, targets, norm, self.resident.head_module(), denominator,
-                                          self.config.loss_chunk_tokens, backward=False,
-                                          compute_dtype=self.autocast_dtype)
-        logits = (chunked_logits(h, norm, self.resident.head_module(), self.config.loss_chunk_tokens,
+            loss, _ = self._head_loss(h, targets, denominator, backward=False)
+        logits = (chunked_logits(h, self.base.norm, self.resident.head_module(), self.config.loss_chunk_tokens,
                                  compute_dtype=self.autocast_dtype) if return_logits else None)
         return loss, logits
+
+    def _head_loss(self, h: torch.Tensor, targets: torch.Tensor, denominator: float | torch.Tensor,
+                   backward: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final norm, LM head and loss over the last layer's output: over vocabulary slices under
+        "host_sliced" (`ResidentParts.sliced_loss`), else `chunked_lm_loss` (its products in the autocast dtype)."""
+        if self.resident.head_sliced:
+            return self.resident.sliced_loss(h, targets, self.base.norm, denominator, self.config.loss_chunk_tokens,
+                                             backward=backward)
+        return chunked_lm_loss(h, targets, self.base.norm, self.resident.head_module(), denominator,
+                               self.config.loss_chunk_tokens, backward=backward, compute_dtype=self.autocast_dtype)
 
     def close(self) -> None:
         self.flush_updates()

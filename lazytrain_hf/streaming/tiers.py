@@ -173,19 +173,22 @@ class ActivationStash:
         e.read_buf = buf
         return buf[:e.nbytes].view(e.dtype).view(e.shape)
 
-    def _read_ahead(self, below: int) -> None:
-        keys = [k for k, e in self.entries.items() if e.tier == "nvme" and k < below and e.read is None]
-        if keys:
-            e = self.entries[max(keys)]
+    def _ahead(self, below: int) -> None:
+        """After `get(below)`: start reading the next NVMe boundary backward needs from its file and, on CUDA,
+        copying the next CPU-tier one to the device (each the largest stashed index below `below` of its tier)."""
+        nvme = [k for k, e in self.entries.items() if e.tier == "nvme" and k < below and e.read is None]
+        if nvme:
+            e = self.entries[max(nvme)]
             e.read = self._io().submit(self._read, e)
+        cpu = [k for k, e in self.entries.items() if e.tier == "cpu" and k < below] if self.cuda else []
+        if cpu and self.entries[max(cpu)].device_copy is None:
+            self._fetch(self.entries[max(cpu)])
 
     def get(self, i: int) -> torch.Tensor:
         """Boundary i on the compute device (removed from the stash)."""
         e = self.entries.pop(i)
         if e.tier == "gpu":
-            self._read_ahead(i)
-            if self.cuda:
-                self._fetch_ahead(i)
+            self._ahead(i)
             return e.tensor
         if e.tier == "nvme":
             try:
@@ -202,15 +205,12 @@ class ActivationStash:
             torch.cuda.current_stream(self.device).wait_event(e.fetched)
             out = e.device_copy
             e.device_copy = e.fetched = None
-            self._read_ahead(i)
-            self._fetch_ahead(i)
+            self._ahead(i)
             return out
         else:
             host, buf = e.tensor, e.buf
         e.tensor = e.buf = e.read_buf = None
-        self._read_ahead(i)
-        if self.cuda:
-            self._fetch_ahead(i)
+        self._ahead(i)
         self.h2d_bytes += host.numel() * host.element_size()
         out = host.to(self.device, non_blocking=self.cuda)
         if self.cuda:  # Note [stash buffers]: reusable once the H2D copy that reads it is done
@@ -239,13 +239,6 @@ class ActivationStash:
         self.h2d_bytes += e.tensor.numel() * e.tensor.element_size()
         self.buffers.release(e.buf, e.fetched)
         e.tensor = e.buf = None
-
-    def _fetch_ahead(self, below: int) -> None:
-        keys = [k for k, e in self.entries.items() if e.tier == "cpu" and k < below]
-        if keys:
-            e = self.entries[max(keys)]
-            if e.device_copy is None:
-                self._fetch(e)
 
     def flush(self) -> None:
         """Wait for every pending NVMe write; raise the first failure (its file already removed)."""
