@@ -5,7 +5,7 @@
 # tests: every GPU test (pytest -m gpu); ddptests: the same with 2 GPUs over NCCL (nvidia-h200-x2);
 # soak: python -m benchmarks.soak (one long run watched for drift) into HARNESS_OUT (default
 # benchmarks/results/soak-<date>.json), extra args to it;
-# <suite>: python -m benchmarks.run --suite <suite> (7b, hybrid, paper, lora, qlora, sft, full, smoke), resuming from
+# <suite>: python -m benchmarks.run --suite <suite> (7b, hybrid, paper, lora, sft, full, smoke), resuming from
 # HARNESS_OUT (default benchmarks/results/<suite>-<date>.json); copy the file back before the next call.
 # CPUSET=0-15 pins the processes (and the optimizer's threads) to the single-GPU kind's 16 cores on a larger host.
 set -uo pipefail

@@ -19,7 +19,7 @@ TFLOPS executed and model, host bytes per base parameter) and targets: LazyTrain
 of the uncapped stock Trainer + PEFT (its best row, >= 32k tokens per optimizer step), the stock Trainer + PEFT out of
 memory at 24 GiB, host bytes per base parameter <= 2.1 (bf16 base).
 
-QLoRA rows (lazytrain_qlora, suites qlora / qlora-smoke) get the same table with the base's quantization, and targets:
+QLoRA rows (lazytrain_qlora, suites lora / qlora-smoke) get the same table with the base's quantization, and targets:
 at 24 GiB, nf4 with LoRA r 16 on all linear layers, >= 800 tokens/s (>= 32k tokens per optimizer step), and host
 bytes per base parameter <= 0.7 on every lazytrain_qlora row (4-bit weights counted by their original shape).
 

@@ -26,17 +26,14 @@ GPU budget, the stock LazyTrainer); the 7b and full suites keep the harness's se
 
     python -m benchmarks.run --suite lora --out benchmarks/results/lora-YYYYMMDD.json --budget-s 540
 
-The lora suite (LoRA r 16 on every linear layer of a frozen base; systems lazytrain_lora, stock_trainer_lora,
-fsdp2_cpu_offload_lora) runs tokens_per_step tokens per optimizer step (gradient accumulation per batch size,
-recorded per row), searches the uncapped stock PEFT run's largest batch (up to tokens_per_step / seq_len sequences)
-and measures it there; lora-smoke is its CPU shape (tests).
-
-    HARNESS_OUT=benchmarks/results/qlora-YYYYMMDD.json bash benchmarks/gpu_session.sh qlora --budget-s 540
-
-The qlora suite (system lazytrain_qlora: the lora suite's adapters and LazyTrainer on a bitsandbytes nf4 base with
-double quantization and bf16 compute, systems.QLORA_QUANT) trains a Llama-3-70B shape under 24 GiB at 32k tokens per
-optimizer step; the base is built 4-bit module by module on the GPU (a bf16 70B would not fit the 128 GiB host) and
-ends on the CPU, as from_pretrained(..., device_map="cpu") leaves it. qlora-smoke is its CPU shape (tests).
+The lora suite (LoRA r 16 on every linear layer of a frozen base) holds both bases in one file. On a bf16 Qwen2.5-32B
+shape: systems lazytrain_lora, stock_trainer_lora, fsdp2_cpu_offload_lora, tokens_per_step tokens per optimizer step
+(gradient accumulation per batch size, recorded per row), the uncapped stock PEFT run's largest batch searched (up to
+tokens_per_step / seq_len sequences) and measured there. On a Llama-3-70B shape in bitsandbytes nf4 with double
+quantization and bf16 compute (systems.QLORA_QUANT): lazytrain_qlora, the same adapters under 24 GiB; the base is
+built 4-bit module by module on the GPU (a bf16 70B would not fit the 128 GiB host) and ends on the CPU, as
+from_pretrained(..., device_map="cpu") leaves it (`--models llama3-70b` runs that row alone). lora-smoke and
+qlora-smoke are the CPU shapes (tests).
 
     python -m benchmarks.run --suite sft --out benchmarks/results/sft-YYYYMMDD.json --budget-s 540
 
@@ -95,7 +92,8 @@ SFT = SFT_SYSTEMS
 #: Optional: systems (default all), lazytrain (PRODUCT_DEFAULTS: LazyTrain rows as a user runs them; default the
 #: harness's settings), max_batch_caps (caps whose largest batch is searched without --find-max-batch), row_s[cap]
 #: (seconds a row takes: no row starts with less budget left, so a call's last minutes are not spent on a row the
-#: deadline kills), tokens_per_step (gradient accumulation: benchmarks/worker.py), lora (LoraConfig fields of the
+#: deadline kills), system_row_s[system] (the same for one system, over row_s), model_systems[model] (the systems that
+#: run on that model; default all), tokens_per_step (gradient accumulation: benchmarks/worker.py), lora (LoraConfig fields of the
 #: LoRA systems; default systems.LORA_DEFAULTS), quantization (BitsAndBytesConfig fields of the QLoRA systems' base;
 #: default systems.QLORA_QUANT), max_batch_systems (the systems searched at max_batch_caps; default
 #: all), max_batch_limit (the search's largest batch; --max-batch-limit overrides; a dict: per system, 512 for the
@@ -143,37 +141,37 @@ SUITES["paper"] = dict(device="cuda", models=["qwen2.5-3b", "qwen2.5-7b", "qwen3
                               # the stock Trainer on the whole GPU: the 24 GiB MILP rows' pair at 32k tokens a step
                               None: {**{s: [] for s in LT}, "stock_trainer": [32]}},
                        timeout={**{s: 540 for s in LT}, "stock_trainer": 300}, row_s={24: 150, 80: 240, None: 150})
-# LoRA r 16 on every linear layer of a Qwen2.5-32B shape at 32k tokens per optimizer step: LazyTrain under 24 GiB
-# (B 32: one micro-batch per step, the base streamed once per step; the plan splits it into row passes), the uncapped
-# stock Trainer + PEFT at its largest batch up to 32 (a max-batch search after B 32, then that batch measured, with
-# accumulation up to 32k tokens), the stock Trainer at 24 GiB (out of memory: the bf16 base alone is 61 GiB), and
-# FSDP2 CPU offload + PEFT at 24 GiB. warmup 5: the MILP calibrates on steps 3-5 (2 unused steps, then 3 measured:
-# hf/plans.py) and re-plans after step 5, so the timed steps run one plan; adapters update on the GPU, so the step after
-# the re-plan waits on no CPU update (the hybrid suite's sixth warm-up step is not needed).
-SUITES["lora"] = dict(device="cuda", models=["qwen2.5-32b"], caps=[24, None], seq_len=1024, steps=5, warmup=5,
-                      systems=list(LORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=32768, lora=LORA_DEFAULTS,
-                      batch={24: {"lazytrain_lora": [32], "stock_trainer_lora": [1], "fsdp2_cpu_offload_lora": [8]},
-                             None: {"lazytrain_lora": [], "stock_trainer_lora": [32], "fsdp2_cpu_offload_lora": []}},
+# LoRA r 16 on every linear layer at 32k tokens per optimizer step, both bases in one file: a Qwen2.5-32B shape in
+# bf16 and a Llama-3-70B shape in nf4 (model_systems: which systems run on which base).
+# bf16 base: LazyTrain under 24 GiB (B 32: one micro-batch per step, the base streamed once per step; the plan splits
+# it into row passes), the uncapped stock Trainer + PEFT at its largest batch up to 32 (a max-batch search after B 32,
+# then that batch measured, with accumulation up to 32k tokens), the stock Trainer at 24 GiB (out of memory: the bf16
+# base alone is 61 GiB), and FSDP2 CPU offload + PEFT at 24 GiB.
+# 4-bit base (lazytrain_qlora: nf4 with double quantization, 70.6 B parameters, 68.5 B of them 4-bit: ~35 GB packed
+# weights and state; the embedding and LM head fp32 after prepare_model_for_kbit_training, 8.4 GB): B 16 x 2
+# micro-batches, since at B 32 the fp32 boundaries fill 111 of the 113 GiB host budget. Its row built the base in 30 s
+# and ran 8 steps in 384 s (qlora-20261203.json), so it needs the whole of one --budget-s 570 call (row_s 500) and
+# --steps 3 there; a row killed at the deadline records nothing.
+# warmup 5: the MILP calibrates on steps 3-5 (2 unused steps, then 3 measured: hf/plans.py) and re-plans after step 5,
+# so the timed steps run one plan; adapters update on the GPU, so the step after the re-plan waits on no CPU update
+# (the hybrid suite's sixth warm-up step is not needed).
+SUITES["lora"] = dict(device="cuda", models=["qwen2.5-32b", "llama3-70b"], caps=[24, None], seq_len=1024, steps=5,
+                      warmup=5, systems=[*LORA, *QLORA], model_systems={"qwen2.5-32b": LORA, "llama3-70b": QLORA},
+                      lazytrain=PRODUCT_DEFAULTS, tokens_per_step=32768, lora=LORA_DEFAULTS, quantization=QLORA_QUANT,
+                      batch={24: {"lazytrain_lora": [32], "stock_trainer_lora": [1], "fsdp2_cpu_offload_lora": [8],
+                                  "lazytrain_qlora": [16]},
+                             None: {"lazytrain_lora": [], "stock_trainer_lora": [32], "fsdp2_cpu_offload_lora": [],
+                                    "lazytrain_qlora": []}},
                       max_batch_caps=[None], max_batch_systems=["stock_trainer_lora"], max_batch_limit=32,
                       measure_max_batch=True,
-                      timeout={"lazytrain_lora": 540, "stock_trainer_lora": 420, "fsdp2_cpu_offload_lora": 540},
-                      row_s={24: 300, None: 240})
+                      timeout={"lazytrain_lora": 540, "stock_trainer_lora": 420, "fsdp2_cpu_offload_lora": 540,
+                               "lazytrain_qlora": 540},
+                      row_s={24: 300, None: 240}, system_row_s={"lazytrain_qlora": 500})
 SUITES["lora-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                             systems=list(LORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
                             batch={None: {**{s: [2] for s in LORA}, "lazytrain_lora": [1, 2]}},
                             timeout={s: 240 for s in LORA})
-# QLoRA: the lora suite's adapters (r 16 on every linear layer) and LazyTrainer (product defaults) on a Llama-3-70B
-# shape in nf4 with double quantization (70.6 B parameters, 68.5 B of them 4-bit: ~35 GB packed weights and state,
-# the embedding and LM head in fp32 after prepare_model_for_kbit_training, 8.4 GB) under 24 GiB, at 32k tokens per
-# optimizer step (B 32, one micro-batch). warmup 5 as the lora suite (calibration on steps 3-5). timeout / row_s: the
-# GPU build of the base (not measured yet: 68.5 B parameters filled and quantized on the GPU, ~35 GB copied down),
-# pinning it, then 10 steps of 32k tokens; at the 800 tokens/s target a step is 41 s, so the row needs the whole of one
-# --budget-s 540 call: it starts only at the head of one (row_s 500) and is killed at 540 s. A row killed there
-# records nothing; --steps 3 (8 steps, the timed ones after the re-plan) fits 40 s steps.
-SUITES["qlora"] = dict(device="cuda", models=["llama3-70b"], caps=[24], seq_len=1024, steps=5, warmup=5,
-                       systems=list(QLORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=32768, lora=LORA_DEFAULTS,
-                       quantization=QLORA_QUANT, batch={24: {"lazytrain_qlora": [32]}},
-                       timeout={"lazytrain_qlora": 540}, row_s={24: 500})
+# lazytrain_qlora on the CPU (tests): a tiny nf4 base
 SUITES["qlora-smoke"] = dict(device="cpu", models=["llama-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                              systems=list(QLORA), lazytrain=PRODUCT_DEFAULTS, tokens_per_step=128, lora=LORA_DEFAULTS,
                              quantization=QLORA_QUANT, batch={None: {"lazytrain_qlora": [2]}},
@@ -407,8 +405,13 @@ def _configuration(suite: dict[str, Any]) -> str:
     return suite.get("lazytrain", HARNESS_SETTINGS)
 
 
-def _min_start(args: argparse.Namespace, suite: dict[str, Any], cap: float | None) -> float:
-    return max(args.min_start_s, suite.get("row_s", {}).get(cap, 0))
+def _min_start(args: argparse.Namespace, suite: dict[str, Any], cap: float | None, system: str | None = None) -> float:
+    return max(args.min_start_s, suite.get("system_row_s", {}).get(system, suite.get("row_s", {}).get(cap, 0)))
+
+
+def _systems_of(suite: dict[str, Any], model: str, systems: list[str]) -> list[str]:
+    """The systems of `systems` that run on `model` (the suite's model_systems; default all)."""
+    return [s for s in systems if s in suite.get("model_systems", {}).get(model, systems)]
 
 
 def _sizes(args: argparse.Namespace, suite: dict[str, Any], system: str, cap: float | None) -> list[int]:
@@ -430,7 +433,7 @@ def measure(args: argparse.Namespace, suite: dict[str, Any], res: Results, syste
         return
     groups = [[B] for B in todo] if system in ONE_BATCH_PER_PROCESS else [todo]
     for group in groups:
-        if time.time() > deadline - _min_start(args, suite, cap):
+        if time.time() > deadline - _min_start(args, suite, cap, system):
             print(f"budget: not starting {system} {model} cap={cap} B={group}", flush=True)
             return
         rows = run_process(_spec(args, suite, system, model, cap, group), args.timeout_s or suite["timeout"][system],
@@ -534,7 +537,7 @@ def find_max_batch(args: argparse.Namespace, suite: dict[str, Any], res: Results
                            "probes": probes})
 
     def probe(B: int) -> bool | None:
-        if time.time() > deadline - _min_start(args, suite, cap):
+        if time.time() > deadline - _min_start(args, suite, cap, system):
             print(f"budget: max-batch search of {system} cap={cap} stopped before B={B}", flush=True)
             return None
         rows = run_process(_spec(args, suite, system, model, cap, [B], steps=1, warmup=1), timeout, deadline,
@@ -790,7 +793,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
             tmp = args.log_dir
         for model in args.models or suite["models"]:
             for cap in suite["caps"] if args.caps is None else args.caps:
-                for system in systems:
+                for system in _systems_of(suite, model, systems):
                     measure(args, suite, res, system, model, cap, deadline, Path(tmp))
                     if args.find_max_batch or (cap in suite.get("max_batch_caps", ()) and not args.skip_max_batch
                                                and system in suite.get("max_batch_systems", systems)):
@@ -800,7 +803,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> Results
                         if top is not None:
                             measure(args, suite, res, system, model, cap, deadline, Path(tmp), sizes=[top])
     planned = [(s, m, c, B) for m in args.models or suite["models"]
-               for c in (suite["caps"] if args.caps is None else args.caps) for s in systems
+               for c in (suite["caps"] if args.caps is None else args.caps) for s in _systems_of(suite, m, systems)
                for B in _sizes(args, suite, s, c)]
     if suite.get("measure_max_batch"):  # the searched largest batches, measured
         planned += [(s, m, c, top) for s, m, c in searched if (top := searched_max_batch(res, s, m, c)) is not None]

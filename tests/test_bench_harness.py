@@ -664,7 +664,9 @@ def test_lora_suite_measures_the_stock_runs_searched_largest_batch(tmp_path, mon
         ("stock_trainer_lora", None, fits, True)
     measured = [(s, c, B) for s, c, B, steps in ran if steps == run.SUITES["lora"]["steps"]]
     assert measured == [("lazytrain_lora", 24, 32), ("stock_trainer_lora", 24, 1), ("stock_trainer_lora", None, 32),
-                        ("stock_trainer_lora", None, fits)]
+                        ("stock_trainer_lora", None, fits), ("lazytrain_qlora", 24, 16)]  # the 4-bit base's row last
+    assert {(r["system"], r["model"]) for r in res.doc["rows"] if r["model"] == "llama3-70b"} == \
+        {("lazytrain_qlora", "llama3-70b")}  # model_systems: no bf16-base system on the 4-bit base's model
     assert res.get(("stock_trainer_lora", run.SUITES["lora"]["models"][0], None, fits))["status"] == "ok"
     assert all(r["system"] != "lazytrain_lora" or r["gpu_cap_gib"] == 24 for r in res.doc["rows"])
 

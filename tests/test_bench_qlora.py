@@ -1,7 +1,7 @@
 """The harness's QLoRA system (lazytrain_qlora) on the CPU: the 4-bit base built module by module equals what
 transformers' from_pretrained with the same BitsAndBytesConfig gives for the same bf16 weights (packed data and
 quantization state), holds one bf16 weight at a time, and its host bytes are what `quantized_host_bytes` counts; the
-qlora-smoke suite trains it through LazyTrainer with logical parameter counts; the qlora suite's settings; the
+qlora-smoke suite trains it through LazyTrainer with logical parameter counts; the lora suite's 4-bit row; the
 report's QLoRA targets."""
 
 from __future__ import annotations
@@ -172,31 +172,32 @@ def test_qlora_smoke_suite_trains_the_4bit_base_and_counts_logical_parameters(tm
     assert "## Targets: LoRA on" not in text  # the LoRA (bf16 base) targets are not the QLoRA rows'
 
 
-def test_qlora_suite_settings(tmp_path):
-    """The qlora suite as the GPU runs it: lazytrain_qlora alone on the Llama-3-70B shape under 24 GiB, 32k tokens
-    per optimizer step in one micro-batch of 32, the lora suite's adapters, steps and LazyTrainer (product
-    defaults), nf4 with double quantization and bf16 compute quantized on the GPU; the LoRA suites do not run it."""
+def test_lora_suite_runs_qlora_on_the_70b_shape(tmp_path):
+    """The lora suite's 4-bit row as the GPU runs it: lazytrain_qlora alone on the Llama-3-70B shape under 24 GiB,
+    32k tokens per optimizer step in two micro-batches of 16, the bf16 rows' adapters and LazyTrainer (product
+    defaults), nf4 with double quantization and bf16 compute; it starts only with a whole call's budget left."""
     from benchmarks import run
     from benchmarks.systems import LORA_DEFAULTS, QLORA_QUANT, build_args, unsupported_reason
     from lazytrain_hf.models import resolve_config
 
-    suite, lora = run.SUITES["qlora"], run.SUITES["lora"]
-    assert suite["models"] == ["llama3-70b"] and suite["caps"] == [24] and suite["device"] == "cuda"
-    assert resolve_config("llama3-70b").model_type == "llama"
-    assert (suite["seq_len"], suite["tokens_per_step"], suite["steps"], suite["warmup"]) == \
-        (1024, 32768, lora["steps"], lora["warmup"])
-    assert suite["batch"] == {24: {"lazytrain_qlora": [32]}} and suite["systems"] == ["lazytrain_qlora"]
-    assert suite["row_s"][24] < suite["timeout"]["lazytrain_qlora"] <= 540
+    suite = run.SUITES["lora"]
+    assert "llama3-70b" in suite["models"] and resolve_config("llama3-70b").model_type == "llama"
+    assert run._systems_of(suite, "llama3-70b", suite["systems"]) == ["lazytrain_qlora"]
+    assert "lazytrain_qlora" not in run._systems_of(suite, "qwen2.5-32b", suite["systems"])
+    assert (suite["seq_len"], suite["tokens_per_step"]) == (1024, 32768)
+    assert suite["batch"][24]["lazytrain_qlora"] == [16] and suite["batch"][None]["lazytrain_qlora"] == []
+    args = run.parse_args(["--suite", "lora", "--out", str(tmp_path / "x.json"), "--device", "cpu"])
+    assert run._min_start(args, suite, 24, "lazytrain_qlora") == 500 < suite["timeout"]["lazytrain_qlora"] <= 540
+    assert run._min_start(args, suite, 24, "lazytrain_lora") == suite["row_s"][24]
     assert all("lazytrain_qlora" not in run.SUITES[s].get("systems", run.ORDER) for s in run.SUITES
-               if not s.startswith("qlora"))
-    args = run.parse_args(["--suite", "qlora", "--out", str(tmp_path / "x.json"), "--device", "cpu"])
-    spec = run._spec(args, suite, "lazytrain_qlora", "llama3-70b", 24, [32])
+               if s not in ("lora", "qlora-smoke"))
+    spec = run._spec(args, suite, "lazytrain_qlora", "llama3-70b", 24, [16])
     assert spec["lora"] == LORA_DEFAULTS and spec["quantization"] == QLORA_QUANT == dict(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype="bfloat16")
     assert spec["device"] == "cpu" and args.device == "cpu"  # the suite's cuda: the worker quantizes on the GPU
-    ta, extra = build_args("lazytrain_qlora", spec, 32, 10)
-    assert ta.gradient_accumulation_steps == 1 and ta.bf16
+    ta, extra = build_args("lazytrain_qlora", spec, 16, 10)
+    assert ta.gradient_accumulation_steps == 2 and ta.bf16
     assert extra["lazytrain_config"] == {"policy": "milp", "gpu_memory_budget": "24GiB"}
     assert str(getattr(ta.optim, "value", ta.optim)) == "lazytrain_hybrid8" and extra["lora_of"] == "lazytrain_milp"
     assert unsupported_reason("lazytrain_qlora", "cpu") is None
@@ -239,7 +240,7 @@ def test_report_checks_the_qlora_targets(rows, speed, host):
     row (the largest deciding); without an ok row the rows' statuses are shown and the target is not measured."""
     from benchmarks.report import markdown, qlora_targets
 
-    doc = {"suite": "qlora", "date": "2026-12-03", "rows": rows}
+    doc = {"suite": "lora", "date": "2026-12-03", "rows": rows}
     lines = qlora_targets(doc, "llama3-70b")
     assert lines[2].endswith(f"| {speed} |") and lines[3].endswith(f"| {host} |"), lines
     if any(r["status"] == "timeout" for r in rows):
