@@ -17,8 +17,8 @@ Layers that do not train in full (LoRA adapters over frozen weights, a 4-bit QLo
 with `layers` given, a device copy of the model's own first layer of each kind (its dtypes, 4-bit weights and
 adapters; the weight gradients only of what trains) under the executor's autocast. A fresh bf16 layer would time
 weight-gradient GEMMs a frozen layer never runs and miss the adapters' work and the 4-bit weights' dequantization
-(on a Llama-3-70B nf4 base the dense layer's profile was 1.24x fast: benchmarks/results/qlora-b32-before-fixes-20261203.json;
-the run's own layers then ran at 1.00-1.04 of theirs: qlora-20261203.json).
+(the run's own layers of a Llama-3-70B nf4 base ran at 1.04-1.05 of their profile, those of a Qwen2.5-32B LoRA at
+1.03-1.04: benchmarks/results/lora-20261203.json).
 """
 
 from __future__ import annotations
