@@ -5,11 +5,16 @@ layers. transformers runs those on `flash-linear-attention` (`fla`, Triton kerne
 on its reference PyTorch functions (correct, several times slower, more activation memory). It binds the choice
 in one of two ways, and this module reads and switches both:
 
-- transformers >= 5.1x (5.17 and 5.24 checked): `use_kernel_func_from_hub_with_fallback` wraps the module-level
-  functions `torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`, `causal_conv1d_fn` and
+- transformers >= 5.1x (5.17, 5.24 and 5.25 checked): `use_kernel_func_from_hub_with_fallback` wraps the
+  module-level functions `torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`, `causal_conv1d_fn` and
   `causal_conv1d_update` when the modeling module is imported; the wrapper keeps the chosen implementation in its
   closure and `<Model>GatedDeltaNet.forward` calls the module-level names. The choice therefore belongs to the
   modeling module (every model of that architecture in the process), and switching rebinds those names there.
+  Where the `kernels` package is installed (required from transformers 5.25), each wrapper is further turned into
+  a `Func` nn.Module instance whose forward calls the wrapper; each GatedDeltaNet layer holds its own `Func` copies
+  (`_kernel_funcs`) and routes the module-level calls to them, and `kernelize` (`use_kernels=True`) can point those
+  copies, or the layer's whole forward, at a Hub kernel (recorded in the instance's `_kernel_repo`). From 5.25 the
+  wrapper also sends inputs on a device fla does not support (the CPU) to the reference function.
 - older transformers (5.2 .. 5.8 checked): `__init__` stores `self.chunk_gated_delta_rule`,
   `self.recurrent_gated_delta_rule`, `self.causal_conv1d_fn`, `self.causal_conv1d_update` and uses fla's
   `FusedRMSNormGated` as `self.norm`; switching sets those layer attributes.
@@ -192,11 +197,46 @@ def linear_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
+def _func_target(fn: Any) -> Any:
+    """The function a `kernels` Func module calls (`use_kernel_forward_from_hub` applied to a function), else None."""
+    if not isinstance(fn, torch.nn.Module) or not hasattr(type(fn), "kernel_layer_name"):
+        return None
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or "func" not in code.co_freevars or forward.__closure__ is None:
+        return None
+    return forward.__closure__[code.co_freevars.index("func")].cell_contents
+
+
+def _hub_repo(module: Any) -> Any:
+    """The Hub repository `kernels.kernelize` bound this module's forward to, else None."""
+    if not isinstance(module, torch.nn.Module) or "forward" not in vars(module):
+        return None
+    return vars(module).get("_kernel_repo")
+
+
+def _hub_kind(repo: Any) -> str:
+    """The path name of a Hub kernel: "hub:" and its repository id (or local path)."""
+    ident = getattr(repo, "_repo_id", None) or getattr(repo, "_repo_path", None) or type(repo).__name__
+    return f"hub:{ident}"
+
+
+def _dispatched(layer: torch.nn.Module, fn: Any) -> Any:
+    """What the layer's call of the module-level kernel `fn` runs: a Func the layer class lists
+    (`use_kernelized_func`) is routed to the layer's own copy, of the same class, in `_kernel_funcs`."""
+    if _func_target(fn) is None:
+        return fn
+    own = vars(layer).get("_kernel_funcs", {}).get(getattr(fn, "kernel_layer_name", None))
+    return own if own is not None and type(own) is type(fn) else fn
+
+
 def _implementation(fn: Any) -> Any:
-    """What a kernel callable runs: transformers' fallback wrapper keeps its choice in the closure."""
+    """What a kernel callable runs: transformers' fallback wrapper keeps its choice in the closure (inside a
+    `kernels` Func module where `kernels` is installed)."""
     replaced = getattr(fn, "_lazytrain_reference_of", None)
     if replaced is not None:
         return getattr(fn, "__wrapped__", fn)
+    fn = _func_target(fn) or fn
     code = getattr(fn, "__code__", None)
     if code is not None and "implementation" in code.co_freevars:
         try:
@@ -211,6 +251,9 @@ def _kind(fn: Any, home: str) -> str:
     None for the forward's own conv path), else the implementing package."""
     if fn is None:
         return "torch"
+    repo = _hub_repo(fn)
+    if repo is not None:
+        return _hub_kind(repo)
     module = getattr(_implementation(fn), "__module__", None) or ""
     top = module.split(".", 1)[0]
     if top == "fla":
@@ -223,7 +266,7 @@ def _kind(fn: Any, home: str) -> str:
 def _rule_fn(layer: torch.nn.Module) -> Any:
     if _attribute_design(layer):
         return vars(layer)["chunk_gated_delta_rule"]
-    return getattr(_modeling_module(layer), _RULE_GLOBALS[0])
+    return _dispatched(layer, getattr(_modeling_module(layer), _RULE_GLOBALS[0]))
 
 
 def _compiled(layer: torch.nn.Module) -> bool:
@@ -232,6 +275,9 @@ def _compiled(layer: torch.nn.Module) -> bool:
 
 def _layer_kind(layer: torch.nn.Module, compiled: bool = True) -> str:
     """The layer's path; `compiled=False`: what its kernel names are bound to, compiled or not."""
+    repo = _hub_repo(layer)
+    if repo is not None:  # kernelize replaced the whole layer's forward
+        return _hub_kind(repo)
     kind = _kind(_rule_fn(layer), type(layer).__module__)
     return TORCH_COMPILE if compiled and kind == "torch" and _compiled(layer) else kind
 
@@ -247,8 +293,9 @@ def linear_attention_kernel(model: torch.nn.Module) -> str | None:
 
     Returns:
         "fla" (flash-linear-attention), "torch" (transformers' reference PyTorch functions), "torch_compile" (those
-        inside compiled modules: `compile_linear_attention`), another package's name (a Hub kernel, for example),
-        "mixed" when layers differ, or None for a model without such layers.
+        inside compiled modules: `compile_linear_attention`), "hub:<repository>" (a Hub kernel bound by
+        `kernels.kernelize`), another package's name, "mixed" when layers differ, or None for a model without such
+        layers.
     """
     return _one({_layer_kind(layer) for layer in linear_attention_layers(model)})
 
@@ -280,7 +327,9 @@ def _reference(current: Callable, torch_fn: Callable) -> Callable:
 
 
 def _torch_function(fn: Callable) -> Callable:
-    """The reference PyTorch function behind transformers' fallback wrapper."""
+    """The reference PyTorch function behind transformers' fallback wrapper (inside a `kernels` Func module where
+    `kernels` is installed)."""
+    fn = _func_target(fn) or fn
     code = getattr(fn, "__code__", None)
     if code is not None and "torch_function" in code.co_freevars:
         ref = inspect.getclosurevars(fn).nonlocals.get("torch_function")
@@ -291,7 +340,8 @@ def _torch_function(fn: Callable) -> Callable:
 
 def _use_reference(layers: list[torch.nn.Module], conv: bool) -> list[str]:
     """Point every layer at transformers' reference functions (the gated delta rule; the causal conv too when
-    `conv`); fla's FusedRMSNormGated is replaced by the model's own gated RMSNorm sharing its weight.
+    `conv`); fla's FusedRMSNormGated is replaced by the model's own gated RMSNorm sharing its weight, and a layer
+    forward `kernelize` replaced with a Hub kernel is restored to the class's.
 
     Returns:
         what was switched ("module.name" or "layer attribute" entries), empty when nothing needed it.
@@ -313,13 +363,19 @@ def _use_reference(layers: list[torch.nn.Module], conv: bool) -> list[str]:
                 layer.norm = _reference_norm(mod, norm, layer)
                 changed.append(f"{type(layer).__name__}.norm")
             continue
+        if _hub_repo(layer) is not None:
+            del layer.forward
+            vars(layer).pop("_kernel_repo", None)
+            changed.append(f"{type(layer).__name__}.forward")
         if mod.__name__ in done_modules:
             continue
         done_modules.add(mod.__name__)
+        same_module = [m for m in layers if _modeling_module(m) is mod]
         for name in _RULE_GLOBALS + (_CONV_GLOBALS if conv else ()):
             cur = getattr(mod, name, None)
-            if cur is None or _kind(cur, mod.__name__) == "torch":
+            if cur is None or all(_kind(_dispatched(m, cur), mod.__name__) == "torch" for m in same_module):
                 continue
+            # the plain reference function: the layers' calls no longer reach their Func copies either
             setattr(mod, name, _reference(cur, _torch_function(cur)))
             changed.append(f"{mod.__name__}.{name}")
     return changed
@@ -367,7 +423,7 @@ def compile_linear_attention(module: torch.nn.Module) -> int:
 def _say(path: str, reason: str, warn: bool) -> None:
     label = {"fla": "flash-linear-attention kernels", "torch": "transformers' reference PyTorch kernels",
              TORCH_COMPILE: "transformers' reference PyTorch kernels, compiled with torch.compile"
-             }.get(path, f"{path} kernels")
+             }.get(path, f"Hub kernel {path[4:]}" if path.startswith("hub:") else f"{path} kernels")
     msg = f"Gated DeltaNet layers: {label} ({reason})"
     if msg in _LOGGED:
         return
@@ -392,8 +448,9 @@ def select_linear_attention(model: torch.nn.Module, device: torch.device | str, 
     so it applies to every model of that architecture in the process, as transformers' own choice does.
 
     Returns:
-        "fla", "torch" ("torch_compile" with `compile`), another package's name when a Hub kernel is bound (left as
-        is), or None for a model without linear-attention layers (nothing is changed or logged).
+        "fla", "torch" ("torch_compile" with `compile`), "hub:<repository>" when `kernels.kernelize` bound a Hub
+        kernel or another package's name when transformers bound it (either left as is), or None for a model without
+        linear-attention layers (nothing is changed or logged).
     """
     layers = linear_attention_layers(model)
     if not layers:
@@ -407,7 +464,8 @@ def select_linear_attention(model: torch.nn.Module, device: torch.device | str, 
         say("fla", why, warn=False)
         return "fla"
     if current not in ("fla", "torch", "mixed"):
-        say(current, "bound by transformers; left as is", warn=False)
+        how = "bound by kernels.kernelize (use_kernels)" if current.startswith("hub:") else "bound by transformers"
+        say(current, f"{how}; left as is", warn=False)
         return current
     _use_reference(layers, conv=conv)
     if current in ("fla", "mixed") or not usable:

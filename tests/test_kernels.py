@@ -8,6 +8,7 @@ that still ran them would fail.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import types
@@ -51,7 +52,14 @@ def _fake_kernel(name: str, module: str):
 
 def _bind_fake_fla(monkeypatch) -> None:
     """What transformers' import does when `fla` imports: wrap the reference functions around fla's kernels."""
+    from transformers.integrations import hub_kernels
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    # transformers >= 5.25 sends inputs on devices fla does not support (the CPU) to the reference: let the fake
+    # run on the CPU, as fla does on a GPU
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
+    if devices is not None and "fla" in devices:
+        monkeypatch.setitem(devices, "fla", (*devices["fla"], "cpu"))
 
     fla = types.ModuleType("fla")
     ops = types.ModuleType("fla.ops")
@@ -192,6 +200,64 @@ def test_linear_attention_kernel_reports_the_bound_path(monkeypatch):
         t == "linear_attention" for t in model.config.layer_types)
     _bind_fake_fla(monkeypatch)
     assert kernels.linear_attention_kernel(model) == "fla"  # read from what the layers call, not cached
+
+
+
+HUB_ERROR = "fake Hub kernel ran"
+
+
+def _fake_hub_layer(check: type) -> type:
+    """A stateless layer class as a Hub kernel repository provides, with the forward signature of `check`."""
+
+    class FakeHubLayer(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise RuntimeError(HUB_ERROR)
+
+    FakeHubLayer.forward.__signature__ = inspect.signature(check.forward)
+    return FakeHubLayer
+
+
+class _FakeHubRepo:
+    """A `kernels` layer repository that loads a class from memory (no download)."""
+
+    _repo_id = "kernels-community/fake"
+
+    def __init__(self, layer: type):
+        self.layer = layer
+
+    def load(self) -> type:
+        return self.layer
+
+
+@pytest.mark.parametrize("whole_layer", [False, True])
+def test_kernelized_hub_kernel_is_reported_and_reference_restores(caplog, whole_layer):
+    """Where `kernels` is installed (transformers >= 5.25 requires it) the kernel functions are `kernels` Func
+    modules; `kernelize` (use_kernels=True) points a layer's own Func copies, or the layer's whole forward, at a
+    Hub kernel. Selection reports it and leaves it; use_reference_kernels restores the reference."""
+    hub = pytest.importorskip("kernels")
+    mod = _qwen35_module()
+    if kernels._func_target(mod.torch_chunk_gated_delta_rule) is None:
+        pytest.skip("transformers binds plain functions here (the `kernels` package is not used)")
+    model = load_model("qwen3.5-tiny", "float32")
+    expected = _logits(model)
+    layer = kernels.linear_attention_layers(model)[0]
+    name, check = ((layer.kernel_layer_name, type(layer)) if whole_layer else
+                   ("chunk_gated_delta_rule", type(mod.torch_chunk_gated_delta_rule)))
+    mapping = {name: {"cpu": {hub.Mode.INFERENCE: _FakeHubRepo(_fake_hub_layer(check))}}}
+    with hub.use_kernel_mapping(mapping, inherit_mapping=False):
+        hub.kernelize(model, mode=hub.Mode.INFERENCE, device="cpu")
+    assert kernels.linear_attention_kernel(model) == "hub:kernels-community/fake"
+    with pytest.raises(RuntimeError, match=HUB_ERROR):
+        _logits(model)
+    with caplog.at_level(logging.INFO, logger="lazytrain_hf.kernels"):
+        assert kernels.select_linear_attention(model, "cpu") == "hub:kernels-community/fake"
+    assert _lines(caplog) == ["Gated DeltaNet layers: Hub kernel kernels-community/fake (bound by kernels.kernelize "
+                              "(use_kernels); left as is)"]
+    switched = kernels.use_reference_kernels(model)
+    assert switched == ([f"{type(layer).__name__}.forward"] * len(kernels.linear_attention_layers(model))
+                        if whole_layer else [f"{mod.__name__}.torch_chunk_gated_delta_rule"])
+    assert kernels.linear_attention_kernel(model) == "torch"
+    assert torch.equal(_logits(model), expected)
 
 
 # Older transformers store the kernels on the layer and use fla's FusedRMSNormGated; a fake modeling module.
