@@ -52,6 +52,20 @@ class CheckpointSaveError(OSError):
 
 
 # ---- saving -----------------------------------------------------------------------------------------------------
+def _agree(code: int) -> int:
+    """The largest of every rank's `code` (one process: `code` itself); a collective under data parallelism."""
+    from .longrun import _dist, _reduce_device
+
+    dist = _dist()
+    if dist is None:
+        return code
+    import torch
+
+    t = torch.tensor([code], dtype=torch.int64, device=_reduce_device(dist))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _disk_full(e: BaseException) -> bool:
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
@@ -107,10 +121,13 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
     searches keep the stock layout (the push reads the directory as it is written). Returns the seconds the save
     took on `clock`; the manifest records them too (``save_s``, up to its own write).
 
+    Data parallel: the ranks agree (`_agree`) on the space check and on the save's outcome, so every rank raises
+    when any rank's write failed, and the main process renames the checkpoint only when every rank's files are in.
+
     Raises:
         ResourceLimitError: less free space than the checkpoint's size (nothing was written).
-        CheckpointSaveError: the save failed for lack of space (the bytes needed and free); the partial checkpoint
-            was removed.
+        CheckpointSaveError: the save failed for lack of space, on this rank or another (the bytes needed and
+            free); the partial checkpoint was removed.
     """
     from transformers.trainer import TRAINER_STATE_NAME, rotate_checkpoints
 
@@ -128,32 +145,61 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
     main = args.should_save
     need = preflight.checkpoint_bytes(trainer)
     free = None
+    short: ResourceLimitError | None = None
     if main:
         remove_stale_staging(run_dir)
         os.makedirs(run_dir, exist_ok=True)
         free = disk_free(run_dir).bytes
-        preflight.check_checkpoint_space(trainer, run_dir, need)
+        try:
+            preflight.check_checkpoint_space(trainer, run_dir, need)
+        except ResourceLimitError as e:
+            short = e
+    if _agree(int(short is not None)):  # every rank skips the save, or none does
+        raise short or ResourceLimitError(f"LazyTrain: {name} not saved: the main process found too little free "
+                                          f"space in {run_dir!r} (its log names the bytes)", need_bytes=need,
+                                          limit=disk_free(run_dir))
+    # Data parallel: the save's collectives (deferred updates, the sharded states gathered on the main process) run
+    # before any file is written, so a rank whose write fails leaves no other rank waiting in one
+    ex = getattr(trainer, "executor", None)
+    gathered: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if args.world_size > 1 and ex is not None:
+        ex.flush_updates()
+        gathered = ex.gathered_optimizer_states(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
     trainer._get_output_dir = lambda trial=None: stage_root  # the stock save writes <stage_root>/checkpoint-N
-    try:
-        save(model, trial)
-    except Exception as e:
+    failure: BaseException | None = None
+    with gathered:
+        trainer._save_states_gathered = args.world_size > 1
+        try:
+            save(model, trial)
+        except Exception as e:
+            failure = e
+        finally:
+            del trainer._get_output_dir  # the class's method again
+            trainer._save_states_gathered = False
+    # 0: saved, 1: a disk filled, 2: another error; the largest over the ranks (also every rank's files written)
+    code = 0 if failure is None else 1 if _disk_full(failure) and not isinstance(failure, ResourceLimitError) else 2
+    code = _agree(code)
+    if code:
         full_now = disk_free(run_dir).bytes if main else None
-        shutil.rmtree(stage_root, ignore_errors=True)
-        if isinstance(e, ResourceLimitError) or not _disk_full(e):
-            raise
-        last = last_complete_checkpoint(run_dir, warn=False)
+        if main:
+            shutil.rmtree(stage_root, ignore_errors=True)
+        if code == 2:
+            if failure is not None and not _disk_full(failure):
+                raise failure
+            raise RuntimeError(f"LazyTrain: saving {name} failed on another rank (its log has the error); the "
+                               "partial checkpoint was removed") from failure
+        last = last_complete_checkpoint(run_dir, warn=False) if main else None
+        where = "" if failure is not None else " on another rank"
+        cause = (f" ({type(failure).__name__}: {str(failure).splitlines()[0][:160] if str(failure) else ''})"
+                 if failure is not None else "")
         raise CheckpointSaveError(
-            errno.ENOSPC, f"LazyTrain: saving {name} failed for lack of disk space in {run_dir!r} "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): it needs about "
-            f"{format_bytes(need)}, {format_bytes(free)} were free when the save began"
+            errno.ENOSPC, f"LazyTrain: saving {name} failed for lack of disk space{where} in {run_dir!r}{cause}: it "
+            f"needs about {format_bytes(need)}"
+            f"{'' if free is None else f', {format_bytes(free)} were free when the save began'}"
             f"{'' if full_now is None else f' and {format_bytes(full_now)} when it failed'}. The partial "
             f"checkpoint was removed; {'the last complete one is ' + last if last else 'no earlier checkpoint'}"
             ". Fix: free space there, set save_total_limit, or point output_dir at a larger disk, then resume "
-            "(resume_from_checkpoint=True, lazytrain-hf train --resume last)") from e
-    finally:
-        del trainer._get_output_dir  # the class's method again
-    if args.world_size > 1:
-        trainer.accelerator.wait_for_everyone()  # every rank's files (RNG states) are in the staging directory
+            "(resume_from_checkpoint=True, lazytrain-hf train --resume last)") from failure
     if not main:
         return clock() - t0
     best = state.best_model_checkpoint

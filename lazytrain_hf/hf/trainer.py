@@ -185,11 +185,10 @@ class LazyTrainerMixin(TRLHooks):
             seconds = checkpoint.save_atomically(self, super()._save_checkpoint, model, trial,
                                                  clock=self.longrun.clock)
         except (checkpoint.CheckpointSaveError, ResourceLimitError) as e:
-            # a periodic save that found no room left nothing partial behind: one process keeps training and the
-            # next save tries again. An interruption's save, the last step's, or data parallel (the ranks would
-            # have to agree) raise.
-            if (self.args.world_size > 1 or self.longrun._stopping
-                    or self.state.global_step >= self.state.max_steps):
+            # a periodic save that found no room left nothing partial behind (every rank raised it: the ranks
+            # agreed in save_atomically): training goes on and the next save tries again. An interruption's save
+            # or the last step's raise.
+            if self.longrun._stopping or self.state.global_step >= self.state.max_steps:
                 raise
             logger.error("%s; training continues, the next save tries again", e)
             return
@@ -370,6 +369,8 @@ class LazyTrainerMixin(TRLHooks):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.executor is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if getattr(self, "_save_states_gathered", False):  # a checkpoint: save_atomically flushed and gathered
             return super()._save_optimizer_and_scheduler(output_dir)
         self.executor.flush_updates()  # every rank runs this (the Trainer's rank-0 checks are inside)
         # sharded data parallel: rank 0 writes every layer's states, gathered from their owners for the save

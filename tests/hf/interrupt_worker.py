@@ -12,6 +12,9 @@ states from their owners, so ranks that disagree on saving would hang):
   rank 0's none; SIGTERM reaches rank 0 only, during step 3 (no save fits: the ranks must agree on that from rank
   1's estimate); then a resume to the end.
 
+- ``full0`` / ``full1``: the disk fills during checkpoint-2's save on rank 0 (its model file) / rank 1 (its RNG
+  file): both ranks log one error and train on; checkpoint-4 and checkpoint-6 are saved.
+
 Writes DIR/rank<R>.pt: run -> {"logs": step -> loss (the resumed trainer's, from the step after its checkpoint),
 "stopped_at", "interrupted", "interrupt_checkpoint", "files": the run directory's entries after the stop,
 "params": the final parameters}.
@@ -23,6 +26,7 @@ step 3; the launcher passes SIGTERM to every rank (and kills them 30 s later); D
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 
@@ -133,6 +137,26 @@ def runs(out_dir: str) -> None:
         res[run] = {**row, "logs": losses(resumed, after=start), "params": params(resumed),
                     "resumed_interrupted": resumed.interrupted}
         resumed.executor.close()
+    for run, rank, method in (("full0", 0, "_save"), ("full1", 1, "_save_rng_state")):
+        out = os.path.join(out_dir, run)
+        orig = getattr(Trainer, method)
+
+        def full(self, output_dir=None, *a, orig=orig, rank=rank, **k):
+            if RANK == rank and self.state.global_step == 2:
+                os.makedirs(output_dir, exist_ok=True)
+                with open(os.path.join(output_dir, "partial.bin"), "wb") as f:
+                    f.write(b"partial")
+                raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+            return orig(self, output_dir, *a, **k)
+
+        setattr(Trainer, method, full)
+        try:
+            tr = trainer(out)
+            tr.train()
+        finally:
+            setattr(Trainer, method, orig)
+        res[run] = {**stop_row(tr, out), "logs": losses(tr), "params": params(tr)}
+        tr.executor.close()
     torch.save(res, os.path.join(out_dir, f"rank{RANK}.pt"))
 
 

@@ -497,6 +497,21 @@ def test_ranks_agree_to_fall_back_when_one_ranks_save_would_not_fit_the_grace_pe
         _same_as_ref(res["ref"], run, [3, 4, 5, 6])
 
 
+@pytest.mark.parametrize("run", ["full0", "full1"])
+def test_a_full_disk_on_one_rank_during_a_periodic_save_lets_both_ranks_train_on(interrupted_2_ranks, run):
+    """The disk fills during checkpoint-2's save on rank 0 (its model file: full0) or rank 1 (its RNG file: full1),
+    with sharded states: neither rank waits in a collective, checkpoint-2 is left out whole, both ranks train to step
+    6 with the uninterrupted run's losses and parameters, and checkpoint-4 and checkpoint-6 are saved."""
+    tmp = interrupted_2_ranks
+    for rank in (0, 1):
+        res = torch.load(tmp / f"rank{rank}.pt")
+        got = res[run]
+        assert got["stopped_at"] == 6 and got["interrupted"] is None
+        assert got["files"] == ["checkpoint-4", "checkpoint-6"]
+        _same_as_ref(res["ref"], got, [1, 2, 3, 4, 5, 6])
+    assert ckpt_mod.last_complete_checkpoint(str(tmp / run)) == str(tmp / run / "checkpoint-6")
+
+
 def test_sigterm_to_the_torchrun_launcher_reaches_both_ranks_and_leaves_one_checkpoint(interrupted_2_ranks):
     """The launcher passes SIGTERM to every rank (killing them after --shutdown-timeout): both stop after the same
     step S (3, or later when the signal arrives after step 3 ended), with checkpoint-S whole and holding the
