@@ -137,3 +137,24 @@ def test_bench_optim_triton_launch_sweep_restores_the_kernel_launch(tmp_path):
         bench_optim.main(["--systems", "hybrid8_cpp", "--triton-launch", "4:4"])
     with pytest.raises(SystemExit):
         bench_optim.main(["--systems", "hybrid8_cpp", "--threads", "1,,2"])
+
+
+@requires_gsm8k
+def test_quality_check_trains_every_configuration_from_one_init(tmp_path):
+    """benchmarks.quality on the CPU for 3 steps: one row per configuration, the reference first; every row starts
+    from the same held-out loss (one bf16-rounded init for all), trains (its loss and parameters move), and its
+    distance from the reference is 0 for the reference only; bf16_no_master (updates rounded to bf16 weights) ends
+    farther from the reference than the fp32 masters of the default."""
+    from benchmarks import quality
+
+    out = tmp_path / "quality.json"
+    doc = quality.main(["--out", str(out), "--steps", "3", "--log-every", "1", "--seq-len", "32", "--batch-size",
+                        "2", "--held-out-rows", "2", "--configs", "fp32_reference", "default", "bf16_no_master"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    rows = {r["system"]: r["extra"] for r in doc["rows"]}
+    assert [r["system"] for r in doc["rows"]] == ["fp32_reference", "default", "bf16_no_master"]
+    ref = rows["fp32_reference"]["held_out_loss_start"]  # the bf16 copies differ only in their rotary buffers
+    assert all(e["held_out_loss_start"] == pytest.approx(ref, rel=1e-5) for e in rows.values())
+    assert rows["fp32_reference"]["param_distance_from_reference"] == 0.0
+    assert all(e["reference_distance_moved"] > 0 and len(e["loss_every"]) == 3 for e in rows.values())
+    assert 0 < rows["default"]["param_distance_from_reference"] < rows["bf16_no_master"]["param_distance_from_reference"]
