@@ -242,9 +242,8 @@ def check_host_before_building(config: Any, dtype: str, name: str, quantization:
         from ..quantized import quantized_host_bytes
 
         q = quantized_host_bytes(config, quantization, dtype)
-        need = q["packed"] + q["state"] + q["other_params"] * max(size, 4)
-        what = (f"{n / 1e9:.2f} B parameters, {q['four_bit_params'] / 1e9:.2f} B of them in 4 bits, the rest in "
-                f"{'float32' if size <= 4 else dtype}")
+        need = q["packed"] + q["state"] + q["other_params"] * 4
+        what = f"{n / 1e9:.2f} B parameters, {q['four_bit_params'] / 1e9:.2f} B of them in 4 bits, the rest in float32"
     check_need(need, host_limit_per_rank(), f"building {name!r} ({what})",
                "a smaller model, or a machine (or container memory limit) with more memory; `lazytrain-hf plan "
                "--model ...` gives the whole run's host need")
