@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -16,7 +15,8 @@ from typing import Any
 
 import torch
 
-from lazytrain_hf import envvars
+from lazytrain_hf import envvars, quantized
+from lazytrain_hf.quantized import fill_random_, random_bank, rebuild_rotary
 
 GIB = 1024**3
 ROW_KEYS = ("system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len", "status", "reason",
@@ -181,33 +181,6 @@ def model_overrides(spec: str) -> tuple[str, dict[str, Any]]:
     return name, ({} if n is None else depth_overrides(name, n))
 
 
-def _random_bank(dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
-    """A bank of N(0, 0.02) values tiled over every matrix: memory-bound copies instead of minutes of CPU RNG."""
-    return torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(dtype).to(device)
-
-
-def _fill_(name: str, p: torch.Tensor, bank: torch.Tensor) -> None:
-    """`fast_random_model`'s value of one parameter, in place: a matrix tiles `bank` from its first element (so a
-    parameter's values depend on its shape alone, not on the order parameters are filled), a norm is 1, the rest 0."""
-    if p.dim() >= 2:
-        flat = p.view(-1)
-        for a in range(0, flat.numel(), bank.numel()):
-            b = min(a + bank.numel(), flat.numel())
-            flat[a:b].copy_(bank[: b - a])
-    elif "norm" in name:
-        p.fill_(1.0)
-    else:
-        p.zero_()
-
-
-def _rebuild_rotary(model: Any) -> None:
-    """Rotary modules built anew on the CPU (to_empty / the meta device left their tables uninitialized)."""
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if hasattr(child, "inv_freq") and hasattr(child, "config"):
-                setattr(parent, child_name, type(child)(child.config))
-
-
 def fast_random_model(name: str, dtype: torch.dtype = torch.bfloat16):
     """The registry shape `name` (a harness model string: `parse_model`) on the CPU with N(0, 0.02) weights, unit
     norms, zero biases; built on the meta device and filled in place (seconds for 7B instead of minutes of
@@ -221,131 +194,35 @@ def fast_random_model(name: str, dtype: torch.dtype = torch.bfloat16):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device="cpu")
-    bank = _random_bank(dtype)
+    bank = random_bank(dtype)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            _fill_(n, p, bank)
-        _rebuild_rotary(model)
+            fill_random_(n, p, bank)
+        rebuild_rotary(model)
     model.tie_weights()
     return model
 
 
 def logical_numel(p: torch.Tensor) -> int:
-    """The parameters `p` stands for: a bitsandbytes 4-bit weight its original shape's (its packed uint8 data holds
-    two per byte), any other tensor its numel."""
-    from lazytrain_hf.streaming.quant import is_4bit
+    """`lazytrain_hf.streaming.quant.logical_numel`, imported when called (the streaming package loads
+    transformers)."""
+    from lazytrain_hf.streaming.quant import logical_numel as numel
 
-    return math.prod(p.quant_state.shape) if is_4bit(p) else p.numel()
-
-
-def _quantized_skeleton(name: str, quantization: dict[str, Any], dtype: torch.dtype):
-    """(model on the meta device with transformers' Linear4bit modules in place of nn.Linear, its HfQuantizer)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    from transformers.quantizers.auto import AutoHfQuantizer
-
-    from lazytrain_hf.models import resolve_config
-
-    base, overrides = model_overrides(name)
-    config = resolve_config(base, **overrides)
-    quant = BitsAndBytesConfig(**quantization)
-    if not quant.load_in_4bit:
-        raise ValueError(f"quantization {quantization}: only load_in_4bit=True bases are built here")
-    hfq = AutoHfQuantizer.from_config(quant, pre_quantized=False)
-    hfq.validate_environment(device_map={"": "cpu"})
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    hfq.preprocess_model(model=model, dtype=dtype, device_map={"": "cpu"})  # nn.Linear -> Linear4bit, on meta
-    return model, hfq
+    return numel(p)
 
 
 def quantized_host_bytes(name: str, quantization: dict[str, Any], dtype: torch.dtype = torch.bfloat16
                          ) -> dict[str, int]:
-    """Host bytes of `quantized_random_model(name, quantization)`, from its meta skeleton (nothing is allocated):
-    per 4-bit weight of n parameters (block size b, bitsandbytes' layout) n / 2 packed bytes, then the state:
-    with double quantization one uint8 absmax per block, an fp32 offset, the 16-entry fp32 code, and the nested
-    state's fp32 absmax per 256 blocks and 256-entry fp32 code; without it one fp32 absmax per block and the code.
-    The other parameters (embedding, norms, LM head; tied ones once) at `dtype`'s size.
+    """`lazytrain_hf.quantized.quantized_host_bytes` of a harness model string (`model_overrides`)."""
+    from lazytrain_hf.models import resolve_config
 
-    Returns four_bit_params, packed, state, other_params, other_bytes, total."""
-    import bitsandbytes as bnb
-
-    model, hfq = _quantized_skeleton(name, quantization, dtype)
-    q = hfq.quantization_config
-    block = 64  # Params4bit's default, the one transformers' Linear4bit weights keep
-    out = dict.fromkeys(("four_bit_params", "packed", "state", "other_params", "other_bytes"), 0)
-    seen: set[int] = set()
-    for module in model.modules():
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
-                n = p.numel()
-                blocks = -(-n // block)
-                out["four_bit_params"] += n
-                out["packed"] += -(-n // 2)
-                out["state"] += (blocks + 4 + 16 * 4 + 4 * -(-blocks // 256) + 256 * 4
-                                 if q.bnb_4bit_use_double_quant else 4 * blocks + 16 * 4)
-            else:
-                out["other_params"] += p.numel()
-                out["other_bytes"] += p.numel() * dtype.itemsize
-    out["total"] = out["packed"] + out["state"] + out["other_bytes"]
-    return out
+    base, overrides = model_overrides(name)
+    return quantized.quantized_host_bytes(resolve_config(base, **overrides), quantization, dtype)
 
 
 def quantized_random_model(name: str, quantization: dict[str, Any], device: str = "cpu",
                            dtype: torch.dtype = torch.bfloat16):
-    """The registry shape `name` (a harness model string) with `fast_random_model`'s weights, its linear layers in
-    bitsandbytes 4 bits as `AutoModelForCausalLM.from_pretrained(..., quantization_config=
-    BitsAndBytesConfig(**quantization), device_map="cpu", dtype=dtype)` gives them for those `dtype` weights: the
-    same Linear4bit modules (transformers' replace_with_bnb_linear; the LM head and tied weights kept in `dtype`),
-    each weight quantized by the same `Params4bit(value, **meta.__dict__).to(device)`, and the model's
-    `hf_quantizer`, `is_quantized`, `quantization_method`, `is_loaded_in_4bit` and `config.quantization_config`.
-
-    Built without the whole model in `dtype` ever existing (a bf16 70B would not fit a 128 GiB host): the skeleton
-    on the meta device, then module by module one weight at a time is filled in `dtype` on `device`, quantized there
-    and its packed data and quantization state moved to the CPU, so host memory peaks at the built model plus one
-    linear's packed weights (on `device` "cpu": plus bitsandbytes' fp32 temporaries of one weight). `device` "cuda"
-    fills and quantizes on the GPU (bitsandbytes' CUDA kernel: minutes faster for a 70B; its bits may differ from
-    the CPU kernel's, as from_pretrained's would with device_map="cuda"); every tensor of the result is on the CPU."""
-    import bitsandbytes as bnb
-
-    model, hfq = _quantized_skeleton(name, quantization, dtype)
-    qdev = torch.device(device)
-    banks = {torch.device("cpu"): _random_bank(dtype)}
-    if qdev.type != "cpu":
-        banks[qdev] = banks[torch.device("cpu")].to(qdev)
-    done: dict[int, torch.nn.Parameter] = {}  # meta parameter -> its built one (tied weights stay one parameter)
-    with torch.no_grad():
-        for prefix, module in model.named_modules():
-            for pname, p in list(module.named_parameters(recurse=False)):
-                if id(p) in done:
-                    setattr(module, pname, done[id(p)])
-                    continue
-                full = f"{prefix}.{pname}" if prefix else pname
-                if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
-                    value = torch.empty(p.shape, dtype=dtype, device=qdev)
-                    _fill_(full, value, banks[qdev])
-                    # transformers' Bnb4bitQuantize.convert: quantized by Params4bit.to, the module's quant_state set
-                    new = bnb.nn.Params4bit(value, requires_grad=False, **p.__dict__).to(qdev)
-                    del value
-                    if qdev.type != "cpu":
-                        new.data = new.data.cpu()
-                        new.quant_state.to("cpu")  # in place: the module's quant_state is the same object
-                    module._is_hf_initialized = new._is_hf_initialized = True
-                else:
-                    new = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-                    _fill_(full, new.data, banks[torch.device("cpu")])
-                done[id(p)] = new
-                setattr(module, pname, new)
-        _rebuild_rotary(model)
-    model.tie_weights()
-    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"{name}: tensors left on the meta device after the build: {left[:5]}")
-    del banks
-    if qdev.type == "cuda":
-        torch.cuda.empty_cache()
-    model.hf_quantizer = hfq
-    hfq.postprocess_model(model)  # config.quantization_config, is_loaded_in_4bit
-    return model.eval()  # as from_pretrained returns it
+    """`lazytrain_hf.quantized.quantized_random_model` of a harness model string (`model_overrides`), seed 0: the
+    weights `fast_random_model` gives, in 4 bits, quantized on `device`, every tensor ending on the CPU."""
+    base, overrides = model_overrides(name)
+    return quantized.quantized_random_model(base, quantization, dtype, seed=0, device=device, **overrides)

@@ -37,6 +37,8 @@ def train(args: argparse.Namespace) -> int:
 
     A recipe with a peft section trains LoRA adapters (`get_peft_model` around the loaded model): <output_dir>/final
     then holds the adapter as PEFT writes it, and with peft.merge_on_save <output_dir>/merged the merged plain model.
+    With model.quantization the base is loaded in 4 bits into host memory (`models.load_model`) and prepared as
+    PEFT's QLoRA recipe does (`prepare_model_for_kbit_training`) before the adapters wrap it.
 
     Every input problem (recipe keys, data files, schema, architecture, conflicting flags) is raised before the
     model loads or training starts. On SIGTERM / SIGINT training stops at the next optimizer step with a complete
@@ -60,9 +62,15 @@ def train(args: argparse.Namespace) -> int:
     config = resolve_config(recipe.model.name_or_path)
     if targs.lazy_config.policy != "none":
         check_supported(config)
+    quant = recipe.model.quantization
+    if quant is not None:
+        from .quantized import require_bitsandbytes
+
+        require_bitsandbytes()
     from .hf.preflight import check_host_before_building
 
-    check_host_before_building(config, recipe.model.dtype, recipe.model.name_or_path)  # before data and model load
+    # before data and model load
+    check_host_before_building(config, recipe.model.dtype, recipe.model.name_or_path, quantization=quant)
     d = recipe.data
     if d.packing:
         from .streaming.packing import check_packing_model
@@ -85,10 +93,15 @@ def train(args: argparse.Namespace) -> int:
         raise ValueError(f"data.source {d.source!r} (split {d.train_split!r}): {text}") from e
     lora = lora_config(recipe.peft) if recipe.peft is not None else None
 
-    model = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed)
+    if quant is None:
+        model = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed)
+    else:
+        model = _load_4bit_base(recipe, targs)
     if lora is not None:
         from peft import get_peft_model
+        from transformers import set_seed
 
+        set_seed(targs.seed)  # the adapters' initial values follow training.seed, whatever loading the base drew
         try:
             model = get_peft_model(model, lora)
         except (ValueError, TypeError, KeyError) as e:  # e.g. target_modules naming no module of this model
@@ -150,6 +163,27 @@ def train(args: argparse.Namespace) -> int:
     print(json.dumps({"checkpoint": str(final), "metrics": str(path), "train_loss": result.metrics.get("train_loss"),
                       "exact_match": metrics.get("eval", {}).get("exact_match")}))
     return 0
+
+
+def _load_4bit_base(recipe: Any, targs: Any) -> Any:
+    """The recipe's base in 4 bits in host memory (`models.load_model` with model.quantization; a registry shape
+    quantized on the run's GPU, or on the CPU without one), prepared as PEFT's QLoRA recipe does:
+    `prepare_model_for_kbit_training` freezes every weight and casts the embedding, norms and LM head to float32;
+    no gradient checkpointing (the executor's schedule decides what is recomputed)."""
+    from peft import prepare_model_for_kbit_training
+
+    from .models import load_model
+    from .streaming.quant import is_4bit, logical_numel
+
+    device = targs.device if targs.device.type == "cuda" else "cpu"
+    t0 = time.perf_counter()
+    base = load_model(recipe.model.name_or_path, recipe.model.dtype, seed=targs.seed,
+                      quantization=recipe.model.quantization, quantize_on=device)
+    params = {id(p): p for p in base.parameters()}.values()
+    four = sum(logical_numel(p) for p in params if is_4bit(p))
+    logger.info("4-bit base %s: %s of %s parameters in 4 bits, loaded in %.1f s", recipe.model.name_or_path,
+                f"{four:,}", f"{sum(logical_numel(p) for p in params):,}", time.perf_counter() - t0)
+    return prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
 
 
 def lora_config(values: dict[str, Any]) -> Any:

@@ -138,18 +138,39 @@ def check_supported(config) -> None:
             "Use a supported architecture, or set lazytrain_config.policy='none' to train with the plain HF path.")
 
 
-def load_model(name_or_path: str, dtype: str = "bfloat16", seed: int = 0, **overrides: Any):
+def load_model(name_or_path: str, dtype: str = "bfloat16", seed: int = 0, quantization: dict[str, Any] | None = None,
+               quantize_on: Any = None, **overrides: Any):
     """Load (Hub id / local path) or build from config with random weights (registry name), on the CPU.
 
     Args:
         name_or_path: registry name (see `ARCHITECTURES`), Hub id, or local directory.
         dtype: "bfloat16", "float32" or "float16".
         seed: seed for random initialization of registry models.
+        quantization: `transformers.BitsAndBytesConfig` fields with load_in_4bit=True: the linear layers in 4 bits,
+            every tensor in host memory. A Hub id or local directory loads with `from_pretrained(...,
+            quantization_config=BitsAndBytesConfig(**quantization), device_map="cpu")`, which quantizes each weight
+            as it loads; a registry name is built by `quantized.quantized_random_model` (never whole in `dtype`),
+            quantized on `quantize_on` (None: the GPU when CUDA is available, else the CPU).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
+    if quantization is not None:
+        from .quantized import quantized_random_model, require_bitsandbytes
+
+        require_bitsandbytes()
+        if name_or_path in ARCHITECTURES:
+            return quantized_random_model(name_or_path, quantization, torch_dtype, seed=seed, device=quantize_on,
+                                          **overrides)
+        from transformers import BitsAndBytesConfig
+
+        from .sources import locate_model
+
+        kind, where = locate_model(name_or_path)
+        return AutoModelForCausalLM.from_pretrained(where, quantization_config=BitsAndBytesConfig(**quantization),
+                                                    device_map="cpu", dtype=torch_dtype,
+                                                    local_files_only=kind == "cache", **overrides)
     if name_or_path in ARCHITECTURES:
         config = resolve_config(name_or_path, **overrides)
         torch.manual_seed(seed)

@@ -2,7 +2,8 @@
 
 Sections (unknown keys anywhere are an error, listed all at once before any model loads)::
 
-    model:     {name_or_path, dtype}
+    model:     {name_or_path, dtype, quantization}; quantization: transformers `BitsAndBytesConfig` fields (a 4-bit
+               base, trained with a peft section: QLoRA)
     tokenizer: {name_or_path}
     data:      {source, hub_config, train_split, test_split, train_limit, test_limit, max_length, packing, seed}
     eval:      {enabled, max_new_tokens, batch_size, limit}
@@ -32,16 +33,20 @@ import yaml
 
 from .config import FLAT_KEYS, GROUPS, SIZE_FIELDS, LazyTrainConfig, config_fields, did_you_mean
 
-__all__ = ["Recipe", "load_recipe", "training_argument_fields", "lora_config_fields"]
+__all__ = ["Recipe", "load_recipe", "training_argument_fields", "lora_config_fields", "bnb_config_fields"]
 
 
 @dataclass
 class ModelSection:
     """name_or_path: registry name (lazytrain_hf.models.ARCHITECTURES), Hub id or local path.
-    dtype: parameter dtype, "bfloat16" | "float32" | "float16"."""
+    dtype: parameter dtype, "bfloat16" | "float32" | "float16".
+    quantization: transformers `BitsAndBytesConfig` fields with load_in_4bit true (e.g. bnb_4bit_quant_type nf4,
+    bnb_4bit_use_double_quant, bnb_4bit_compute_dtype bfloat16): the base's linear layers in 4 bits, adapters
+    trained on it (a peft section is required); None: the base in `dtype`."""
 
     name_or_path: str = "qwen3-tiny-vocab"
     dtype: str = "bfloat16"
+    quantization: dict[str, Any] | None = None
 
 
 @dataclass
@@ -107,8 +112,9 @@ _SECTIONS = {"model": ModelSection, "tokenizer": TokenizerSection, "data": DataS
 
 def _type_ok(value: Any, hint: str) -> bool:
     """Does `value` fit a dataclass annotation such as "int | None" (bool is not an int here)?"""
-    kinds = {"int": int, "str": str, "bool": bool, "None": type(None)}
-    allowed = [kinds[t.strip()] for t in str(hint).split("|") if t.strip() in kinds]
+    kinds = {"int": int, "str": str, "bool": bool, "dict": dict, "None": type(None)}
+    names = [t.strip().split("[")[0] for t in str(hint).split("|")]
+    allowed = [kinds[t] for t in names if t in kinds]
     if not allowed:
         return True
     if isinstance(value, bool) and bool not in allowed:
@@ -287,6 +293,84 @@ def _check_peft(values: Any, problems: list[str]) -> tuple[dict[str, Any] | None
     return values, merge is True
 
 
+def bnb_config_fields() -> set[str]:
+    """The keyword arguments of transformers' `BitsAndBytesConfig`, read from its source when transformers is not
+    imported yet (importing it costs seconds with torch), else from its signature."""
+    if "transformers" not in sys.modules:
+        try:
+            spec = importlib.util.find_spec("transformers")
+            source = Path(next(iter(spec.submodule_search_locations)), "utils", "quantization_config.py").read_text()
+            cls = next(n for n in ast.parse(source).body
+                       if isinstance(n, ast.ClassDef) and n.name == "BitsAndBytesConfig")
+            init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+            names = {a.arg for a in init.args.args[1:] + init.args.kwonlyargs}
+            if names:
+                return names
+        except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, TypeError, ValueError):
+            pass
+    import inspect
+
+    from transformers import BitsAndBytesConfig
+
+    return {n for n, p in inspect.signature(BitsAndBytesConfig.__init__).parameters.items()
+            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+_BNB_BOOLS = {"load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "llm_int8_enable_fp32_cpu_offload",
+              "llm_int8_has_fp16_weight"}
+_DTYPES = ["bfloat16", "float16", "float32"]
+_QUANT_STORAGE = ["uint8", "int8", "bfloat16", "float16", "float32", "float64"]  # BitsAndBytesConfig's own list
+
+
+def _bitsandbytes_installed() -> bool:
+    try:
+        return importlib.util.find_spec("bitsandbytes") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_quantization(values: Any, peft: dict[str, Any] | None, merge_on_save: bool,
+                        problems: list[str]) -> dict[str, Any] | None:
+    """model.quantization as `BitsAndBytesConfig` keyword arguments (yes/no words read as booleans), or None; every
+    problem appended to `problems`, each naming its fix."""
+    if not isinstance(values, dict):  # None, or a value the section's type check reports
+        return None
+    known = bnb_config_fields()
+    bad = sorted(set(values) - known)
+    if bad:
+        problems.append(f"unknown key(s) {[f'model.quantization.{k}' for k in bad]}: not transformers."
+                        f"BitsAndBytesConfig fields ({sorted(known)})" + did_you_mean(bad, known, "model.quantization"))
+    values = _read_bool_words({k: v for k, v in values.items() if k in known}, _BNB_BOOLS)
+    for k in sorted(_BNB_BOOLS & set(values)):
+        if not isinstance(values[k], bool):
+            problems.append(f"model.quantization.{k} must be true or false, but got {values[k]!r}")
+    if values.get("load_in_8bit") is True:
+        problems.append("model.quantization.load_in_8bit: the executor cannot stream bitsandbytes 8-bit weights; "
+                        "load the base in 4 bits (load_in_4bit: true, load_in_8bit: false) or in bfloat16 (drop "
+                        "model.quantization), or train an 8-bit base from Python on the stock path "
+                        "(lazytrain_config policy 'none', the model loaded on the GPU)")
+    elif values.get("load_in_4bit") is not True:
+        problems.append("model.quantization needs load_in_4bit: true (the 4-bit base LoRA trains on); drop the "
+                        "section to train a base in model.dtype")
+    choices = {"bnb_4bit_quant_type": ["nf4", "fp4"], "bnb_4bit_compute_dtype": _DTYPES,
+               "bnb_4bit_quant_storage": _QUANT_STORAGE}
+    for k, allowed in choices.items():
+        if values.get(k) is not None and values[k] not in allowed:
+            problems.append(f"model.quantization.{k} must be one of {allowed}, but got {values[k]!r}")
+    if peft is None:
+        problems.append("model.quantization: a 4-bit base trains adapters only (its weights have no gradients); add "
+                        "a peft section (e.g. peft: {r: 16, target_modules: all-linear}), or drop model.quantization "
+                        "to train the whole model")
+    elif merge_on_save:
+        problems.append("peft.merge_on_save with model.quantization would merge the adapter into 4-bit weights and "
+                        "quantize them again (lossy); set peft.merge_on_save: false and merge the saved adapter into "
+                        "the base loaded in bfloat16 (PeftModel.from_pretrained(base, '<output_dir>/final')"
+                        ".merge_and_unload())")
+    if not _bitsandbytes_installed():
+        problems.append("model.quantization needs bitsandbytes, which is not installed: pip install bitsandbytes")
+    return values
+
+
 _LAZY_BOOLS = {f.name for _, f in config_fields() if f.type == "bool"}
 
 
@@ -410,6 +494,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         text = str(e).replace("lazytrain_config.", "lazytrain.").replace("lazytrain_config key", "lazytrain key")
         problems.append(text.replace("\n", "\n    "))
     peft, merge_on_save = _check_peft(raw.get("peft"), problems)
+    parts["model"].quantization = _check_quantization(parts["model"].quantization, peft, merge_on_save, problems)
     if problems:
         raise ValueError(f"Invalid recipe {p}:\n  - " + "\n  - ".join(problems))
     return Recipe(training=training, lazytrain=lazy, peft=peft, merge_on_save=merge_on_save, path=str(p), **parts)

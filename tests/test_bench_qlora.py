@@ -78,10 +78,11 @@ def test_quantized_build_holds_one_bf16_weight_at_a_time_and_counts_its_host_byt
     `quantized_host_bytes`' count from the meta skeleton (the arithmetic behind the 70B estimate)."""
     from benchmarks import common
     from benchmarks.systems import QLORA_QUANT
+    from lazytrain_hf import quantized
 
     live: list[weakref.ref] = []
     overlaps: list[str] = []
-    fill = common._fill_
+    fill = quantized.fill_random_
 
     def spy(name: str, p: torch.Tensor, bank: torch.Tensor) -> None:
         if ".layers." in name and p.dim() == 2:  # freed by reference counting, no collection needed
@@ -90,7 +91,7 @@ def test_quantized_build_holds_one_bf16_weight_at_a_time_and_counts_its_host_byt
             live.append(weakref.ref(p))
         fill(name, p, bank)
 
-    monkeypatch.setattr(common, "_fill_", spy)
+    monkeypatch.setattr(quantized, "fill_random_", spy)
     model = common.quantized_random_model("llama-tiny:layers=3", QLORA_QUANT)
     gc.collect()
     assert len(live) == 7 * 3 and not overlaps and all(r() is None for r in live)

@@ -215,11 +215,15 @@ def memlock_note(pin: bool) -> str | None:
             "driver (cudaHostRegister, pinned copies), which that limit does not bound")
 
 
-def check_host_before_building(config: Any, dtype: str, name: str) -> None:
+def check_host_before_building(config: Any, dtype: str, name: str, quantization: dict[str, Any] | None = None
+                               ) -> None:
     """Before a model is built or loaded (`models.load_model`): its weights in `dtype` against this rank's share of
     the host-memory limit, so that a model too large for the host is one error instead of minutes of allocation and
     an out-of-memory kill. The run needs more than its weights (gradients, optimizer states): the Trainer checks that
-    before pinning (`check_host_before_pinning`); `lazytrain-hf plan` names it beforehand.
+    before pinning (`check_host_before_pinning`); `lazytrain-hf plan` names it beforehand. With `quantization`
+    (`BitsAndBytesConfig` fields, 4 bits): the 4-bit weights with their quantization state
+    (`quantized.quantized_host_bytes`) and the other parameters in float32, as `prepare_model_for_kbit_training`
+    leaves them.
 
     Raises:
         ResourceLimitError: the weights alone are above the limit (need, limit and its source, fix).
@@ -232,7 +236,14 @@ def check_host_before_building(config: Any, dtype: str, name: str) -> None:
         n = model_shape(config).num_params  # counted on the meta device
     except ValueError:  # no decoder layers where the executor looks (policy "none" trains any causal LM)
         return
-    need = n * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    check_need(need, host_limit_per_rank(), f"building {name!r} ({n / 1e9:.2f} B parameters in {dtype})",
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    need, what = n * size, f"{n / 1e9:.2f} B parameters in {dtype}"
+    if quantization is not None:
+        from ..quantized import quantized_host_bytes
+
+        q = quantized_host_bytes(config, quantization, dtype)
+        need = q["packed"] + q["state"] + q["other_params"] * 4
+        what = f"{n / 1e9:.2f} B parameters, {q['four_bit_params'] / 1e9:.2f} B of them in 4 bits, the rest in float32"
+    check_need(need, host_limit_per_rank(), f"building {name!r} ({what})",
                "a smaller model, or a machine (or container memory limit) with more memory; `lazytrain-hf plan "
                "--model ...` gives the whole run's host need")
