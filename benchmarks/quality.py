@@ -1,19 +1,19 @@
-"""Optimizer-precision quality check: the same model, init and GSM8K token rows trained for --steps steps with
-each master-weight / state configuration of LazyTrain's Hybrid8 optimizer (token ids folded modulo --vocab, the
-model built with that vocabulary: CPU-sized), against fp32 everything (fp32 weights,
-the stock Trainer's torch AdamW). It decides whether a leaner default (Kahan bf16 master weights, 8-bit embedding /
-LM-head states) trains as well as the fp32 masters and fp32 embedding states it would replace.
+"""Optimizer-precision quality check: the same model, init and GSM8K token rows trained for --steps steps with each
+master-weight / state configuration of LazyTrain's Hybrid8 optimizer (token ids folded modulo --vocab, the model
+built with that vocabulary: CPU-sized), against fp32 everything (fp32 weights, the stock Trainer's torch AdamW). It
+decides whether a leaner default (Kahan bf16 master weights, 8-bit embedding / LM-head states) trains as well as
+the fp32 masters and fp32 embedding states it would replace.
 
     python -m benchmarks.quality --out benchmarks/results/quality-YYYYMMDD.json [--steps 300] [--model qwen3-tiny-vocab]
 
 Rows (system = configuration): `fp32_reference` (fp32 weights, Trainer + adamw_torch), and LazyTrainer on bf16
-weights with bf16=True: `default` (the product's defaults), `kahan_8bit_resident` (master_weights kahan,
-resident_state_dtype 8bit), `kahan` (kahan, fp32 resident states), `bf16_no_master` (master_weights none: updates
-rounded to bf16, the failure this check must be able to see). Each row's extra holds the training loss every
---log-every steps, the mean of the last 50 steps' losses, the held-out loss (GSM8K test rows) at the start and the
-end, and the final parameters' distance from the reference's (every configuration starts from the bf16 rounding of
-one init, so the distance is the optimizer's). lr 1e-5, weight decay 0.01, clip 1.0,
-constant schedule, as the paper's runs.
+weights with bf16=True: `default` (the product's defaults at the file's commit), `fp32_master` (master_weights
+fp32), `kahan_8bit_resident` (master_weights kahan, resident_state_dtype 8bit), `kahan` (kahan, fp32 resident
+states), `bf16_no_master` (master_weights none: updates rounded to bf16, the failure this check must be able to
+see). Each row's extra holds the training loss every --log-every steps, the mean of the last 50 steps' losses, the
+held-out loss (GSM8K test rows) at the start and the end, and the final parameters' distance from the reference's
+(every configuration starts from the bf16 rounding of one init, so the distance is the optimizer's). lr 1e-5,
+weight decay 0.01, clip 1.0, constant schedule, as the paper's runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import copy
 import datetime
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from benchmarks.common import git_commit, gsm8k_dir, gsm8k_token_rows
 CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any] | None, str]] = {
     "fp32_reference": (torch.float32, None, "adamw_torch"),
     "default": (torch.bfloat16, {}, "lazytrain_hybrid8"),
+    "fp32_master": (torch.bfloat16, {"master_weights": "fp32"}, "lazytrain_hybrid8"),
     "kahan_8bit_resident": (torch.bfloat16, {"master_weights": "kahan", "resident_state_dtype": "8bit"},
                             "lazytrain_hybrid8"),
     "kahan": (torch.bfloat16, {"master_weights": "kahan"}, "lazytrain_hybrid8"),
@@ -96,7 +99,7 @@ def run_config(name: str, base: torch.nn.Module, train: torch.Tensor, held: torc
     if lazy is None:
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=Rows(train))
     else:
-        cfg = {"device": args.device, "loss_chunk_tokens": 512, **lazy}
+        cfg = {"device": args.device, "loss_chunk_tokens": 512, "policy": args.policy, **lazy}
         trainer = LazyTrainer(model=model, args=LazyTrainingArguments(**common, bf16=True, lazytrain_config=cfg),
                               train_dataset=Rows(train))
     trainer.train()
@@ -128,6 +131,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--vocab", type=int, default=8192,
                    help="the model's vocabulary; token ids are folded modulo it (0: the model's own)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--policy", default="milp", choices=["milp", "fixed", "none"],
+                   help="lazytrain_config.policy of the LazyTrain rows; none: the stock forward and backward with the "
+                        "same Hybrid8 optimizer (the update is what is compared; fast on the CPU)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                    "torch": torch.__version__}, "rows": []}
     ref_params: dict[str, torch.Tensor] = {}
     start = {k: v.detach().float().clone() for k, v in base.named_parameters()}
-    out_dir = str(Path(args.out).with_suffix("")) + "-runs"
+    out_dir = tempfile.mkdtemp(prefix="lazytrain-quality-")  # the Trainers' output_dir: nothing is saved there
     for name in ["fp32_reference", *[c for c in args.configs if c != "fp32_reference"]]:
         extra, params = run_config(name, base, train, held, args, out_dir)
         if name == "fp32_reference":
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=1))
+    shutil.rmtree(out_dir, ignore_errors=True)
     return doc
 
 
