@@ -30,10 +30,10 @@ __all__ = ["add_arguments", "run", "output_stem"]
 
 _GIB = 1024**3
 _FIXED_DEFAULTS: dict[str, Any] = {"checkpoint_every": 4, "tier": "gpu", "prefetch_depth": 1}
-# the Trainer's defaults (lazytrain_config; master_weights "auto" plans as fp32): no CLI flags for these
+# the Trainer's defaults (lazytrain_config; master_weights "auto" plans as kahan for bf16 weights): no CLI flags for these
 _OPTIMIZER_LAYOUT: dict[str, Any] = {
     "loss_chunk_tokens": LazyTrainConfig.loss_chunk_tokens, "state_dtype": LazyTrainConfig.state_dtype,
-    "master_weights": "fp32", "block_size": LazyTrainConfig.block_size}
+    "master_weights": "kahan", "block_size": LazyTrainConfig.block_size}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "H200 figures; default: this machine's cached probe if any, else the H200 figures")
     parser.add_argument("--max-batch", type=int, default=1024,
                         help="upper end of the largest-feasible-batch search (0 skips it)")
-    parser.add_argument("--master-weights", choices=("fp32", "kahan", "none"), default="fp32",
-                        help="the optimizer's master weights (lazytrain_config.master_weights; 'auto' plans as fp32 "
+    parser.add_argument("--master-weights", choices=("fp32", "kahan", "none"), default="kahan",
+                        help="the optimizer's master weights (lazytrain_config.master_weights; 'auto' plans as kahan "
                              "for bf16 weights): fp32 4 bytes per trained parameter in host memory, kahan 2, none 0 "
-                             "(default fp32)")
+                             "(default kahan)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=LazyTrainConfig.loss_chunk_tokens,
                         help="tokens per chunk of the LM head's loss (lazytrain_config.loss_chunk_tokens; default "
                              f"{LazyTrainConfig.loss_chunk_tokens}): the head's logits workspace, and an input of "
@@ -317,7 +317,8 @@ def host_fixes(args: argparse.Namespace, e: Any, build: Any, batch: int = 0) -> 
     if e.host_too_small:
         here = build().host_fixed_bytes
         lean = []
-        for mode in _MASTER_WEIGHTS[_MASTER_WEIGHTS.index(args.master_weights) + 1:]:
+        # "none" is never suggested: updates far below bf16's resolution vanish (benchmarks/results/quality-cpu-*.json)
+        for mode in [m for m in _MASTER_WEIGHTS[_MASTER_WEIGHTS.index(args.master_weights) + 1:] if m != "none"]:
             lean.append((mode, build(master_weights=mode).host_fixed_bytes))
             if lean[-1][1] <= budget:
                 break
@@ -325,8 +326,7 @@ def host_fixes(args: argparse.Namespace, e: Any, build: Any, batch: int = 0) -> 
         if lean and lean[-1][1] < here and (lean[-1][1] <= budget or
                                             _flag_size(lean[-1][1]) != _flag_size(e.min_host_bytes or here)):
             mode, nbytes = lean[-1]
-            what = {"kahan": "a compensated bf16 copy, 2 bytes per parameter",
-                    "none": "updates in the weights' dtype, no master copy"}[mode]
+            what = {"kahan": "a compensated bf16 copy, 2 bytes per parameter"}[mode]
             fits = "fits the host budget" if nbytes <= budget else f"with --host-memory {_flag_size(nbytes)}"
             fixes.append(f"--master-weights {mode} ({what}: host fixed part {nbytes / _GIB:.2f} GiB, {fits})")
         if batch and build(batch=batch).host_fixed_bytes <= budget:
@@ -676,7 +676,7 @@ def output_stem(args: argparse.Namespace, policy: str) -> str:
         parts.append(f"ga{args.gradient_accumulation_steps}")
     if args.rows_per_pass is not None:
         parts.append(f"rows{args.rows_per_pass}")
-    if args.master_weights != "fp32":
+    if args.master_weights != "kahan":
         parts.append(f"master-{args.master_weights}")
     if args.loss_chunk_tokens != LazyTrainConfig.loss_chunk_tokens:
         parts.append(f"losschunk{args.loss_chunk_tokens}")

@@ -152,7 +152,7 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                     name: str = "", frozen: Mapping[str, Any] | None = None,
                     resident_states: str = "fp32", host_weight_ranks: int = 1) -> PlanRequest:
     """The `PlanRequest` for a run, with every default resolved: budgets (`resolve_budgets`), master weights "auto"
-    planned as fp32, kept gradients only with one micro-batch per optimizer step (accumulated gradients are summed on
+    planned as kahan (the analytic model's bf16 weights), kept gradients only with one micro-batch per optimizer step (accumulated gradients are summed on
     the host), the fixed knobs' defaults, and `max_buckets` sequence-length buckets (powers of two up to `seq_len`,
     `seq_len_buckets`; 1: `seq_len` alone). `host_weight_ranks`: the ranks on this host sharing one host copy of the
     streamed weights (1: none share); the host budget per rank is the host's share as before, the shared weights
@@ -167,7 +167,7 @@ def resolve_request(model_config: Mapping[str, Any], model: Any, *, batch_size: 
                        rows_per_pass=rows_per_pass, resident=resident, gpu_optimizer=bool(gpu_optimizer),
                        kept_grads=bool(keep_gpu_grads) and gradient_accumulation_steps == 1,
                        loss_chunk_tokens=loss_chunk_tokens, state_dtype=state_dtype,
-                       master_weights="fp32" if master_weights == "auto" else master_weights, block_size=block_size,
+                       master_weights="kahan" if master_weights == "auto" else master_weights, block_size=block_size,
                        time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap, name=name, frozen=frozen,
                        resident_states=resident_states, host_weight_ranks=max(1, int(host_weight_ranks)))
 

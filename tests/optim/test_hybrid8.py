@@ -158,7 +158,8 @@ def test_clip_in_8bit_mode_equals_update_from_clipped_grads(cpu_kernel):
     assert norm.item() > 0.5
     for p, q in zip(a, b):
         assert torch.equal(p, q)
-        for key in ("state1", "state2", "master"):
+        assert set(opt_a.state[p]) == {"step", "state1", "state2", "absmax1", "absmax2", "kahan"} or p.numel() < 4096
+        for key in ("state1", "state2", "kahan"):
             assert torch.equal(opt_a.state[p][key], opt_b.state[q][key])
 
 
@@ -261,7 +262,7 @@ def test_grad_source_with_bf16_params_and_fp32_host_grads(cpu_kernel):
     base = _params([(64, 80), (4097,), (33,)], dtype=torch.bfloat16, scale=0.05)
     ours = _clone(base)
     ref = [torch.nn.Parameter(p.detach().float()) for p in base]
-    opt = Hybrid8bitOptimizer(ours, lr=1e-3, weight_decay=0.01, state_dtype="fp32")   # master: auto -> fp32
+    opt = Hybrid8bitOptimizer(ours, lr=1e-3, weight_decay=0.01, state_dtype="fp32", master_weights="fp32")
     t_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01)
     host_grads: dict[int, torch.Tensor] = {}
     opt.set_grad_source(lambda p: host_grads.get(id(p)))
@@ -371,7 +372,7 @@ def test_state_dict_round_trip_continues_identically(cpu_kernel):
     opt_b.load_state_dict(loaded)
     assert opt_b.param_groups[1]["lr"] == 5e-3 and opt_b.param_groups[0]["weight_decay"] == 0.01
     st = opt_b.state[b[0]]
-    assert st["state1"].dtype == torch.uint8 and st["master"].dtype == torch.float32 and st["step"] == 3
+    assert st["state1"].dtype == torch.uint8 and st["kahan"].dtype == torch.bfloat16 and st["step"] == 3
     assert opt_b.state[b[3]]["kahan"].dtype == torch.bfloat16
     assert opt_b.state[b[4]]["state1"].dtype == torch.float32     # fp32_state_params survive as saved
     assert opt_b.state[b[2]]["state1"].dtype == torch.float32     # below min_8bit_size
@@ -461,9 +462,10 @@ def test_state_layout_and_bytes():
     assert s[2]["state1"].dtype == torch.float32                                       # fp32_state_params
     assert s[3]["state2"].dtype == torch.uint8 and s[3]["absmax2"].shape == (24,) and "master" not in s[3]
     assert all(st["state1"].shape == p.shape for st, p in zip(s, params))
-    expected = (4096 * (2 + 4) + 16 * 8) + 4095 * (8 + 4) + 10_000 * (8 + 4) + (6000 * 2 + 24 * 8)
+    # auto: a bf16 Kahan buffer (2 bytes) per bf16 parameter
+    expected = (4096 * (2 + 2) + 16 * 8) + 4095 * (8 + 2) + 10_000 * (8 + 2) + (6000 * 2 + 24 * 8)
     assert opt.state_bytes() == {"cpu": expected}
-    for key in ("state1", "state2", "absmax1", "absmax2", "master"):
+    for key in ("state1", "state2", "absmax1", "absmax2", "kahan"):
         assert key in s[0]
 
 
@@ -475,8 +477,13 @@ def test_fp32_params_get_no_master_and_kahan_is_bf16_only():
         a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
         opt.step()
         assert "master" not in opt.state[a] and "kahan" not in opt.state[a]
-        assert ("master" in opt.state[b]) == (mode in ("auto", "fp32"))
-        assert ("kahan" in opt.state[b]) == (mode == "kahan")
+        assert ("master" in opt.state[b]) == (mode == "fp32")
+        assert ("kahan" in opt.state[b]) == (mode in ("auto", "kahan"))  # auto: kahan for bf16
+    p_half = torch.nn.Parameter(p16.detach().to(torch.float16))
+    opt = Hybrid8bitOptimizer([p_half])
+    p_half.grad = torch.ones_like(p_half)
+    opt.step()
+    assert "master" in opt.state[p_half] and "kahan" not in opt.state[p_half]  # auto: fp32 for fp16
 
 
 def test_invalid_arguments_are_listed_together():

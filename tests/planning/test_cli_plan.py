@@ -211,27 +211,34 @@ def _fix(out: str) -> str:
 
 
 def test_a_host_bound_plan_names_host_side_fixes_and_each_plans(capsys):
-    """Only the host budget is short (below the weights + gradients + states): the fix names the --host-memory and a
-    leaner --master-weights, not a --gpu-memory (the 24 GiB given is enough) and not a shorter --seq-len or fewer
-    rows per pass (neither lowers the host's fixed part). Before: "--host-memory 25.93GiB --gpu-memory ..GiB, or a
-    shorter --seq-len"."""
+    """Only the host budget is short (below the weights + gradients + states): the fix names the --host-memory and,
+    from fp32 masters, the leaner --master-weights kahan, not a --gpu-memory (the 24 GiB given is enough) and not a
+    shorter --seq-len or fewer rows per pass (neither lowers the host's fixed part); --master-weights none (updates
+    lost below bf16's resolution) is never named. Before: "--host-memory 25.93GiB --gpu-memory ..GiB, or a shorter
+    --seq-len"."""
     import re
 
     base = ("--model", "qwen2.5-3b", "--gpu-memory", "24GiB", "--batch-size", "4", "--seq-len", "512",
             "--resident", "gpu", "--max-batch", "0", "--hardware", "defaults")
-    assert cli_plan.run(_args(*base, "--host-memory", "20GiB")) == 1
+    fp32 = (*base, "--master-weights", "fp32")
+    assert cli_plan.run(_args(*fp32, "--host-memory", "20GiB")) == 1
     fix = _fix(capsys.readouterr().out)
     assert "--gpu-memory" not in fix and "--seq-len" not in fix and "--rows-per-pass" not in fix, fix
     host = re.search(r"--host-memory ([0-9.]+GiB)", fix).group(1)
-    assert "--master-weights none (updates in the weights' dtype, no master copy: host fixed part" in fix, fix
-    assert cli_plan.run(_args(*base, "--host-memory", host)) == 0
+    assert "--master-weights kahan (a compensated bf16 copy, 2 bytes per parameter: host fixed part" in fix, fix
+    assert "--master-weights none" not in fix, fix
+    assert cli_plan.run(_args(*fp32, "--host-memory", host)) == 0
     capsys.readouterr()
-    assert cli_plan.run(_args(*base, "--host-memory", "20GiB", "--master-weights", "none")) == 0
-    capsys.readouterr()
-    # with 24 GiB kahan (2 bytes per parameter) is enough: the first leaner mode that fits is named
-    assert cli_plan.run(_args(*base, "--host-memory", "24GiB")) == 1
+    # with 24 GiB kahan is enough: the leaner mode named fits the host budget, and it plans
+    assert cli_plan.run(_args(*fp32, "--host-memory", "24GiB")) == 1
     fix = _fix(capsys.readouterr().out)
-    assert "--master-weights kahan" in fix and "--master-weights none" not in fix, fix
+    assert "--master-weights kahan" in fix and "fits the host budget" in fix, fix
+    assert cli_plan.run(_args(*base, "--host-memory", "24GiB")) == 0  # the default, kahan
+    capsys.readouterr()
+    # the default short of host memory: only the --host-memory that plans is named
+    assert cli_plan.run(_args(*base, "--host-memory", "20GiB")) == 1
+    fix = _fix(capsys.readouterr().out)
+    assert "--master-weights" not in fix and re.search(r"--host-memory ([0-9.]+GiB)", fix), fix
 
 
 def test_a_shorter_sequence_is_named_for_the_host_only_where_it_lowers_the_host_bytes(capsys):
@@ -257,7 +264,8 @@ def test_more_host_memory_for_boundaries_is_named_when_it_fits_the_gpu_budget(ca
     import re
 
     base = ("--model", "qwen2.5-3b", "--gpu-memory", "15GiB", "--batch-size", "64", "--seq-len", "2048",
-            "--rows-per-pass", "1", "--resident", "gpu", "--max-batch", "0", "--hardware", "defaults")
+            "--rows-per-pass", "1", "--resident", "gpu", "--max-batch", "0", "--hardware", "defaults",
+            "--master-weights", "fp32")  # the host figures below are fp32 masters'
     assert cli_plan.run(_args(*base, "--host-memory", "25.93GiB")) == 1
     fix = _fix(capsys.readouterr().out)
     host = re.search(r"--host-memory ([0-9.]+GiB) \(room for CPU-tier boundaries", fix).group(1)
@@ -356,7 +364,7 @@ def test_a_host_short_of_every_placement_names_the_least_host_that_fits_the_gpu_
     import re
 
     base = ("--model", "qwen2.5-7b", "--gpu-memory", "24GiB", "--batch-size", "16", "--seq-len", "1024",
-            "--max-batch", "0", "--hardware", "defaults")
+            "--max-batch", "0", "--hardware", "defaults", "--master-weights", "fp32")  # its figures: fp32 masters
     assert cli_plan.run(_args(*base, "--host-memory", "60GiB")) == 1
     fix = _fix(capsys.readouterr().out)
     assert "--gpu-memory" not in fix, fix

@@ -33,7 +33,7 @@ def test_request_defaults_and_a_gpu_reduction_keep_the_fingerprint():
               nvme_budget=None, nvme=False, gpu_memory_margin=0.1, gpu_available=10 * GIB, host_total=64 * GIB,
               nvme_available=0, master_weights="auto", max_buckets=4)
     r = resolve_request({"hidden_size": 8}, None, gradient_accumulation_steps=2, **kw)
-    assert r.buckets == (128, 256, 512, 1000) and r.master_weights == "fp32" and not r.kept_grads
+    assert r.buckets == (128, 256, 512, 1000) and r.master_weights == "kahan" and not r.kept_grads
     assert r.fixed == {"checkpoint_every": 4, "tier": "gpu", "prefetch_depth": 1}
     assert resolve_request({"hidden_size": 8}, None, **kw).kept_grads  # one micro-batch per step
     less = r.with_gpu_reduction(GIB)
