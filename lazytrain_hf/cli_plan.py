@@ -467,8 +467,9 @@ def _check_numbers(args: argparse.Namespace) -> list[str]:
         given = [f for f, v in (("--lora-target-modules", args.lora_target_modules),
                                 ("--load-in-4bit", args.load_in_4bit)) if v]
         if given:
-            problems.append(f"{' and '.join(given)} shape a LoRA plan: add --lora-r N (a 4-bit base trains adapters "
-                            "only)")
+            verb = "applies" if len(given) == 1 else "apply"
+            problems.append(f"{' and '.join(given)} {verb} to a LoRA plan only: add --lora-r N (a 4-bit base trains "
+                            "adapters only)")
     if args.bnb_4bit_use_double_quant and not args.load_in_4bit:
         problems.append("--bnb-4bit-use-double-quant needs --load-in-4bit")
     return problems

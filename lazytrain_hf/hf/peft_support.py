@@ -76,6 +76,24 @@ def host_adapter_switches(executor: StreamingExecutor) -> Iterator[None]:
             m._active_adapter, m._disable_adapters = active, disabled
 
 
+def check_trainable(model: torch.nn.Module) -> None:
+    """Refuse, before training, a model with no parameter to train (a PeftModel loaded with
+    `PeftModel.from_pretrained(base, path)`, which freezes its adapters unless `is_trainable=True`, or every
+    parameter frozen by hand): the run would take every step with a zero gradient and change nothing.
+
+    Raises:
+        ValueError: naming the cause and the fixes.
+    """
+    if any(p.requires_grad for p in model.parameters()):
+        return
+    peft = hasattr(model, "get_base_model")
+    raise ValueError("no parameter of the model requires a gradient, so training would change nothing"
+                     + (": a PeftModel loaded with PeftModel.from_pretrained(base, path) keeps its adapters frozen. "
+                        "Fix: PeftModel.from_pretrained(base, path, is_trainable=True)" if peft else
+                        ". Fix: set requires_grad=True on the parameters to train (or wrap the model with "
+                        "peft.get_peft_model)") + ".")
+
+
 def check_quantized(model: torch.nn.Module) -> None:
     """Refuse, before training, a base quantized with bitsandbytes to 8 bits (`load_in_8bit`): its `Int8Params`
     keep their scales (SCB) as attributes the layer streaming does not move. 4-bit bases (nf4 / fp4, with or

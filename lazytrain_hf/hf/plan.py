@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Any
@@ -177,8 +178,15 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
     cfg = trainer.lazy_config
     B, T = run_shape(trainer)
     hardware, machine = machine_budgets(trainer)
+    config = trainer.model.config
+    if getattr(config, "tie_word_embeddings", False) and \
+            getattr(getattr(trainer.executor, "resident", None), "tied", True) is False:
+        # a tied config whose head the run trains apart (PEFT modules_to_save on lm_head or embed_tokens holds a
+        # copy): priced as the untied head it runs
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = False
     request = resolve_request(
-        trainer.model.config.to_dict(), trainer.model.config, batch_size=B, seq_len=T, hardware=hardware,
+        config.to_dict(), config, batch_size=B, seq_len=T, hardware=hardware,
         gpu_memory_budget=cfg.gpu_memory_budget, host_memory_budget=cfg.host_memory_budget,
         nvme_budget=cfg.nvme_budget, nvme=bool(cfg.nvme_dir), gpu_memory_margin=cfg.gpu_memory_margin, **machine,
         policy="milp", fixed={"checkpoint_every": cfg.checkpoint_every, "tier": cfg.activation_tier,

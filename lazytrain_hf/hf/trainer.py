@@ -175,6 +175,7 @@ class LazyTrainerMixin(TRLHooks):
         """`Trainer.train`, resuming only from a complete checkpoint (True: the newest complete one, incomplete ones
         skipped with a warning) and stopping at a step boundary with a checkpoint on SIGTERM / SIGINT
         (`interrupted` is then the signal)."""
+        peft_support.check_trainable(self.model)
         resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         self._device_ids_checked = False
         with self.longrun.handling_signals():

@@ -81,13 +81,16 @@ def test_lora_equals_stock_trainer_with_peft(tmp_path, arch, policy, optim):
     assert not any(ex.is_streamed(p) for p in lazy.model.parameters() if p.requires_grad)
 
 
-def test_lora_with_explicit_targets_and_modules_to_save_on_a_tied_lm_head(tmp_path):
+@pytest.mark.parametrize("policy", ["fixed", "milp"])
+def test_lora_with_explicit_targets_and_modules_to_save_on_a_tied_lm_head(tmp_path, policy):
     """modules_to_save on the LM head of a tied model: PEFT trains an untied copy of the head (the embedding, which
-    the original head shares, stays frozen), the same as the stock Trainer."""
+    the original head shares, stays frozen), the same as the stock Trainer; the MILP prices the head it runs
+    (untied), so every placement it tries, "host_embedding" included, plans."""
     model = _lora("qwen3-tiny", target_modules=["q_proj", "v_proj", "down_proj"], modules_to_save=["lm_head"])
     assert model.config.tie_word_embeddings
     embed = model.get_base_model().model.embed_tokens.weight.detach().clone()
-    stock, lazy = _pair(tmp_path, model, optim=HYBRID8)
+    stock, lazy = _pair(tmp_path, model, {**EXACT, "policy": policy}, optim=HYBRID8)
+    assert lazy.executor.schedule.policy == policy
     _assert_equal_runs(stock, lazy)
     inner = lazy.model.get_base_model()
     assert torch.equal(inner.model.embed_tokens.weight, embed)
@@ -305,3 +308,19 @@ def test_lora_dropout_draws_the_forward_masks_when_layers_rerun(tmp_path, policy
     stock, lazy = _pair(tmp_path, model, {**EXACT, "policy": policy})
     _assert_equal_runs(stock, lazy)
     assert lazy.executor._rng.active
+
+
+def test_a_model_with_nothing_to_train_is_refused_before_the_first_step(tmp_path):
+    """An adapter loaded without is_trainable=True (PEFT freezes it) or a model frozen by hand: train() raises one
+    error naming the fix before any step runs (the stock Trainer fails in backward; training on would change
+    nothing)."""
+    _lora("qwen2-tiny").save_pretrained(tmp_path / "adapter")
+    frozen = peft.PeftModel.from_pretrained(load_model("qwen2-tiny", "float32", seed=3), tmp_path / "adapter")
+    plain = load_model("qwen2-tiny", "float32", seed=3).requires_grad_(False)
+    for model, fix in ((frozen, "is_trainable=True"), (plain, "requires_grad=True")):
+        args = LazyTrainingArguments(**_common(tmp_path, "none", **ADAMW), lazytrain_config=dict(EXACT))
+        tr = LazyTrainer(model=model, args=args, train_dataset=tiny_dataset(model.config.vocab_size),
+                         data_collator=_collate)
+        with pytest.raises(ValueError, match="no parameter of the model requires a gradient") as e:
+            tr.train()
+        assert fix in str(e.value) and tr.state.global_step == 0
