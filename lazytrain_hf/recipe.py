@@ -290,6 +290,9 @@ def _check_peft(values: Any, problems: list[str]) -> tuple[dict[str, Any] | None
     if values["task_type"] not in tasks:
         problems.append(f"peft.task_type must be one of {tasks}, but got {values['task_type']!r}"
                         + did_you_mean([str(values["task_type"])], tasks, "peft.task_type"))
+    elif values["task_type"] != "CAUSAL_LM":  # the recipes train causal language models only
+        problems.append(f"peft.task_type {values['task_type']!r} is not what a recipe trains (a causal language "
+                        "model): leave it out or set CAUSAL_LM")
     return values, merge is True
 
 

@@ -82,6 +82,7 @@ def no_model_load(monkeypatch):
     ("peft.r=0", r"peft\.r must be a positive integer"),
     ("peft.lora_dropout=1.5", r"peft\.lora_dropout must be a number in \[0, 1\)"),
     ("peft.task_type=CAUSAL_LN", r"peft\.task_type must be one of .*did you mean peft\.task_type\.CAUSAL_LM"),
+    ("peft.task_type=SEQ_CLS", r"peft\.task_type 'SEQ_CLS' is not what a recipe trains .*set CAUSAL_LM"),
     ("peft.modules_to_save=lm_head", r"peft\.modules_to_save must be a list"),
     ("peft.merge_on_save=maybe", r"peft\.merge_on_save must be true or false"),
 ])
