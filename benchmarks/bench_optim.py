@@ -22,8 +22,8 @@ path the build lacks gives an "unsupported" row). ``extra.moment_bytes_per_param
 counts the moments and their absmax only (the goal: <= 2.04 for 8-bit tensors); ``state_bytes_per_param`` adds
 master weights / Kahan buffers.
 
-Hybrid8 rows use ``--param-dtype`` params (bf16 by default) with ``--master-weights`` (fp32 master by default for
-bf16 params; ``kahan``: bf16 compensation, as the streaming executor runs it), ``--grad-dtype`` gradients (fp32 by
+Hybrid8 rows use ``--param-dtype`` params (bf16 by default) with ``--master-weights`` (auto by default: the
+optimizer's default, a bf16 Kahan compensation for bf16 params; ``fp32``: an fp32 master copy), ``--grad-dtype`` gradients (fp32 by
 default; the executor supplies bf16) through `set_grad_source`, and an active clip coefficient. Their ``extra``
 records the fused CPU kernel's build and table-read mode (`cpu_kernel_status`).
 Each row: ``--warmup`` untimed steps, then ``--steps`` timed steps; the median is reported. Timings are wall
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tensors", type=int, default=1, help="split the parameters into this many tensors")
     ap.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="hybrid8 / bnb param dtype")
     ap.add_argument("--master-weights", choices=["auto", "fp32", "kahan", "none"], default="auto",
-                    help="hybrid8 master weights (auto: fp32 for bf16 params)")
+                    help="hybrid8 master weights (auto: kahan for bf16 params, the optimizer's default)")
     ap.add_argument("--grad-dtype", choices=sorted(_DTYPES), default="fp32", help="hybrid8 host gradient dtype")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per row (at least 5 reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
