@@ -53,17 +53,10 @@ class CheckpointSaveError(OSError):
 
 # ---- saving -----------------------------------------------------------------------------------------------------
 def _agree(code: int) -> int:
-    """The largest of every rank's `code` (one process: `code` itself); a collective under data parallelism."""
-    from .longrun import _dist, _reduce_device
+    """The largest of every rank's `code` (`longrun.max_over_ranks`; one process: `code` itself)."""
+    from .longrun import max_over_ranks  # longrun imports this module
 
-    dist = _dist()
-    if dist is None:
-        return code
-    import torch
-
-    t = torch.tensor([code], dtype=torch.int64, device=_reduce_device(dist))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return int(max_over_ranks([code])[0])
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -122,7 +115,8 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
     took on `clock`; the manifest records them too (``save_s``, up to its own write).
 
     Data parallel: the ranks agree (`_agree`) on the space check and on the save's outcome, so every rank raises
-    when any rank's write failed, and the main process renames the checkpoint only when every rank's files are in.
+    when any rank's write failed, and the main process renames the checkpoint only when every rank's files are in;
+    `save` must run no collective (LazyTrainer._save_checkpoint runs them before).
 
     Raises:
         ResourceLimitError: less free space than the checkpoint's size (nothing was written).
@@ -158,33 +152,23 @@ def save_atomically(trainer: Any, save: Callable[[Any, Any], None], model: Any, 
         raise short or ResourceLimitError(f"LazyTrain: {name} not saved: the main process found too little free "
                                           f"space in {run_dir!r} (its log names the bytes)", need_bytes=need,
                                           limit=disk_free(run_dir))
-    # Data parallel: the save's collectives (deferred updates, the sharded states gathered on the main process) run
-    # before any file is written, so a rank whose write fails leaves no other rank waiting in one
-    ex = getattr(trainer, "executor", None)
-    gathered: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if args.world_size > 1 and ex is not None:
-        ex.flush_updates()
-        gathered = ex.gathered_optimizer_states(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
     trainer._get_output_dir = lambda trial=None: stage_root  # the stock save writes <stage_root>/checkpoint-N
     failure: BaseException | None = None
-    with gathered:
-        trainer._save_states_gathered = args.world_size > 1
-        try:
-            save(model, trial)
-        except Exception as e:
-            failure = e
-        finally:
-            del trainer._get_output_dir  # the class's method again
-            trainer._save_states_gathered = False
+    try:
+        save(model, trial)  # no collective inside: the trainer ran them before (LazyTrainer._save_checkpoint)
+    except Exception as e:
+        failure = e
+    finally:
+        del trainer._get_output_dir  # the class's method again
     # 0: saved, 1: a disk filled, 2: another error; the largest over the ranks (also every rank's files written)
-    code = 0 if failure is None else 1 if _disk_full(failure) and not isinstance(failure, ResourceLimitError) else 2
-    code = _agree(code)
+    own = 0 if failure is None else 1 if _disk_full(failure) and not isinstance(failure, ResourceLimitError) else 2
+    code = _agree(own)
     if code:
         full_now = disk_free(run_dir).bytes if main else None
         if main:
             shutil.rmtree(stage_root, ignore_errors=True)
         if code == 2:
-            if failure is not None and not _disk_full(failure):
+            if own == 2:
                 raise failure
             raise RuntimeError(f"LazyTrain: saving {name} failed on another rank (its log has the error); the "
                                "partial checkpoint was removed") from failure

@@ -66,6 +66,18 @@ def _reduce_device(dist: Any) -> Any:
     return torch.device("cpu")
 
 
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Each of `values`, the largest over the ranks (a collective: every rank calls it); one process: as given."""
+    dist = _dist()
+    if dist is None:
+        return list(values)
+    import torch
+
+    t = torch.tensor(values, dtype=torch.float64, device=_reduce_device(dist))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 class LongRunCallback(TrainerCallback):
     """Added by `LazyTrainer` (every policy): graceful interruption, the grace period, save timing and the
     train-begin preflight."""
@@ -135,15 +147,9 @@ class LongRunCallback(TrainerCallback):
         received on any rank (the largest number), the earliest receipt, the longest estimate; None: none."""
         elapsed = self.clock() - self.received_at if self.received_at is not None else -1.0
         estimate = self.last_save_s if self.grace_period_s is not None else None
-        dist = _dist()
-        if dist is None:
+        if _dist() is None:
             return self.received, None if self.received is None else elapsed, estimate
-        import torch
-
-        t = torch.tensor([self.received or 0, elapsed, -1.0 if estimate is None else estimate],
-                         dtype=torch.float64, device=_reduce_device(dist))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        signum, elapsed, estimate = t.tolist()
+        signum, elapsed, estimate = max_over_ranks([self.received or 0, elapsed, -1.0 if estimate is None else estimate])
         return (int(signum) or None), elapsed, (None if estimate < 0 else estimate)
 
     def _last_checkpoint(self, output_dir: str) -> str | None:

@@ -10,6 +10,7 @@ and callbacks stay the Trainer's.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -182,9 +183,17 @@ class LazyTrainerMixin(TRLHooks):
             return super().train(resume, *pos, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        ex = self.executor
+        # the save's collectives (deferred updates; sharded data parallel: every layer's states gathered on rank 0)
+        # run on every rank before any file is written, so a rank whose write fails leaves none waiting in one
+        if ex is not None:
+            ex.flush_updates()
+        states = (contextlib.nullcontext() if ex is None
+                  else ex.gathered_optimizer_states(self._inner_optimizer(self.optimizer)))
         try:
-            seconds = checkpoint.save_atomically(self, super()._save_checkpoint, model, trial,
-                                                 clock=self.longrun.clock)
+            with states:
+                seconds = checkpoint.save_atomically(self, super()._save_checkpoint, model, trial,
+                                                     clock=self.longrun.clock)
         except (checkpoint.CheckpointSaveError, ResourceLimitError) as e:
             # a periodic save that found no room left nothing partial behind (every rank raised it: the ranks
             # agreed in save_atomically): training goes on and the next save tries again. An interruption's save
@@ -367,16 +376,6 @@ class LazyTrainerMixin(TRLHooks):
                 raise RuntimeError("dp_updates='sharded': layers updated by other ranks are not yet broadcast; call "
                                    "trainer.executor.flush_updates() on every rank before save_model")
         super()._save(output_dir, state_dict)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.executor is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        if getattr(self, "_save_states_gathered", False):  # a checkpoint: save_atomically flushed and gathered
-            return super()._save_optimizer_and_scheduler(output_dir)
-        self.executor.flush_updates()  # every rank runs this (the Trainer's rank-0 checks are inside)
-        # sharded data parallel: rank 0 writes every layer's states, gathered from their owners for the save
-        with self.executor.gathered_optimizer_states(self._inner_optimizer(self.optimizer)):
-            super()._save_optimizer_and_scheduler(output_dir)
 
     @staticmethod
     def _inner_optimizer(opt: Any) -> Any:
