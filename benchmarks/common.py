@@ -105,16 +105,16 @@ def gsm8k_dir(data_dir: str | None = None) -> Path:
     return d
 
 
-def gsm8k_token_rows(seq_len: int, num_rows: int, data_dir: str | None = None) -> torch.Tensor:
-    """[num_rows, seq_len] int64: GSM8K train problems (question + answer, eos-separated) tokenized with the real
-    Qwen tokenizer and packed into rows; repeats the stream if needed (folder: `gsm8k_dir`)."""
+def gsm8k_token_rows(seq_len: int, num_rows: int, data_dir: str | None = None, split: str = "train") -> torch.Tensor:
+    """[num_rows, seq_len] int64: GSM8K problems of `split` ("train" or "test"; question + answer, eos-separated)
+    tokenized with the real Qwen tokenizer and packed into rows; repeats the stream if needed (folder: `gsm8k_dir`)."""
     from lazytrain_hf.data import load_tokenizer
 
     data_dir = gsm8k_dir(data_dir)
     tok = load_tokenizer("qwen-offline")
     ids: list[int] = []
     need = seq_len * num_rows
-    with open(Path(data_dir) / "train.jsonl") as f:
+    with open(Path(data_dir) / f"{split}.jsonl") as f:
         for line in f:
             ex = json.loads(line)
             ids.extend(tok(ex["question"] + "\n" + ex["answer"])["input_ids"] + [tok.eos_token_id])

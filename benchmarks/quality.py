@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import git_commit, gsm8k_dir, gsm8k_token_rows
+from benchmarks.common import git_commit, gsm8k_token_rows
 
 #: configuration -> (weights dtype, lazytrain_config extras or None for the stock Trainer, optim)
 CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any] | None, str]] = {
@@ -55,21 +55,6 @@ class Rows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def test_rows(seq_len: int, n: int, data_dir: str | None) -> torch.Tensor:
-    """[n, seq_len] GSM8K test problems, tokenized and packed as `gsm8k_token_rows` packs the train split."""
-    from lazytrain_hf.data import load_tokenizer
-
-    tok = load_tokenizer("qwen-offline")
-    ids: list[int] = []
-    with open(Path(gsm8k_dir(data_dir)) / "test.jsonl") as f:
-        for line in f:
-            ex = json.loads(line)
-            ids.extend(tok(ex["question"] + "\n" + ex["answer"])["input_ids"] + [tok.eos_token_id])
-            if len(ids) >= seq_len * n:
-                break
-    return torch.tensor(ids[:seq_len * n]).view(n, seq_len)
 
 
 @torch.no_grad()
@@ -148,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             v.copy_(v.to(torch.bfloat16).float())
     vocab = base.config.vocab_size
     train = gsm8k_token_rows(args.seq_len, args.steps * args.batch_size, args.data_dir) % vocab
-    held = test_rows(args.seq_len, args.held_out_rows, args.data_dir) % vocab
+    held = gsm8k_token_rows(args.seq_len, args.held_out_rows, args.data_dir, split="test") % vocab
     doc: dict[str, Any] = {"suite": "quality", "date": datetime.date.today().isoformat(),
                            "command": " ".join(["python -m benchmarks.quality", *(argv or sys.argv[1:])]),
                            "git_commit": git_commit(), "machine": {"cpu_cores": os.cpu_count(),

@@ -62,11 +62,7 @@ def train(args: argparse.Namespace) -> int:
     config = resolve_config(recipe.model.name_or_path)
     if targs.lazy_config.policy != "none":
         check_supported(config)
-    quant = recipe.model.quantization
-    if quant is not None:
-        from .quantized import require_bitsandbytes
-
-        require_bitsandbytes()
+    quant = recipe.model.quantization  # bitsandbytes' presence checked with the recipe
     from .hf.preflight import check_host_before_building
 
     # before data and model load

@@ -177,38 +177,37 @@ def training_argument_annotations() -> dict[str, str]:
     """{field: annotation text} of transformers' `TrainingArguments`, read from its source when transformers is not
     imported yet (importing `transformers.training_args` costs ~13 s with torch; parsing the file ~0.1 s), so a
     misspelt training key fails before the heavy imports."""
-    module = sys.modules.get("transformers.training_args")
-    if module is None:
-        try:
-            spec = importlib.util.find_spec("transformers")  # locates the package without importing it
-            source = Path(next(iter(spec.submodule_search_locations)), "training_args.py").read_text()
-            cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments")
-            if not cls.bases:  # a plain dataclass: its fields are the annotated names of its body
-                names = {n.target.id: ast.unparse(n.annotation) for n in cls.body
-                         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-                         and "ClassVar" not in ast.unparse(n.annotation)}
-                if names:
-                    return names
-        except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, TypeError, ValueError):
-            pass
+    if "transformers.training_args" not in sys.modules:
+        cls = (_source_classes("transformers", "training_args.py") or {}).get("TrainingArguments")
+        if cls is not None and not cls.bases:  # a plain dataclass: its fields are the annotated names of its body
+            names = {n.target.id: ast.unparse(n.annotation) for n in cls.body
+                     if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                     and "ClassVar" not in ast.unparse(n.annotation)}
+            if names:
+                return names
     from transformers import TrainingArguments
 
     return {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             for f in dataclasses.fields(TrainingArguments)}
 
 
-def _peft_source_classes() -> dict[str, Any] | None:
-    """{class name: ast.ClassDef} of PEFT's config classes, read from its source without importing it (importing
-    peft costs seconds with torch and transformers), or None when the source cannot be read."""
+def _source_classes(package: str, *files: str) -> dict[str, Any] | None:
+    """{class name: ast.ClassDef} of the top-level classes in `files` of `package`, read from its source without
+    importing it (importing transformers or peft costs seconds with torch), or None when the source cannot be read."""
     try:
-        spec = importlib.util.find_spec("peft")
+        spec = importlib.util.find_spec(package)
         root = Path(next(iter(spec.submodule_search_locations)))
         classes = {}
-        for rel in ("tuners/lora/config.py", "config.py", "utils/peft_types.py"):
+        for rel in files:
             classes.update({n.name: n for n in ast.parse((root / rel).read_text()).body if isinstance(n, ast.ClassDef)})
         return classes
     except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, TypeError, ValueError):
         return None
+
+
+def _peft_source_classes() -> dict[str, Any] | None:
+    """PEFT's config classes (`_source_classes`)."""
+    return _source_classes("peft", "tuners/lora/config.py", "config.py", "utils/peft_types.py")
 
 
 #: LoraConfig fields PEFT sets itself (a recipe may not)
@@ -300,17 +299,12 @@ def bnb_config_fields() -> set[str]:
     """The keyword arguments of transformers' `BitsAndBytesConfig`, read from its source when transformers is not
     imported yet (importing it costs seconds with torch), else from its signature."""
     if "transformers" not in sys.modules:
-        try:
-            spec = importlib.util.find_spec("transformers")
-            source = Path(next(iter(spec.submodule_search_locations)), "utils", "quantization_config.py").read_text()
-            cls = next(n for n in ast.parse(source).body
-                       if isinstance(n, ast.ClassDef) and n.name == "BitsAndBytesConfig")
-            init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-            names = {a.arg for a in init.args.args[1:] + init.args.kwonlyargs}
-            if names:
-                return names
-        except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, TypeError, ValueError):
-            pass
+        cls = (_source_classes("transformers", "utils/quantization_config.py") or {}).get("BitsAndBytesConfig")
+        init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) \
+            if cls is not None else None
+        names = {a.arg for a in init.args.args[1:] + init.args.kwonlyargs} if init is not None else set()
+        if names:
+            return names
     import inspect
 
     from transformers import BitsAndBytesConfig
