@@ -295,16 +295,12 @@ def cli_fix(args: argparse.Namespace, e: Any, batch: int = 0, leaner: list[str] 
     return "pass " + ", or ".join(fixes)
 
 
-#: master-weight modes from the most host memory per trained parameter to the least (fp32 4 bytes, kahan 2, none 0)
-_MASTER_WEIGHTS = ("fp32", "kahan", "none")
-
-
 def host_fixes(args: argparse.Namespace, e: Any, build: Any, batch: int = 0) -> list[str]:
     """The host-side fixes for the planning error `e`, each checked on the cost models `build(**changes)` makes
     (`analytic_cost_model` of the leanest setting tried, with `batch`, `seq` or `master_weights` changed):
 
-    * host budget below the host's fixed part (`e.host_too_small`): a leaner --master-weights (the first that fits
-      the budget, else the leanest with the --host-memory it needs), and a smaller --batch-size (`batch`: the largest
+    * host budget below the host's fixed part (`e.host_too_small`): from fp32 masters --master-weights kahan (with
+      the --host-memory it needs when it does not fit the budget either), and a smaller --batch-size (`batch`: the largest
       with a plan) or --seq-len only when it lowers the host's fixed part enough to fit (a host-placed embedding's
       staging buffer follows the tokens; weights, gradients and states do not);
     * a GPU budget that fits with more host memory for CPU-tier boundaries (`e.min_gpu_bytes_any_host`): the
@@ -316,19 +312,15 @@ def host_fixes(args: argparse.Namespace, e: Any, build: Any, batch: int = 0) -> 
         return fixes
     if e.host_too_small:
         here = build().host_fixed_bytes
-        lean = []
-        # "none" is never suggested: updates far below bf16's resolution vanish (benchmarks/results/quality-cpu-*.json)
-        for mode in [m for m in _MASTER_WEIGHTS[_MASTER_WEIGHTS.index(args.master_weights) + 1:] if m != "none"]:
-            lean.append((mode, build(master_weights=mode).host_fixed_bytes))
-            if lean[-1][1] <= budget:
-                break
+        # from fp32 masters the leaner mode named is kahan; "none" never is: updates far below bf16's resolution
+        # vanish (benchmarks/results/quality-cpu-20261203.json)
+        lean = build(master_weights="kahan").host_fixed_bytes if args.master_weights == "fp32" else None
         # (one that needs a --host-memory as large as the plain fix's, as printed, is no fix)
-        if lean and lean[-1][1] < here and (lean[-1][1] <= budget or
-                                            _flag_size(lean[-1][1]) != _flag_size(e.min_host_bytes or here)):
-            mode, nbytes = lean[-1]
-            what = {"kahan": "a compensated bf16 copy, 2 bytes per parameter"}[mode]
-            fits = "fits the host budget" if nbytes <= budget else f"with --host-memory {_flag_size(nbytes)}"
-            fixes.append(f"--master-weights {mode} ({what}: host fixed part {nbytes / _GIB:.2f} GiB, {fits})")
+        if lean is not None and lean < here and (lean <= budget or
+                                                 _flag_size(lean) != _flag_size(e.min_host_bytes or here)):
+            fits = "fits the host budget" if lean <= budget else f"with --host-memory {_flag_size(lean)}"
+            fixes.append(f"--master-weights kahan (a compensated bf16 copy, 2 bytes per parameter: host fixed part "
+                         f"{lean / _GIB:.2f} GiB, {fits})")
         if batch and build(batch=batch).host_fixed_bytes <= budget:
             from .planning.request import same_tokens_batch
 
