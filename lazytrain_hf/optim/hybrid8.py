@@ -724,7 +724,7 @@ def _collapse(problems: list[str], shown: int = 5) -> list[str]:
     return out
 
 
-def resolve_master_weights(choice: str, dtype: torch.dtype) -> str:
+def _resolve_master(choice: str, dtype: torch.dtype) -> str:
     """``"fp32"``, ``"kahan"`` or ``"none"`` for a parameter of ``dtype`` under the ``master_weights`` option
     `choice` (fp32 params never need one; "auto": kahan for bf16, fp32 for fp16)."""
     if dtype not in _LOW_PRECISION or choice == "none":
@@ -732,9 +732,6 @@ def resolve_master_weights(choice: str, dtype: torch.dtype) -> str:
     if choice == "auto":
         return "kahan" if dtype == torch.bfloat16 else "fp32"
     return choice
-
-
-_resolve_master = resolve_master_weights
 
 
 def _alloc_like(p: Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
