@@ -3,8 +3,8 @@
     python -m benchmarks.soak --out benchmarks/results/soak-YYYYMMDD.json [--budget-s 540]
 
 GSM8K through the CLI's own data path (`load_math_dataset`, `tokenize_for_sft`, `make_collator`: batches padded to
-their longest, so several sequence-length buckets run), LazyTrainer with the product's defaults and a GPU budget, an
-NVMe tier (`nvme_dir`), evaluation and an atomic checkpoint at intervals (`save_total_limit` 1: the disk holds the
+their longest, so several sequence-length buckets run), LazyTrainer with the MILP policy (as the recipes set it), a GPU budget and otherwise the
+product's defaults, an NVMe tier (`nvme_dir`), evaluation and an atomic checkpoint at intervals (`save_total_limit` 1: the disk holds the
 last one and the one being written), until `--budget-s` runs out. Every `--window` optimizer steps it records the
 process's RSS, the pinned bytes (planned and locked), the NVMe tier's bytes on disk, and each step's time per real
 (non-pad) token with the bucket its plan was for. The summary holds the targets: RSS growth between the first window
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="soak-"))
     nvme_dir = str(work / "nvme")
     os.makedirs(nvme_dir, exist_ok=True)
-    cfg: dict[str, Any] = {"nvme_dir": nvme_dir}
+    cfg: dict[str, Any] = {"policy": "milp", "nvme_dir": nvme_dir}
     if cuda:
         cfg["gpu_memory_budget"] = f"{args.gpu_cap}GiB"
         torch.cuda.set_per_process_memory_fraction(args.gpu_cap * GIB / torch.cuda.get_device_properties(0).total_memory)
@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **(percentiles(times) if times else {"steps_timed": 0}),
             peak_host_rss_gib=max((w["rss_gib"] for w in windows), default=None),
             peak_gpu_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None,
-            extra={"configuration": "product defaults", "lazytrain_config": cfg, "wall_s": time.time() - t0,
+            extra={"configuration": "product defaults, policy milp", "lazytrain_config": cfg,
+                   "schedule_policy": getattr(getattr(trainer, "executor", None), "schedule", None) and trainer.executor.schedule.policy, "wall_s": time.time() - t0,
                    "optimizer_steps": len(steps), "warmup_steps": args.warmup, "window_steps": args.window,
                    "eval_every": args.eval_every, "save_every": args.save_every, "checkpoints_left": ckpts,
                    "boundary_tiers": tiers, "summary": summary, "windows": windows, "evals": recorder.evals,
@@ -207,12 +208,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="results JSON (suite 'soak'; rows are appended)")
     p.add_argument("--model", default="qwen2.5-3b", help="registry name (default qwen2.5-3b; CPU: a tiny one)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    p.add_argument("--gpu-cap", type=float, default=24, help="GPU budget and cap in GiB (default 24)")
-    # qwen2.5-3b, 24 GiB, B=96 x <=512 tokens: 27 GiB of host memory (its fixed part is 25.9 GiB) leaves too little
-    # CPU tier for the longest bucket's boundaries, so that plan puts ~0.4 GiB of them on NVMe (`lazytrain-hf plan
-    # --model qwen2.5-3b --gpu-memory 24GiB --host-memory 27GiB --nvme-dir DIR --batch-size 96 --seq-len 512`)
+    # qwen2.5-3b, B=96 x <=512 tokens: at 24 GiB the MILP keeps every boundary on the GPU; at 16 GiB with 22 GiB of
+    # host memory (its fixed part is 20.75 GiB) the longest bucket's plan puts ~0.56 GiB of them on NVMe
+    # (`lazytrain-hf plan --model qwen2.5-3b --gpu-memory 16GiB --host-memory 22GiB --nvme-dir DIR --batch-size 96
+    # --seq-len 512`)
+    p.add_argument("--gpu-cap", type=float, default=16, help="GPU budget and cap in GiB (default 16)")
     p.add_argument("--host-memory-budget", default=None,
-                   help="lazytrain_config.host_memory_budget (default on CUDA: 27GiB, so that the plan uses NVMe)")
+                   help="lazytrain_config.host_memory_budget (default on CUDA: 22GiB, so that the plan uses NVMe)")
     p.add_argument("--batch-size", type=int, default=96)
     p.add_argument("--max-length", type=int, default=512, help="tokens per example at most (GSM8K: 100-400)")
     p.add_argument("--max-steps", type=int, default=100000, help="optimizer steps at most (the budget stops first)")
@@ -221,14 +223,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="optimizer steps left out of the targets")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-rows", type=int, default=64)
-    p.add_argument("--save-every", type=int, default=100, help="a checkpoint of the 3B with fp32 master weights "
-                   "is ~25 GB: with save_total_limit 1 an atomic save needs room for two on the 64 GiB disk")
+    p.add_argument("--save-every", type=int, default=100, help="a checkpoint of the 3B (Kahan master weights) "
+                   "is ~19 GiB: with save_total_limit 1 an atomic save needs room for two on the 64 GiB disk")
     p.add_argument("--data-dir", default=None, help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR or ../shared/data)")
     p.add_argument("--work-dir", default=None, help="checkpoints and the NVMe tier (default: a temporary directory)")
     p.add_argument("--keep-work-dir", action="store_true")
     args = p.parse_args(argv)
     if args.host_memory_budget is None and args.device == "cuda":
-        args.host_memory_budget = "27GiB"
+        args.host_memory_budget = "22GiB"
     if min(args.batch_size, args.max_length, args.window, args.eval_every, args.save_every, args.max_steps) < 1 \
             or args.warmup < 0 or args.budget_s <= 0:
         p.error("--batch-size, --max-length, --window, --eval-every, --save-every, --max-steps must be >= 1, "
