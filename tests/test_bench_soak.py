@@ -11,13 +11,15 @@ def test_summary_targets_from_windows_and_steps():
     from benchmarks.soak import summarize
 
     windows = [{"step": s, "rss_gib": 10.0 + 0.01 * s, "pinned_locked_gib": 5.0} for s in (10, 20, 30)]
-    steps = [{"step": s, "s": 1.0 + (0.5 if s == 29 else 0.0), "tokens": 1000, "bucket": 256 if s % 2 else 512}
-             for s in range(1, 31)]
+    steps = [{"step": s, "s": 1.0 + (0.5 if s == 29 else 0.0), "tokens": 1000, "bucket": 256 if s % 2 else 512,
+              "computed_tokens": 1500 if s == 29 else 1000} for s in range(1, 31)]
     out = summarize(steps, windows, warmup=10)
     assert out["windows_after_warmup"] == 2 and abs(out["rss_growth"] - 0.1 / 10.2) < 1e-9 and out["rss_growth_met"]
     assert out["pinned_constant_met"] and set(out["buckets"]) == {"256", "512"}
     assert out["buckets"]["512"]["p95_over_median"] == 1.0 and out["buckets"]["256"]["p95_over_median"] == 1.5
     assert out["p95_met"] is False  # the one slow step is the p95 of its bucket's 10
+    # per computed token the slow step did 1.5x the work: flat
+    assert out["buckets"]["256"]["p95_over_median_computed"] == 1.0
 
 
 @requires_gsm8k
@@ -35,5 +37,6 @@ def test_soak_cpu_smoke(tmp_path):
     assert e["optimizer_steps"] == 4 and [w["step"] for w in e["windows"]] == [2, 4]
     assert [x["step"] for x in e["evals"]] == [2, 4] and e["checkpoints_left"] == ["checkpoint-4"]
     # each step's real tokens: the non-pad tokens of its batch (2 GSM8K examples, at most 128 tokens each)
-    assert all(40 < s["tokens"] <= 256 for s in e["steps"]) and e["summary"]["nvme_files_left"] == 0
+    assert all(40 < s["tokens"] <= s["computed_tokens"] <= 256 for s in e["steps"])
+    assert e["summary"]["nvme_files_left"] == 0
     assert e["summary"]["windows_after_warmup"] == 2 and "rss_growth" in e["summary"]
