@@ -146,7 +146,9 @@ class LazyTrainerMixin(TRLHooks):
         if self.args.bf16 and fp32_weights:  # as the stock Trainer's autocast: fp32 master weights, bf16 matmuls
             self.executor.autocast_dtype = torch.bfloat16
             logger.info("LazyTrain: bf16=True over float32 weights: the decoder layers and the LM head compute "
-                        "under bfloat16 autocast (the loss in float32), the weights and their updates stay float32")
+                        "under bfloat16 autocast (the loss in float32), the weights and their updates stay float32 "
+                        "and stream 4 bytes per parameter; a model loaded with dtype=torch.bfloat16 streams 2 "
+                        "(lazytrain_config master_weights='fp32' keeps float32 master weights)")
         dp = self.executor.dp
         mode = "sharded" if self.executor.shard is not None else "replicated"
         logger.info("LazyTrain executor on %s: %s", device, f"data parallel, rank {dp.rank} of {dp.world} "
