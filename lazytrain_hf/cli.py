@@ -54,7 +54,14 @@ def train(args: argparse.Namespace) -> int:
     _preflight(recipe, args.resume)
 
     from . import LazyTrainer, LazyTrainingArguments
-    from .data import evaluate_exact_match, load_math_dataset, load_tokenizer, make_collator, tokenize_for_sft
+    from .data import (
+        evaluate_exact_match,
+        load_math_dataset,
+        load_tokenizer,
+        make_collator,
+        pack_rows,
+        tokenize_for_sft,
+    )
     from .data.evaluate import write_metrics_json
     from .models import check_supported, load_model, resolve_config
 
@@ -68,10 +75,10 @@ def train(args: argparse.Namespace) -> int:
     # before data and model load
     check_host_before_building(config, recipe.model.dtype, recipe.model.name_or_path, quantization=quant)
     d = recipe.data
-    if d.packing:
+    if d.packing or d.padding_free:
         from .streaming.packing import check_packing_model
 
-        check_packing_model(config, "data.packing: true")
+        check_packing_model(config, f"data.{'packing' if d.packing else 'padding_free'}: true")
     train_raw = load_math_dataset(d.source, d.train_split, limit=d.train_limit, seed=d.seed, name=d.hub_config)
     test_raw = None
     if recipe.eval_split:
@@ -87,6 +94,8 @@ def train(args: argparse.Namespace) -> int:
         text = str(e).replace("Fix: increase max_length.", f"Fix: raise data.max_length (now {d.max_length}), e.g. "
                               f"--set data.max_length={2 * d.max_length}.")
         raise ValueError(f"data.source {d.source!r} (split {d.train_split!r}): {text}") from e
+    if d.packing:
+        train_ds = pack_rows(train_ds, d.max_length)
     lora = lora_config(recipe.peft) if recipe.peft is not None else None
 
     if quant is None:
@@ -106,7 +115,8 @@ def train(args: argparse.Namespace) -> int:
         trainable, total = model.get_nb_trainable_parameters()
         logger.info("LoRA: %d trainable parameters of %d (%.3f%%)", trainable, total, 100 * trainable / max(total, 1))
     trainer = LazyTrainer(model=model, args=targs, train_dataset=train_ds,
-                          data_collator=make_collator(tokenizer, pad_to_multiple_of=8, packing=d.packing),
+                          data_collator=make_collator(tokenizer, pad_to_multiple_of=8, packing=d.packing,
+                                                      padding_free=d.padding_free),
                           processing_class=tokenizer)
     resume: Any = args.resume
     if resume == "last":

@@ -5,7 +5,8 @@ Sections (unknown keys anywhere are an error, listed all at once before any mode
     model:     {name_or_path, dtype, quantization}; quantization: transformers `BitsAndBytesConfig` fields (a 4-bit
                base, trained with a peft section: QLoRA)
     tokenizer: {name_or_path}
-    data:      {source, hub_config, train_split, test_split, train_limit, test_limit, max_length, packing, seed}
+    data:      {source, hub_config, train_split, test_split, train_limit, test_limit, max_length, packing,
+                padding_free, seed}
     eval:      {enabled, max_new_tokens, batch_size, limit}
     training:  any transformers TrainingArguments field (output_dir, learning_rate, ...)
     lazytrain: LazyTrainConfig groups (planning: {policy, ...}, memory: {...}, ...) or their keys alone (policy, ...)
@@ -62,8 +63,11 @@ class DataSection:
     hub_config "main", or "meta-math/MetaMathQA"). GSM8K (question/answer) or MetaMathQA (query/response).
     max_length: tokens per example (prompt + answer), truncated on the right.
     train_limit / test_limit: rows to use (None: all); test_limit 0 skips the test-set evaluation.
-    packing: concatenate each micro-batch's examples into one row without padding (transformers'
-    DataCollatorWithFlattening; attention and positions restart per example); not for Gated DeltaNet models."""
+    packing: pack the examples into rows of max_length tokens before batching (best fit decreasing, as TRL's
+    packing=True; attention and positions restart per example, the loss is the unpacked examples' loss):
+    per_device_train_batch_size then counts rows. padding_free: concatenate each micro-batch's examples into one
+    row without padding instead (transformers' DataCollatorWithFlattening, TRL's padding_free=True). Neither for
+    Gated DeltaNet models."""
 
     source: str = "../shared/data/gsm8k"
     hub_config: str | None = None
@@ -73,6 +77,7 @@ class DataSection:
     test_limit: int | None = 100
     max_length: int = 512
     packing: bool = False
+    padding_free: bool = False
     seed: int = 0
 
 
@@ -450,6 +455,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
                 problems.append(f"{sec}.{f.name} must be {f.type}, but got {v!r}")
             elif (sec, f.name) in _MIN_VALUES and v is not None and v < _MIN_VALUES[(sec, f.name)]:
                 problems.append(f"{sec}.{f.name} must be >= {_MIN_VALUES[(sec, f.name)]}, but got {v!r}")
+    if parts["data"].packing is True and parts["data"].padding_free is True:
+        problems.append("data.packing (rows of data.max_length tokens) and data.padding_free (one flattened row per "
+                        "micro-batch) are two ways to pack; set one of them to false")
     if parts["model"].dtype not in ("bfloat16", "float32", "float16"):
         problems.append(f"model.dtype must be one of ['bfloat16', 'float32', 'float16'], but got {parts['model'].dtype!r}")
 

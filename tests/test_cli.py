@@ -114,8 +114,9 @@ def test_data_with_neither_schema(tmp_path, capsys, no_model_load):
 
 
 @requires_gsm8k
-def test_a_packed_recipe_trains(tmp_path):
-    small = _small(tmp_path) + ["--set", "data.packing=true", "--set", "data.test_limit=0",
+@pytest.mark.parametrize("key", ["packing", "padding_free"])
+def test_a_packed_recipe_trains(tmp_path, key):
+    small = _small(tmp_path) + ["--set", f"data.{key}=true", "--set", "data.test_limit=0",
                                 "--set", "training.save_strategy=no"]
     assert cli.main(["train", "--config", str(RECIPE), *small]) == 0
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
@@ -128,7 +129,14 @@ def test_packing_a_linear_attention_model_is_refused_before_the_model_loads(tmp_
     recipe = _write_recipe(tmp_path, model__name_or_path="qwen3.5-tiny", data__packing=True)
     assert cli.main(["train", "--config", str(recipe)]) == 2
     err = capsys.readouterr().err
-    assert "data.packing: true" in err and "Gated DeltaNet" in err and "data.packing: false" in err, err
+    assert "data.packing: true" in err and "Gated DeltaNet" in err, err
+    assert "data.packing and data.padding_free: false" in err, err
+
+
+def test_packing_and_padding_free_together_are_refused(tmp_path, capsys, no_model_load):
+    recipe = _write_recipe(tmp_path, data__packing=True, data__padding_free=True)
+    assert cli.main(["train", "--config", str(recipe)]) == 2
+    assert "set one of them to false" in capsys.readouterr().err
 
 
 def test_unsupported_architecture_before_training(tmp_path, capsys, no_model_load, monkeypatch):

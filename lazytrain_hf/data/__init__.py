@@ -18,6 +18,7 @@ from .math_data import (
     DEFAULT_PROMPT_TEMPLATE,
     IGNORE_INDEX,
     SCHEMAS,
+    PackedRowsCollator,
     extract_answer,
     format_example,
     format_prompt,
@@ -25,6 +26,7 @@ from .math_data import (
     load_math_dataset,
     make_collator,
     normalize_answer,
+    pack_rows,
     tokenize_for_sft,
 )
 from .tokenizer import QWEN_OFFLINE, load_tokenizer, qwen_offline_tokenizer_dir
@@ -32,6 +34,7 @@ from .tokenizer import QWEN_OFFLINE, load_tokenizer, qwen_offline_tokenizer_dir
 __all__ = [
     "DEFAULT_PROMPT_TEMPLATE",
     "IGNORE_INDEX",
+    "PackedRowsCollator",
     "QWEN_OFFLINE",
     "SCHEMAS",
     "evaluate_exact_match",
@@ -43,6 +46,7 @@ __all__ = [
     "load_tokenizer",
     "make_collator",
     "normalize_answer",
+    "pack_rows",
     "qwen_offline_tokenizer_dir",
     "tokenize_for_sft",
     "write_metrics_json",

@@ -13,9 +13,11 @@ Exact match follows MetaMath's GSM8K convention: compare the answer after the la
 "The answer is:") in the generation with the reference answer.
 """
 
+import bisect
 import hashlib
 import logging
 import re
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,8 @@ __all__ = [
     "load_math_dataset",
     "make_collator",
     "normalize_answer",
+    "pack_rows",
+    "PackedRowsCollator",
     "tokenize_for_sft",
 ]
 
@@ -468,31 +472,117 @@ def tokenize_for_sft(
     return tokenized
 
 
+def pack_rows(ds: datasets.Dataset, row_length: int) -> datasets.Dataset:
+    """Pack tokenized examples (:func:`tokenize_for_sft` output) into rows of at most ``row_length`` tokens, best
+    fit decreasing (TRL's ``packing_strategy="bfd"``): each example, longest first, goes to the row whose free room
+    fits it most tightly, or starts a row. An example is never split.
+
+    Each row holds ``input_ids``, ``labels`` and ``position_ids`` restarting at 0 per example (the models restrict
+    attention to each example from the positions), with label -100 at each example's first token, as transformers'
+    ``DataCollatorWithFlattening`` sets it, so no example learns from the one before it. Batch the rows with
+    :class:`PackedRowsCollator` (``make_collator(..., packing=True)``).
+
+    Args:
+        ds (datasets.Dataset): ``input_ids`` and ``labels`` columns, each example at most ``row_length`` tokens.
+        row_length (int): tokens per row at most (the recipe's ``data.max_length``).
+
+    Returns:
+        datasets.Dataset: one row per packed row, columns ``input_ids``, ``labels``, ``position_ids``.
+
+    Raises:
+        ValueError: ``row_length`` < 2, a missing column, or an example longer than ``row_length``.
+    """
+    if row_length < 2:
+        raise ValueError(f"pack_rows: row_length must be at least 2 tokens, but got {row_length}.")
+    missing = [c for c in ("input_ids", "labels") if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"pack_rows: data set lacks column(s) {missing} (found {ds.column_names}). Fix: tokenize it "
+                         "with tokenize_for_sft() first.")
+    ids, labels = ds["input_ids"], ds["labels"]
+    lengths = [len(x) for x in ids]
+    if max(lengths, default=0) > row_length:
+        raise ValueError(f"pack_rows: an example has {max(lengths)} tokens, more than row_length={row_length}. Fix: "
+                         f"tokenize with max_length <= {row_length}.")
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, row), sorted: the tightest fit is the first >= the length
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        k = bisect.bisect_left(free, (n, -1))
+        if k < len(free):
+            room, r = free.pop(k)
+        else:
+            room, r = row_length, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if room - n > 0:
+            bisect.insort(free, (room - n, r))
+    out: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in rows:
+        out["input_ids"].append([t for i in members for t in ids[i]])
+        out["labels"].append([t for i in members for t in [IGNORE_INDEX, *labels[i][1:]]])
+        out["position_ids"].append([p for i in members for p in range(lengths[i])])
+    total = sum(lengths)
+    logger.info("pack_rows: %d examples (%d tokens) in %d rows of <= %d tokens (%.1f%% of the rows' room filled)",
+                len(lengths), total, len(rows), row_length, 100 * total / max(1, len(rows) * row_length))
+    return datasets.Dataset.from_dict(out)
+
+
+@dataclass
+class PackedRowsCollator:
+    """Batch :func:`pack_rows` rows: each padded on the right to the batch's longest row (rounded up to
+    ``pad_to_multiple_of``) with ``pad_token_id``, label -100 and positions that continue the row's last example, so
+    the padding is part of that example: no real token attends to it (attention is causal) and no loss is taken on
+    it. No ``attention_mask``: the models read the packing from ``position_ids`` only when none is given."""
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        T = max(len(f["input_ids"]) for f in features)
+        if self.pad_to_multiple_of:
+            T = -(-T // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        ids, labels, pos = [], [], []
+        for f in features:
+            n = len(f["input_ids"])
+            ids.append(list(f["input_ids"]) + [self.pad_token_id] * (T - n))
+            labels.append(list(f["labels"]) + [IGNORE_INDEX] * (T - n))
+            last = f["position_ids"][-1] if n else -1
+            pos.append(list(f["position_ids"]) + list(range(last + 1, last + 1 + T - n)))
+        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "position_ids": torch.tensor(pos)}
+
+
 def make_collator(
     tokenizer: PreTrainedTokenizerBase,
     pad_to_multiple_of: int | None = None,
     packing: bool = False,
-) -> DataCollatorForSeq2Seq | DataCollatorWithFlattening:
+    padding_free: bool = False,
+) -> DataCollatorForSeq2Seq | DataCollatorWithFlattening | PackedRowsCollator:
     """Build the batch collator for :func:`tokenize_for_sft` output (transformers' ``DataCollatorForSeq2Seq``).
 
     Pads ``input_ids`` with the pad token, ``attention_mask`` with 0 and ``labels`` with -100, on the right,
     to the longest example in the batch (rounded up to ``pad_to_multiple_of``), and returns torch tensors of
-    shape ``[B, T]``. With ``packing``: transformers' ``DataCollatorWithFlattening`` instead, the batch's examples
-    concatenated into one row ``[1, N]`` without padding, ``position_ids`` restarting at each example and label
-    -100 at each example's first token (the models restrict attention to each example from the positions).
+    shape ``[B, T]``. With ``packing``: :class:`PackedRowsCollator`, for rows of :func:`pack_rows`. With
+    ``padding_free``: transformers' ``DataCollatorWithFlattening``, the batch's examples concatenated into one row
+    ``[1, N]`` without padding, ``position_ids`` restarting at each example and label -100 at each example's first
+    token (the models restrict attention to each example from the positions).
 
     Args:
         tokenizer (PreTrainedTokenizerBase): needs a pad token and ``padding_side == "right"`` (as
             :func:`load_tokenizer` returns it).
         pad_to_multiple_of (int | None, defaults to None): round the padded length up to a multiple of this
-            (8 or 64 suit tensor cores); None pads to the longest example only. Unused with ``packing``.
-        packing (bool, defaults to False): pack instead of padding.
+            (8 or 64 suit tensor cores); None pads to the longest example only. Unused with ``padding_free``.
+        packing (bool, defaults to False): batch :func:`pack_rows` rows.
+        padding_free (bool, defaults to False): flatten each batch's examples into one row.
 
     Returns:
-        DataCollatorForSeq2Seq | DataCollatorWithFlattening: a callable ``list[dict] -> dict[str, torch.Tensor]``.
+        DataCollatorForSeq2Seq | DataCollatorWithFlattening | PackedRowsCollator: a callable
+        ``list[dict] -> dict[str, torch.Tensor]``.
 
     Raises:
-        ValueError: no pad token; left padding; or ``pad_to_multiple_of`` < 1.
+        ValueError: no pad token; left padding; ``pad_to_multiple_of`` < 1; or both ``packing`` and
+            ``padding_free``.
     """
     if tokenizer.pad_token_id is None:
         raise ValueError(
@@ -506,7 +596,12 @@ def make_collator(
         )
     if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
         raise ValueError(f"make_collator: pad_to_multiple_of must be >= 1 or None, but got {pad_to_multiple_of}.")
+    if packing and padding_free:
+        raise ValueError("make_collator: packing (rows of pack_rows) and padding_free (one flattened row per batch) "
+                         "are two ways to pack; pick one.")
     if packing:
+        return PackedRowsCollator(tokenizer.pad_token_id, pad_to_multiple_of)
+    if padding_free:
         return DataCollatorWithFlattening(separator_id=IGNORE_INDEX, return_tensors="pt")
     return DataCollatorForSeq2Seq(
         tokenizer,

@@ -25,7 +25,7 @@ __all__ = ["BOUNDARY_KEYS", "has_linear_attention", "sequence_index", "packed_le
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 _PAD_FIX = ("Pad instead: a padding collator such as DataCollatorForSeq2Seq (lazytrain_hf.data.make_collator; "
-            "in a recipe, data.packing: false)")
+            "in a recipe, data.packing and data.padding_free: false)")
 
 
 def has_linear_attention(config: Any) -> bool:

@@ -17,6 +17,7 @@ from lazytrain_hf.data import (
     is_exact_match,
     load_math_dataset,
     make_collator,
+    pack_rows,
     tokenize_for_sft,
 )
 
@@ -327,12 +328,51 @@ def test_map_cache_fingerprint_follows_arguments(gsm8k_sample, qwen_tokenizer):
     assert tokenize_for_sft(ds, qwen_tokenizer, max_length=1024)._fingerprint == full._fingerprint
 
 
-def test_packing_collator_concatenates_without_padding(gsm8k_sample, qwen_tokenizer):
+def test_padding_free_collator_concatenates_without_padding(gsm8k_sample, qwen_tokenizer):
     tokenized = tokenize_for_sft(gsm8k_sample.select(range(3)), qwen_tokenizer, max_length=1024)
     features = [tokenized[i] for i in range(3)]
-    batch = make_collator(qwen_tokenizer, packing=True)(features)
+    batch = make_collator(qwen_tokenizer, padding_free=True)(features)
     assert set(batch) == {"input_ids", "labels", "position_ids"}
     assert batch["input_ids"][0].tolist() == [t for f in features for t in f["input_ids"]]
     # the prompt is masked, so the labels are the examples' own: nothing of one example is trained from another
     assert batch["labels"][0].tolist() == [t for f in features for t in f["labels"]]
     assert batch["position_ids"][0].tolist() == [i for f in features for i in range(len(f["input_ids"]))]
+
+
+def test_pack_rows_best_fit_decreasing():
+    lengths = [7, 3, 5, 2, 6, 4, 1, 8]
+    ds = datasets.Dataset.from_dict({"input_ids": [list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)],
+                                     "labels": [[-100] + list(range(100 * i + 1, 100 * i + n))
+                                                for i, n in enumerate(lengths)]})
+    rows = pack_rows(ds, 10)
+    # longest first, each into the tightest room: 8+2, 7+3, 6+4, 5+1 (36 tokens, 4 rows: no fewer fit)
+    assert [len(r) for r in rows["input_ids"]] == [10, 10, 10, 6]
+    assert sorted(t for r in rows["input_ids"] for t in r) == sorted(t for r in ds["input_ids"] for t in r)
+    for ids, labels, pos in zip(rows["input_ids"], rows["labels"], rows["position_ids"], strict=True):
+        starts = [k for k, p in enumerate(pos) if p == 0]
+        assert starts[0] == 0 and all(labels[k] == -100 for k in starts)  # no example learns from the one before
+        for a, b in zip(starts, starts[1:] + [len(ids)]):
+            i = ids[a] // 100  # the example: its tokens, positions 0.., its own labels after the first
+            assert ids[a:b] == ds["input_ids"][i] and pos[a:b] == list(range(b - a))
+            assert labels[a + 1:b] == ds["labels"][i][1:]
+    with pytest.raises(ValueError, match="more than row_length=6"):
+        pack_rows(ds, 6)
+    with pytest.raises(ValueError, match="tokenize_for_sft"):
+        pack_rows(datasets.Dataset.from_dict({"text": ["a"]}), 6)
+
+
+def test_packed_rows_collator_pads_as_the_last_example(gsm8k_sample, qwen_tokenizer):
+    rows = pack_rows(tokenize_for_sft(gsm8k_sample.select(range(6)), qwen_tokenizer, max_length=512), 512)
+    features = [rows[i] for i in range(len(rows))]
+    batch = make_collator(qwen_tokenizer, pad_to_multiple_of=8, packing=True)(features)
+    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention_mask: the models read the packing
+    T = batch["input_ids"].shape[1]
+    assert T % 8 == 0 and T >= max(len(f["input_ids"]) for f in features)
+    for k, f in enumerate(features):
+        n = len(f["input_ids"])
+        assert batch["input_ids"][k, :n].tolist() == f["input_ids"]
+        assert (batch["input_ids"][k, n:] == qwen_tokenizer.pad_token_id).all() and (batch["labels"][k, n:] == -100).all()
+        last = f["position_ids"][-1]
+        assert batch["position_ids"][k, n:].tolist() == list(range(last + 1, last + 1 + T - n))
+    with pytest.raises(ValueError, match="pick one"):
+        make_collator(qwen_tokenizer, packing=True, padding_free=True)

@@ -1,4 +1,5 @@
-"""Padding-free packing (DataCollatorWithFlattening) equals the padded batch: executor and LazyTrainer (fp32)."""
+"""Packing equals the padded batch (fp32): padding-free rows (DataCollatorWithFlattening) and rows of `pack_rows`
+(PackedRowsCollator), through the executor and LazyTrainer."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import math
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, Trainer, TrainingArguments
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 from lazytrain_hf.config import LazyTrainConfig
+from lazytrain_hf.data import PackedRowsCollator, pack_rows
 from lazytrain_hf.hf.plan import run_shape
 from lazytrain_hf.models import load_model
 from lazytrain_hf.planning.fixed import fixed_schedule
@@ -157,3 +160,53 @@ def test_lazytrainer_on_packed_batches_equals_the_stock_trainer_on_padded_ones(t
 def test_packed_row_tokens_is_the_longest_packing():
     assert packed_row_tokens([5, 20, 9, 13], 2) == 33
     assert packed_row_tokens([5, 20], 4) == 25
+
+
+ROW_LENGTHS = [7, 12, 5, 9, 11, 3]
+
+
+@pytest.mark.parametrize("arch", ["qwen2-tiny", "qwen3-tiny", "llama-tiny"])
+def test_packed_rows_equal_the_padded_batch(arch, tmp_path):
+    """Rows of `pack_rows` (two rows, the shorter one padded as its last example) through the executor == HF autograd
+    on the same examples padded one per row: loss and every gradient."""
+    model = _model(arch, "sdpa")
+    features = _features(model.config.vocab_size, ROW_LENGTHS)
+    ref_loss, ref_grads = _reference(copy.deepcopy(model), *_padded(features))
+    rows = pack_rows(Dataset.from_list(features), 24)
+    batch = PackedRowsCollator(pad_token_id=0, pad_to_multiple_of=8)([rows[i] for i in range(len(rows))])
+    assert batch["input_ids"].shape == (2, 24) and sorted(map(len, rows["input_ids"])) == [23, 24]
+    assert sorted(n for row in packed_lengths(batch["position_ids"]) for n in row) == [3, 5, 7, 9, 12, 11 + 1]
+    ex = StreamingExecutor(model, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), "cpu",
+                           fixed_schedule(4, 2, "cpu", 2))
+    loss = ex.forward_backward(batch["input_ids"], batch["labels"], None, batch["position_ids"])
+    assert rel_err(loss, ref_loss) < 1e-5
+    for name, p in model.named_parameters():
+        assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-5, name
+    # the check has teeth: without pack_rows' -100 at each example's first token, one example learns from another
+    labels = batch["labels"].clone()
+    labels[batch["position_ids"] == 0] = batch["input_ids"][batch["position_ids"] == 0]
+    ex.zero_grad()
+    assert rel_err(ex.forward_backward(batch["input_ids"], labels, None, batch["position_ids"]), ref_loss) > 1e-3
+
+
+def test_lazytrainer_on_packed_rows_equals_the_stock_trainer(tmp_path):
+    """LazyTrainer on `pack_rows` rows (PackedRowsCollator) == the stock Trainer on the same rows: losses, gradient
+    norms (clipped) and weights after 3 steps with accumulation 2; the plan is for the rows' length."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    ds = pack_rows(tiny_dataset(model.config.vocab_size, n=24).remove_columns("attention_mask"), 32)
+    collate = PackedRowsCollator(pad_token_id=0, pad_to_multiple_of=8)
+    stock = Trainer(model=copy.deepcopy(model), train_dataset=ds, data_collator=collate,
+                    args=TrainingArguments(**_common(tmp_path, "stock", optim="adamw_torch")))
+    stock.train()
+    lazy = LazyTrainer(model=model, train_dataset=ds, data_collator=collate,
+                       args=LazyTrainingArguments(**_common(tmp_path, "lazy"), lazytrain_config=dict(EXACT)))
+    lazy.train()
+    assert run_shape(lazy) == (2, 32)
+    for key in ("loss", "grad_norm"):
+        assert len(_logs(lazy, key)) == 3
+        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        if not name.endswith(NOISE_ONLY):
+            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
