@@ -91,6 +91,47 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
+class PackedExamples(torch.utils.data.Dataset):
+    """GSM8K train examples as a recipe with `data.packing: true` trains them: `tokenize_for_sft` (loss on the
+    answers), `pack_rows` into rows of `seq_len` tokens, each row padded to `seq_len` as `PackedRowsCollator` pads
+    it (so `default_data_collator` stacks them), repeated to `num_rows`. `real_fraction`: the non-pad share of the
+    rows' tokens."""
+
+    def __init__(self, seq_len: int, num_rows: int, data_dir: str | None, vocab_size: int) -> None:
+        from lazytrain_hf.data import PackedRowsCollator, load_math_dataset, load_tokenizer, pack_rows, tokenize_for_sft
+
+        from .common import gsm8k_dir
+
+        tok = load_tokenizer("qwen-offline")
+        raw = load_math_dataset(str(gsm8k_dir(data_dir)), "train")
+        rows = pack_rows(tokenize_for_sft(raw, tok, seq_len), seq_len)
+        pad = tok.pad_token_id if tok.pad_token_id < vocab_size else 0
+        collate = PackedRowsCollator(pad)
+        feats = [rows[i] for i in range(len(rows))]
+        self.real_fraction = sum(len(f["input_ids"]) for f in feats) / (len(feats) * seq_len)
+        feats = (feats * -(-num_rows // len(feats)))[:num_rows]
+        batch = collate([dict(f, input_ids=f["input_ids"] + [pad] * (seq_len - len(f["input_ids"])),
+                              labels=f["labels"] + [-100] * (seq_len - len(f["labels"])),
+                              position_ids=f["position_ids"] + list(range(f["position_ids"][-1] + 1,
+                                                                           f["position_ids"][-1] + 1 + seq_len
+                                                                           - len(f["position_ids"]))))
+                         for f in feats])
+        if int(batch["input_ids"].max()) >= vocab_size:  # tiny test shapes: fold the ids into their vocabulary
+            batch["input_ids"] %= vocab_size
+            batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"] % vocab_size, batch["labels"])
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return self.batch["input_ids"].shape[0]
+
+    def __getitem__(self, i: int | str) -> Any:
+        if isinstance(i, str):  # a column, as the planner reads the sequence length
+            if i not in self.batch:
+                raise KeyError(i)
+            return list(self.batch[i])
+        return {k: v[i] for k, v in self.batch.items()}
+
+
 def sft_dataset(ids: torch.Tensor) -> Any:
     """The same [N, T] token rows as a `datasets.Dataset` with an `input_ids` column, as TRL's SFTTrainer takes
     tokenized data (it skips its tokenization; its collator makes the labels and the attention mask)."""
@@ -170,6 +211,8 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
                                   peak_host_rss_gib=timer.rss_peak / GIB if timer.rss_peak else None)
     if spec["device"] == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+    if spec.get("real_fraction") is not None:  # packed examples: the rows' non-pad tokens (the data set's share)
+        fields["real_tokens_per_s"] = spec["real_fraction"] * tokens / med
     extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm,
                              "rows_per_step": timer.rows, "gradient_accumulation_steps": accum,
                              "tokens_per_step": tokens, **recoveries(timer, warm)}
@@ -309,12 +352,16 @@ def run(spec: dict[str, Any]) -> None:
     # a reference held here kept a whole 32B base on the GPU (out of memory at 24 GiB)
     del unique
     rows_needed = max(B * accumulation(spec, B) for B in spec["batch_sizes"]) * (spec["steps"] + spec["warmup"])
-    ids = gsm8k_token_rows(spec["seq_len"], rows_needed, spec.get("data_dir"))
     folded = None
-    if int(ids.max()) >= model.config.vocab_size:  # tiny test shapes: fold the real token ids into their vocabulary
-        folded = model.config.vocab_size
-        ids = ids % folded
-    dataset = sft_dataset(ids) if system in SFT_BASE else TokenRows(ids)
+    if spec.get("data") == "packed_examples":
+        dataset = PackedExamples(spec["seq_len"], rows_needed, spec.get("data_dir"), model.config.vocab_size)
+        spec["real_fraction"] = dataset.real_fraction
+    else:
+        ids = gsm8k_token_rows(spec["seq_len"], rows_needed, spec.get("data_dir"))
+        if int(ids.max()) >= model.config.vocab_size:  # tiny test shapes: fold the real token ids into their vocabulary
+            folded = model.config.vocab_size
+            ids = ids % folded
+        dataset = sft_dataset(ids) if system in SFT_BASE else TokenRows(ids)
     setup_s = time.perf_counter() - t0
     timer = StepTimer(device)
     timer.watch(model)

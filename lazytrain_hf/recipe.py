@@ -269,6 +269,10 @@ def _check_peft(values: Any, problems: list[str]) -> tuple[dict[str, Any] | None
         if not isinstance(merge, bool):
             problems.append(f"peft.merge_on_save must be true or false, but got {merge!r}")
     known = lora_config_fields()
+    if "peft_type" in values:  # PEFT sets it: the section is a LoraConfig
+        problems.append(f"peft.peft_type {values.pop('peft_type')!r}: the peft section is a LoRA configuration "
+                        "(peft.LoraConfig fields) and LoRA is its only type; leave peft_type out. Other PEFT methods "
+                        "train through LazyTrainer in Python (docs/lora.md)")
     bad = sorted(set(values) - known)
     if bad:
         problems.append(f"unknown key(s) {[f'peft.{k}' for k in bad]}: neither peft.LoraConfig fields "
@@ -287,6 +291,14 @@ def _check_peft(values: Any, problems: list[str]) -> tuple[dict[str, Any] | None
     for k, (ok, wanted) in checks.items():
         if k in values and not ok(values[k]):
             problems.append(f"peft.{k} must be {wanted}, but got {values[k]!r}")
+    if values.get("inference_mode") is True:
+        problems.append("peft.inference_mode: true freezes the adapters, so training would change nothing; leave it "
+                        "out (false)")
+    targets = values.get("target_modules")
+    if values.get("layers_to_transform") is not None and isinstance(targets, str):  # PEFT raises after the load
+        problems.append(f"peft.layers_to_transform needs peft.target_modules as a list of module names (PEFT refuses "
+                        f"it with a string, here {targets!r}): e.g. target_modules: [q_proj, k_proj, v_proj, o_proj, "
+                        "gate_proj, up_proj, down_proj]")
     values.setdefault("task_type", "CAUSAL_LM")
     tasks = _peft_task_types()
     if isinstance(values["task_type"], str) and values["task_type"].upper() in tasks:

@@ -85,6 +85,9 @@ def no_model_load(monkeypatch):
     ("peft.task_type=SEQ_CLS", r"peft\.task_type 'SEQ_CLS' is not what a recipe trains .*set CAUSAL_LM"),
     ("peft.modules_to_save=lm_head", r"peft\.modules_to_save must be a list"),
     ("peft.merge_on_save=maybe", r"peft\.merge_on_save must be true or false"),
+    ("peft.inference_mode=true", r"peft\.inference_mode: true freezes the adapters"),
+    ("peft.layers_to_transform=[1]", r"peft\.layers_to_transform needs peft\.target_modules as a list"),
+    ("peft.peft_type=IA3", r"peft\.peft_type 'IA3': the peft section is a LoRA configuration"),
 ])
 def test_peft_mistakes_are_one_clear_error_before_the_model_loads(capsys, no_model_load, override, match):
     assert cli.main(["train", "--config", str(LORA_RECIPE), "--set", override]) == 2

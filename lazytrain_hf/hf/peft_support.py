@@ -88,8 +88,10 @@ def check_trainable(model: torch.nn.Module) -> None:
         return
     peft = hasattr(model, "get_base_model")
     raise ValueError("no parameter of the model requires a gradient, so training would change nothing"
-                     + (": a PeftModel loaded with PeftModel.from_pretrained(base, path) keeps its adapters frozen. "
-                        "Fix: PeftModel.from_pretrained(base, path, is_trainable=True)" if peft else
+                     + (": its PEFT adapters are frozen (inference_mode=True: a PeftModel loaded with "
+                        "PeftModel.from_pretrained(base, path) has it unless is_trainable=True, and a LoraConfig may "
+                        "set it). Fix: PeftModel.from_pretrained(base, path, is_trainable=True), or "
+                        "LoraConfig(inference_mode=False)" if peft else
                         ". Fix: set requires_grad=True on the parameters to train (or wrap the model with "
                         "peft.get_peft_model)") + ".")
 

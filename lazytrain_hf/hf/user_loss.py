@@ -32,9 +32,23 @@ __all__ = ["StreamedCausalLM", "UserLossPass", "fused_forward", "user_loss_reaso
 _IGNORED_KWARGS = {"use_cache", "return_dict", "output_attentions", "cache_position"}
 
 
+def head_adapter(model: Any) -> str | None:
+    """The PEFT tuner class on the model's LM head (LoRA, IA3, ... in `target_modules`), or None. The executor's
+    chunked loss multiplies by the head's weight alone; such a head's output also needs its adapter, which only the
+    module's own forward applies (`modules_to_save`, a trained copy of the weight, needs nothing)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return None
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return type(head).__qualname__ if isinstance(head, BaseTunerLayer) else None
+
+
 def user_loss_reasons(trainer: Any, stock_compute_loss: Any) -> list[str]:
     """What makes the loss the user's rather than the executor's cross-entropy: a `compute_loss` other than the
-    stock Trainer's, `compute_loss_func`, `label_smoothing_factor` > 0. Empty: the executor's chunked loss runs."""
+    stock Trainer's, `compute_loss_func`, `label_smoothing_factor` > 0, a PEFT adapter on the LM head (the head's
+    own forward applies it). Empty: the executor's chunked loss runs."""
     out = []
     method = type(trainer).compute_loss
     if method is not stock_compute_loss:
@@ -43,6 +57,9 @@ def user_loss_reasons(trainer: Any, stock_compute_loss: Any) -> list[str]:
         out.append("compute_loss_func")
     if getattr(trainer, "label_smoother", None) is not None:
         out.append(f"label_smoothing_factor={trainer.args.label_smoothing_factor}")
+    adapter = head_adapter(getattr(trainer, "model", None))
+    if adapter is not None:
+        out.append(f"an adapter on the LM head ({adapter})")
     return out
 
 

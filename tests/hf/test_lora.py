@@ -81,6 +81,22 @@ def test_lora_equals_stock_trainer_with_peft(tmp_path, arch, policy, optim):
     assert not any(ex.is_streamed(p) for p in lazy.model.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("arch", ["qwen2-tiny", "qwen3-tiny"])
+def test_lora_on_the_lm_head_equals_stock(tmp_path, arch):
+    """LoRA on the LM head (target_modules naming lm_head): the chunked loss multiplies by the head's weight alone,
+    so the loss runs through the head module's own forward (the user-loss path); training and evaluation equal the
+    stock Trainer + PEFT, and the head's adapter trains."""
+    model = _lora(arch, target_modules=["q_proj", "lm_head"])
+    head_a = model.get_base_model().lm_head.lora_A["default"].weight.detach().clone()
+    stock, lazy = _pair(tmp_path, model, optim=HYBRID8)
+    assert any("LM head" in r for r in lazy.user_loss)
+    _assert_equal_runs(stock, lazy)
+    assert not torch.equal(lazy.model.get_base_model().lm_head.lora_A["default"].weight.detach(), head_a)
+    ds = tiny_dataset(model.config.vocab_size, n=4, seed=1)
+    a, b = lazy.evaluate(ds)["eval_loss"], stock.evaluate(ds)["eval_loss"]
+    assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+
+
 @pytest.mark.parametrize("policy", ["fixed", "milp"])
 def test_lora_with_explicit_targets_and_modules_to_save_on_a_tied_lm_head(tmp_path, policy):
     """modules_to_save on the LM head of a tied model: PEFT trains an untied copy of the head (the embedding, which
