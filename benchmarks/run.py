@@ -187,6 +187,19 @@ SUITES["sft-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq
                            systems=["lazytrain_milp", *SFT], lazytrain=PRODUCT_DEFAULTS,
                            batch={None: {s: [2] for s in ("lazytrain_milp", *SFT)}},
                            timeout={s: 240 for s in ("lazytrain_milp", *SFT)})
+# The 7B recipe's data as it trains it (data.packing: GSM8K examples packed into 1024-token rows, positions restarting
+# per example, loss on the answers; 32 rows a step, ~32k real tokens): LazyTrain MILP under 24 GiB with the product's
+# defaults beside the uncapped stock Trainer on the same rows; extra.real_tokens_per_s counts the non-pad tokens.
+SUITES["recipe"] = dict(device="cuda", models=["qwen2.5-7b"], caps=[24, None], seq_len=1024, steps=5, warmup=6,
+                        systems=["lazytrain_milp", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
+                        data="packed_examples",
+                        batch={24: {"lazytrain_milp": [32], "stock_trainer": []},
+                               None: {"lazytrain_milp": [], "stock_trainer": [32]}},
+                        timeout={"lazytrain_milp": 480, "stock_trainer": 300}, row_s={24: 240, None: 150})
+SUITES["recipe-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=256, steps=1, warmup=1,
+                              systems=["lazytrain_milp", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
+                              data="packed_examples", batch={None: {"lazytrain_milp": [2], "stock_trainer": [2]}},
+                              timeout={"lazytrain_milp": 240, "stock_trainer": 240})
 SUITES["full"] = dict(SUITES["7b"], models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"], caps=[24, 80, None],
                       batch={**SUITES["7b"]["batch"],
                              None: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16, 32],
@@ -389,6 +402,8 @@ def _spec(args: argparse.Namespace, suite: dict[str, Any], system: str, model: s
                 configuration=_configuration(suite))
     if suite.get("tokens_per_step"):
         spec["tokens_per_step"] = suite["tokens_per_step"]
+    if suite.get("data"):
+        spec["data"] = suite["data"]
     if system in LORA_BASE:
         spec["lora"] = dict(suite.get("lora", LORA_DEFAULTS))
     if system in QLORA_SYSTEMS:

@@ -211,8 +211,6 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
                                   peak_host_rss_gib=timer.rss_peak / GIB if timer.rss_peak else None)
     if spec["device"] == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
-    if spec.get("real_fraction") is not None:  # packed examples: the rows' non-pad tokens (the data set's share)
-        fields["real_tokens_per_s"] = spec["real_fraction"] * tokens / med
     extra: dict[str, Any] = {"step_s": [round(t, 4) for t in timer.step_s], "warmup_steps": warm,
                              "rows_per_step": timer.rows, "gradient_accumulation_steps": accum,
                              "tokens_per_step": tokens, **recoveries(timer, warm)}
@@ -229,6 +227,9 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
         fields["optimizer_ms"] = statistics.median(timer.optim_s[warm:]) * 1e3
     elif system == "zero_offload":
         extra["optimizer_note"] = "DeepSpeed steps inside backward (engine.step); not separable from the Trainer"
+    if spec.get("real_fraction") is not None:  # packed examples: the rows' non-pad share of the data set's tokens
+        extra.update(data="packed_examples", real_fraction=spec["real_fraction"],
+                     real_tokens_per_s=spec["real_fraction"] * tokens / med)
     lt_fields, lt_extra = lazytrain_metrics(trainer, timer.plan_at_start)
     fields.update(lt_fields)
     extra.update(lt_extra)
