@@ -3,15 +3,15 @@
     python -m benchmarks.soak --out benchmarks/results/soak-YYYYMMDD.json [--budget-s 540]
 
 GSM8K through the CLI's own data path (`load_math_dataset`, `tokenize_for_sft`, `make_collator`: batches padded to
-their longest), LazyTrainer with the MILP policy (as the recipes set it), a GPU budget and otherwise the product's
-defaults, an NVMe tier (`nvme_dir`; the default budgets make the longest bucket's plan use it), evaluation and an
-atomic checkpoint at intervals (`save_total_limit` 1: the disk holds the last one and the one being written), until
-`--budget-s` runs out. Every `--window` optimizer steps it records the process's RSS, the pinned bytes (planned and
-locked) and the NVMe tier's peak bytes on disk (sampled every 0.25 s); every step, its time, real (non-pad) and
-computed (rows x padded length) tokens and the sequence-length bucket its plan was for. The summary holds the
-targets: RSS growth between the first window after warm-up and the last < 1%, pinned bytes constant, p95 step time
-per real token <= 1.2x its median within each bucket (steps after warm-up; per computed token as a diagnostic), and
-no NVMe file left when training returns. Results: shared/RESULTS_FORMAT.md.
+their longest), LazyTrainer with the product's defaults (the MILP policy) and a GPU budget, an NVMe tier
+(`nvme_dir`; the default budgets make the longest bucket's plan use it), evaluation and an atomic checkpoint at
+intervals (`save_total_limit` 1: the disk holds the last one and the one being written), until `--budget-s` runs
+out. Every `--window` optimizer steps it records the process's RSS, the pinned bytes (planned and locked) and the
+NVMe tier's peak bytes on disk (sampled every 0.25 s); every step, its time, real (non-pad) and computed (rows x
+padded length) tokens and the sequence-length bucket its plan was for. The summary holds the targets: RSS growth
+between the first window after warm-up and the last < 1%, pinned bytes constant, p95 step time per real token <=
+1.2x its median within each bucket (steps after warm-up; per computed token as a diagnostic), and no NVMe file left
+when training returns. Results: shared/RESULTS_FORMAT.md.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="soak-"))
     nvme_dir = str(work / "nvme")
     os.makedirs(nvme_dir, exist_ok=True)
-    cfg: dict[str, Any] = {"policy": "milp", "nvme_dir": nvme_dir}
+    cfg: dict[str, Any] = {"nvme_dir": nvme_dir}
     if cuda:
         cfg["gpu_memory_budget"] = f"{args.gpu_cap}GiB"
         torch.cuda.set_per_process_memory_fraction(args.gpu_cap * GIB / torch.cuda.get_device_properties(0).total_memory)
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **(percentiles(times) if times else {"steps_timed": 0}),
             peak_host_rss_gib=max((w["rss_gib"] for w in windows), default=None),
             peak_gpu_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None,
-            extra={"configuration": "product defaults, policy milp", "lazytrain_config": cfg,
+            extra={"configuration": "product defaults", "lazytrain_config": cfg,
                    "schedule_policy": getattr(getattr(trainer, "executor", None), "schedule", None) and trainer.executor.schedule.policy, "wall_s": time.time() - t0,
                    "optimizer_steps": len(steps), "warmup_steps": args.warmup, "window_steps": args.window,
                    "eval_every": args.eval_every, "save_every": args.save_every, "checkpoints_left": ckpts,

@@ -242,10 +242,10 @@ class PlanningConfig(_Group):
 
     GROUP: ClassVar[str] = "planning"
 
-    policy: str = field(default="fixed", metadata=_help(
-        '"fixed": a checkpoint every `checkpoint_every` layers, kept in `activation_tier` (the MegaTrain-equivalent '
-        'baseline); "milp": solved by the HiGHS planner (lazytrain_hf.planning); "none": no executor, the plain '
-        "HF Trainer path.", choices=("fixed", "milp", "none")))
+    policy: str = field(default="milp", metadata=_help(
+        '"milp": solved by the HiGHS planner (lazytrain_hf.planning), what the benchmarks run; "fixed": a checkpoint '
+        'every `checkpoint_every` layers, kept in `activation_tier` (the MegaTrain-equivalent baseline); "none": no '
+        "executor, the plain HF Trainer path.", choices=("fixed", "milp", "none")))
     checkpoint_every: int = field(default=4, metadata=_help(
         "Fixed policy: keep the input of every k-th decoder layer; the layers in between are recomputed in "
         "backward.", range=(1, 10_000)))

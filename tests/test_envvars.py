@@ -60,7 +60,7 @@ def test_explicit_values_win_through_from_any(monkeypatch, tmp_path):
 
 
 def test_every_field_type_is_read_from_the_environment(monkeypatch):
-    monkeypatch.setenv("LAZYTRAIN_POLICY", " MILP ")
+    monkeypatch.setenv("LAZYTRAIN_POLICY", " FIXED ")
     monkeypatch.setenv("LAZYTRAIN_PIN_MEMORY", "off")
     monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_BUDGET", "24GiB")
     monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_MARGIN", "0.2")
@@ -68,9 +68,9 @@ def test_every_field_type_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("LAZYTRAIN_CALIBRATE_STEPS", "0")
     monkeypatch.setenv("LAZYTRAIN_NVME_DIR", "")  # empty: unset
     cfg = LazyTrainConfig()
-    assert (cfg.policy, cfg.pin_memory, cfg.gpu_memory_budget, cfg.gpu_memory_margin) == ("milp", False, 24 << 30, 0.2)
+    assert (cfg.policy, cfg.pin_memory, cfg.gpu_memory_budget, cfg.gpu_memory_margin) == ("fixed", False, 24 << 30, 0.2)
     assert cfg.fp32_state_modules == ["q_proj", "k_proj"] and cfg.calibrate_steps == 0 and cfg.nvme_dir is None
-    explicit = LazyTrainConfig(policy="fixed", pin_memory=True, gpu_memory_budget=None, gpu_memory_margin=0.12,
+    explicit = LazyTrainConfig(policy="milp", pin_memory=True, gpu_memory_budget=None, gpu_memory_margin=0.12,
                                fp32_state_modules=[], calibrate_steps=None)
     assert explicit == _defaults()  # given values equal to the defaults: the variables unread
 
@@ -88,7 +88,7 @@ def test_a_bad_override_names_the_variable_value_and_accepted_values(monkeypatch
     msg = str(err.value)
     assert "environment LAZYTRAIN_CHECKPOINT_EVERY must be an integer, but got 'four'" in msg
     assert "environment LAZYTRAIN_POLICY must be one of ['fixed', 'milp', 'none'], but got 'greedy'" in msg
-    assert LazyTrainConfig(checkpoint_every=2, policy="milp").checkpoint_every == 2  # given: the variables unread
+    assert LazyTrainConfig(checkpoint_every=2, policy="fixed").checkpoint_every == 2  # given: the variables unread
 
 
 def test_config_equality_asdict_pickle_and_replace(monkeypatch):

@@ -72,7 +72,7 @@ class LazyTrainingArguments(TrainingArguments):
         visible GPU (and hand the loss a per-GPU token count); the executor drives one GPU per process, and data
         parallelism is one process per GPU (accelerate launch / torchrun, streaming/comm.py)."""
         n = super().n_gpu
-        if n > 1 and self.lazytrain_config.get("policy", "fixed") != "none":
+        if n > 1 and self.lazytrain_config.get("policy", "milp") != "none":
             if not getattr(self, "_warned_n_gpu", False):
                 logger.warning("%d GPUs are visible to this one process; LazyTrain uses %s only. Launch one process "
                                "per GPU (accelerate launch --num_processes %d ... or torchrun --nproc_per_node %d) "
@@ -84,7 +84,7 @@ class LazyTrainingArguments(TrainingArguments):
     @property
     def place_model_on_device(self) -> bool:
         # The executor places resident parts on the device and keeps decoder layers in host memory.
-        return self.lazytrain_config.get("policy", "fixed") == "none"
+        return self.lazytrain_config.get("policy", "milp") == "none"
 
 
 def _cuda_problems() -> list[str]:

@@ -267,7 +267,9 @@ def test_dpo_with_a_peft_policy_trains_as_the_stock_dpo_trainer_with_peft(tmp_pa
     original = StreamingExecutor.forward_hidden
     monkeypatch.setattr(StreamingExecutor, "forward_hidden",
                         lambda self, *a, **k: streamed.append(self.model.training) or original(self, *a, **k))
-    lazy = build(LazyDPO, model, "lazy", optim, lazytrain_config={**EXACT, "resident_placement": placement})
+    # the fixed policy: the MILP's layer profiling would run the host layers' modules the check below watches
+    lazy = build(LazyDPO, model, "lazy", optim, lazytrain_config={**EXACT, "resident_placement": placement,
+                                                                 "policy": "fixed"})
     host_runs = []
     for layer in lazy.executor.layers:  # after the executor copied them into its slots' templates
         layer.register_forward_pre_hook(lambda m, a: host_runs.append(m))
