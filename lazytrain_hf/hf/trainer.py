@@ -80,8 +80,10 @@ class LazyTrainerMixin(TRLHooks):
         model = named.get("model")
         # another Trainer's arguments (TRL's SFTConfig, ...): converted to Lazy<class>, their TRL defaults that are
         # the executor's business taken over (hf/foreign_args.py)
+        # the plan lines (and the conversion's own) reach a script that configured no logging
+        log_setup.configure(named.get("args"))
         args = named["args"] = to_lazy_args(named.get("args"), lazytrain_config)
-        log_setup.configure(args)  # the plan lines reach a script that configured no logging
+        log_setup.configure(args)
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
@@ -478,7 +480,9 @@ class LazyTrainerMixin(TRLHooks):
             run = facade.pending
             if run is None:
                 raise RuntimeError(f"{type(self).__name__}.compute_loss never called the model with gradients "
-                                   "enabled; the LazyTrain executor trains through that call")
+                                   "enabled; the LazyTrain executor trains through that call. Call the `model` "
+                                   "argument compute_loss receives (self.model is the HF model itself, whose "
+                                   "layers the executor streams: calling it runs them unstreamed)")
             scaled = getattr(self, "loss_is_scaled_for_ga", None)
             if scaled is None:  # as the stock Trainer decides it
                 scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \

@@ -131,6 +131,27 @@ class StreamedCausalLM(nn.Module):
     def config(self) -> Any:
         return self.module.config
 
+    @property
+    def device(self) -> torch.device:
+        """Where the inputs and the logits live: the executor's device."""
+        return self.executor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules nn.Module keeps
+        except AttributeError:
+            pass
+        raise AttributeError(
+            f"the model compute_loss receives under LazyTrain is the streamed causal LM, which has no attribute "
+            f"{name!r}: call it as model(input_ids=..., attention_mask=..., labels=...) (its .config, .device, "
+            ".dtype, get_input_embeddings() and get_output_embeddings() are the HF model's). The HF model's inner "
+            "modules (model.model, model.lm_head) would run unstreamed; for them train with lazytrain_config "
+            "policy 'none' (the stock Trainer path)")
+
     def _get_name(self) -> str:  # the Trainer's label smoother shifts labels for causal-LM class names
         return self.module._get_name()
 
@@ -140,7 +161,7 @@ class StreamedCausalLM(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.module.get_output_embeddings()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 logits_to_keep: int | torch.Tensor = 0, fused_lm_head: bool = False,
                 **kwargs: Any) -> CausalLMOutputWithPast | Any:
@@ -148,6 +169,8 @@ class StreamedCausalLM(nn.Module):
                        if k in kwargs}
         unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None
                          and not (k == "output_hidden_states" and v is False))
+        if input_ids is None and not unknown:
+            unknown = ["no input_ids"]
         if unknown:
             raise ValueError(f"the LazyTrain executor's model forward takes input_ids, attention_mask, position_ids, "
                              f"labels and logits_to_keep, but compute_loss passed {unknown}; drop them or train with "

@@ -72,6 +72,19 @@ def _pair(tmp_path, arch: str = "qwen3-tiny", lazy_cfg: dict | None = None, **kw
     return stock, lazy
 
 
+def test_the_takeover_lines_reach_a_script_that_set_no_log_level(tmp_path, caplog, monkeypatch):
+    """The SFTConfig's defaults taken over are logged while the arguments convert, before the Trainer sets up its
+    logging: the lazytrain_hf logger's level is set first, so a fresh process (no level set) prints them."""
+    monkeypatch.setattr(logging.getLogger("lazytrain_hf"), "level", logging.NOTSET)
+    model = load_model("qwen3-tiny", "float32", seed=3)
+    vocab = model.config.vocab_size
+    LazySFT(model=model, args=SFTConfig(**_config(tmp_path, "lazy")), train_dataset=_prompt_completion(vocab),
+            processing_class=_tokenizer(vocab), lazytrain_config=dict(EXACT))
+    text = [r.message for r in caplog.records]
+    assert any("gradient_checkpointing=True (SFTConfig's default) is taken over" in m for m in text), text
+    assert any("is replaced by 'lazytrain_hybrid8'" in m for m in text), text
+
+
 @pytest.mark.parametrize("arch, placement", [("qwen3-tiny", "gpu"), ("qwen3-tiny-untied", "host")])
 def test_sft_trainer_through_the_mixin_trains_as_the_stock_sft_trainer(tmp_path, caplog, arch, placement):
     with caplog.at_level(logging.INFO, logger="lazytrain_hf"):

@@ -250,17 +250,52 @@ class LogitsUnused:
         return torch.zeros((), requires_grad=True) * 1.0
 
 
-@pytest.mark.parametrize("mixin, match", [(NoModelCall, "never called the model"),
-                                          (TwoGradForwards, "a second time"),
-                                          (LogitsUnused, "does not depend on the model's output")])
-def test_a_loss_the_executor_cannot_train_through_is_an_error(tmp_path, mixin, match):
+class SelfModelCall:
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return self.model(**inputs).loss
+
+
+class InnerModuleCall:
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model.model(input_ids=inputs["input_ids"]).last_hidden_state.sum()
+
+
+class EmbedsCall:
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]), labels=inputs["labels"]).loss
+
+
+class DeviceAndDtype(WeightedLoss):
+    """Loss code that reads model.device and model.dtype, as much of it does."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        assert torch.ones(1, device=model.device).device == torch.device("cpu") and model.dtype == torch.float32
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize("mixin, error, match", [
+    (NoModelCall, RuntimeError, "never called the model"),
+    (SelfModelCall, RuntimeError, r"never called the model.*the `model` argument.*self\.model is the HF model"),
+    (TwoGradForwards, RuntimeError, "a second time"),
+    (LogitsUnused, RuntimeError, "does not depend on the model's output"),
+    (InnerModuleCall, AttributeError, r"no attribute 'model': call it as model\(input_ids=.*policy 'none'"),
+    (EmbedsCall, ValueError, r"takes input_ids.*compute_loss passed \['inputs_embeds'\]"),
+])
+def test_a_loss_the_executor_cannot_train_through_is_an_error(tmp_path, mixin, error, match):
     cls = type("Lazy" + mixin.__name__, (mixin, LazyTrainer), {})
     model = load_model("qwen3-tiny", "float32", seed=3)
     lazy = cls(model=model, args=LazyTrainingArguments(**_common(tmp_path, "lazy", max_steps=1),
                                                        lazytrain_config=dict(EXACT)),
                train_dataset=_dataset(model.config.vocab_size), data_collator=_collate)
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(error, match=match):
         lazy.train()
+
+
+def test_loss_code_reading_model_device_and_dtype_trains_as_with_the_stock_trainer(tmp_path):
+    stock_cls = type("StockDeviceAndDtype", (DeviceAndDtype, Trainer), {})
+    lazy_cls = type("LazyDeviceAndDtype", (DeviceAndDtype, LazyTrainer), {})
+    stock, lazy = _pair(tmp_path, stock_cls, lazy_cls)
+    _assert_equal_runs(stock, lazy)
 
 
 @pytest.mark.parametrize("kw, match", [({"torch_compile": True}, "torch_compile=True"),
