@@ -60,6 +60,18 @@ def _reference(model, ids, mask, labels):
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def _executor_equals(model, batch, ref_loss, ref_grads, tmp_path) -> StreamingExecutor:
+    """The packed `batch` through an executor over `model`: its loss and every gradient within 1e-5 of the
+    reference's; the executor, for more passes."""
+    ex = StreamingExecutor(model, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), "cpu",
+                           fixed_schedule(4, 2, "cpu", 2))
+    loss = ex.forward_backward(batch["input_ids"], batch["labels"], None, batch["position_ids"])
+    assert rel_err(loss, ref_loss) < 1e-5
+    for name, p in model.named_parameters():
+        assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-5, name
+    return ex
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ["qwen2-tiny", "qwen3-tiny", "llama-tiny"])
 def test_packed_batch_equals_the_padded_batch(arch, attn, tmp_path):
@@ -71,12 +83,7 @@ def test_packed_batch_equals_the_padded_batch(arch, attn, tmp_path):
     assert batch["input_ids"].shape == (1, sum(LENGTHS)) and "cu_seq_lens_q" not in batch
     assert packed_lengths(batch["position_ids"]) == [LENGTHS]
 
-    ex = StreamingExecutor(model, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), "cpu",
-                           fixed_schedule(4, 2, "cpu", 2))
-    loss = ex.forward_backward(batch["input_ids"], batch["labels"], None, batch["position_ids"])
-    assert rel_err(loss, ref_loss) < 1e-5
-    for name, p in model.named_parameters():
-        assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-5, name
+    ex = _executor_equals(model, batch, ref_loss, ref_grads, tmp_path)
 
     # the check has teeth: the same row read as one sequence (positions not restarting) is another batch
     whole = torch.arange(sum(LENGTHS)).view(1, -1)
@@ -129,6 +136,18 @@ def test_prepare_batch_checks_the_boundaries_and_the_mask():
     assert prepare_batch(plain, config).keys() == plain.keys()
 
 
+def _assert_equal_runs(stock, lazy) -> None:
+    """3 logged losses and gradient norms, and the final weights, within 1e-5 of the stock Trainer's."""
+    for key in ("loss", "grad_norm"):
+        assert len(_logs(lazy, key)) == 3
+        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in lazy.model.named_parameters():
+        if not name.endswith(NOISE_ONLY):
+            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+
+
 @pytest.mark.parametrize("policy", ["fixed", "milp"])
 def test_lazytrainer_on_packed_batches_equals_the_stock_trainer_on_padded_ones(tmp_path, policy):
     """LazyTrainer with DataCollatorWithFlattening (boundary keys too) == the stock Trainer on the same examples
@@ -147,14 +166,7 @@ def test_lazytrainer_on_packed_batches_equals_the_stock_trainer_on_padded_ones(t
     lengths = [len(x) for x in ds["input_ids"]]
     assert run_shape(lazy) == (1, -(-packed_row_tokens(lengths, 2) // 8) * 8)
     assert lazy.plans.request.batch_size == 1
-    for key in ("loss", "grad_norm"):
-        assert len(_logs(lazy, key)) == 3
-        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
-            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
-    stock_params = dict(stock.model.named_parameters())
-    for name, p in lazy.model.named_parameters():
-        if not name.endswith(NOISE_ONLY):
-            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+    _assert_equal_runs(stock, lazy)
 
 
 def test_packed_row_tokens_is_the_longest_packing():
@@ -176,12 +188,7 @@ def test_packed_rows_equal_the_padded_batch(arch, tmp_path):
     batch = PackedRowsCollator(pad_token_id=0, pad_to_multiple_of=8)([rows[i] for i in range(len(rows))])
     assert batch["input_ids"].shape == (2, 24) and sorted(map(len, rows["input_ids"])) == [23, 24]
     assert sorted(n for row in packed_lengths(batch["position_ids"]) for n in row) == [3, 5, 7, 9, 12, 11 + 1]
-    ex = StreamingExecutor(model, LazyTrainConfig(loss_chunk_tokens=7, nvme_dir=str(tmp_path)), "cpu",
-                           fixed_schedule(4, 2, "cpu", 2))
-    loss = ex.forward_backward(batch["input_ids"], batch["labels"], None, batch["position_ids"])
-    assert rel_err(loss, ref_loss) < 1e-5
-    for name, p in model.named_parameters():
-        assert rel_err(ex.grad_source(p), ref_grads[name]) < 1e-5, name
+    ex = _executor_equals(model, batch, ref_loss, ref_grads, tmp_path)
     # the check has teeth: without pack_rows' -100 at each example's first token, one example learns from another
     labels = batch["labels"].clone()
     labels[batch["position_ids"] == 0] = batch["input_ids"][batch["position_ids"] == 0]
@@ -202,11 +209,4 @@ def test_lazytrainer_on_packed_rows_equals_the_stock_trainer(tmp_path):
                        args=LazyTrainingArguments(**_common(tmp_path, "lazy"), lazytrain_config=dict(EXACT)))
     lazy.train()
     assert run_shape(lazy) == (2, 32)
-    for key in ("loss", "grad_norm"):
-        assert len(_logs(lazy, key)) == 3
-        for a, b in zip(_logs(lazy, key), _logs(stock, key), strict=True):
-            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
-    stock_params = dict(stock.model.named_parameters())
-    for name, p in lazy.model.named_parameters():
-        if not name.endswith(NOISE_ONLY):
-            assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
+    _assert_equal_runs(stock, lazy)
