@@ -14,7 +14,7 @@ import logging
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from ..config import GIB
+from ..config import GIB, PlanningConfig
 from ..planning.buckets import BucketSchedules
 from ..planning.milp import InfeasiblePlanError
 from ..planning.request import PlanRequest
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 __all__ = ["RunPlans"]
 
 logger = logging.getLogger(__name__)
+
+#: the fixed policy's own knobs and their defaults (a MILP run that changes one is told it is unused)
+FIXED_ONLY = {f: PlanningConfig.__dataclass_fields__[f].default for f in ("checkpoint_every", "activation_tier")}
 
 
 def _first_line(e: BaseException) -> str:
@@ -138,6 +141,11 @@ class RunPlans:
             ex.set_schedule(schedule)
             self.check_fingerprint(ex.schedule, cfg.schedule_path)
         elif cfg.policy == "milp":
+            knobs = [f"{f}={getattr(cfg, f)!r}" for f, default in FIXED_ONLY.items() if getattr(cfg, f) != default]
+            if knobs:
+                logger.warning("LazyTrain: %s set the fixed policy's schedule; policy 'milp' (the default) plans its "
+                               "own checkpoints and where they live, so they are unused. Set policy: fixed to use "
+                               "them", " and ".join(knobs))
             plans = self.bucket_plans = plan.plan_buckets_for_trainer(tr)
             ex.set_schedule(self._longest())
             steps = cfg.calibrate_steps if cfg.calibrate_steps is not None else (3 if ex.device.type == "cuda" else 0)

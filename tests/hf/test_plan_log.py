@@ -167,3 +167,25 @@ def test_unreadable_lengths_warn_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lazytrain_hf"):
         assert plan.run_shape(tr) == (2, 1024) and plan.run_shape(tr) == (2, 1024)
     assert caplog.text.count("cannot read input_ids lengths from the training data (Rows)") == 1, caplog.text
+
+
+def test_fixed_policy_knobs_under_the_default_milp_policy_are_named_unused(tmp_path, caplog):
+    """The default policy is the MILP: checkpoint_every / activation_tier changed from their defaults (the fixed
+    policy's schedule) are said to be unused, once; the defaults say nothing."""
+    model = load_model("qwen3-tiny", "float32", seed=3)
+
+    def build(name, cfg):
+        args = LazyTrainingArguments(**_common(tmp_path, name, max_steps=1), lazytrain_config=cfg)
+        return LazyTrainer(model=model, args=args, train_dataset=_dataset(model.config.vocab_size),
+                           data_collator=_collate)
+
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf"):
+        build("knobs", {"checkpoint_every": 2, "activation_tier": "cpu"}).train()
+    unused = [r.getMessage() for r in caplog.records if "fixed policy's schedule" in r.getMessage()]
+    assert len(unused) == 1 and "checkpoint_every=2 and activation_tier='cpu'" in unused[0], unused
+    assert "Set policy: fixed" in unused[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf"):
+        build("defaults", {}).train()
+        build("fixed", {"policy": "fixed", "checkpoint_every": 2}).train()
+    assert not [r for r in caplog.records if "fixed policy's schedule" in r.getMessage()]
