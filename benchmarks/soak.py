@@ -3,7 +3,8 @@
     python -m benchmarks.soak --out benchmarks/results/soak-YYYYMMDD.json [--budget-s 540]
 
 GSM8K through the CLI's own data path (`load_math_dataset`, `tokenize_for_sft`, `make_collator`: batches padded to
-their longest), LazyTrainer with the product's defaults (the MILP policy) and a GPU budget, an NVMe tier
+their longest; grouped by length unless --random-batches, so that several length buckets' plans run and the run
+switches between them), LazyTrainer with the product's defaults (the MILP policy) and a GPU budget, an NVMe tier
 (`nvme_dir`; the default budgets make the longest bucket's plan use it), evaluation and an atomic checkpoint at
 intervals (`save_total_limit` 1: the disk holds the last one and the one being written), until `--budget-s` runs
 out. Every `--window` optimizer steps it records the process's RSS, the pinned bytes (planned and locked) and the
@@ -155,6 +156,18 @@ def summarize(steps: list[dict[str, Any]], windows: list[dict[str, Any]], warmup
     return out
 
 
+def _group_by_length() -> dict[str, Any]:
+    """The TrainingArguments keyword for length-grouped batches: `train_sampling_strategy` from transformers 5.2x,
+    `group_by_length` before."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in names \
+        else {"group_by_length": True}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lazytrain_hf import LazyTrainer, LazyTrainingArguments
     from lazytrain_hf.data import load_math_dataset, load_tokenizer, make_collator, tokenize_for_sft
@@ -188,7 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=cuda,
         logging_steps=args.window, eval_strategy="steps", eval_steps=args.eval_every, per_device_eval_batch_size=8,
         save_strategy="steps", save_steps=args.save_every, save_total_limit=1, report_to=[], use_cpu=not cuda,
-        seed=0, dataloader_num_workers=0, disable_tqdm=True, lazytrain_config=cfg)
+        seed=0, dataloader_num_workers=0, disable_tqdm=True, lazytrain_config=cfg,
+        **({} if args.random_batches else _group_by_length()))
     trainer = LazyTrainer(model=model, args=targs, train_dataset=train, eval_dataset=test,
                           data_collator=make_collator(tok, pad_to_multiple_of=8), processing_class=tok)
     recorder = SoakRecorder(trainer, args.window, deadline, nvme_dir)
@@ -221,6 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peak_host_rss_gib=max((w["rss_gib"] for w in windows), default=None),
             peak_gpu_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None,
             extra={"configuration": "product defaults", "lazytrain_config": cfg,
+                   "batches": "random" if args.random_batches else "grouped by length",
                    "schedule_policy": getattr(getattr(trainer, "executor", None), "schedule", None) and trainer.executor.schedule.policy, "wall_s": time.time() - t0,
                    "optimizer_steps": len(steps), "warmup_steps": args.warmup, "window_steps": args.window,
                    "eval_every": args.eval_every, "save_every": args.save_every, "checkpoints_left": ckpts,
@@ -256,6 +271,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None, help="GSM8K folder (default: LAZYTRAIN_GSM8K_DIR or ../shared/data)")
     p.add_argument("--work-dir", default=None, help="checkpoints and the NVMe tier (default: a temporary directory)")
     p.add_argument("--keep-work-dir", action="store_true")
+    p.add_argument("--random-batches", action="store_true",
+                   help="batches of random examples (default: grouped by length, so that each length bucket's plan "
+                        "runs and the run switches between them)")
     args = p.parse_args(argv)
     if args.host_memory_budget is None and args.device == "cuda":
         args.host_memory_budget = "22GiB"

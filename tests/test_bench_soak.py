@@ -35,6 +35,7 @@ def test_soak_cpu_smoke(tmp_path):
     assert doc["suite"] == "soak" and len(doc["rows"]) == 1
     e = r["extra"]
     assert e["optimizer_steps"] == 4 and [w["step"] for w in e["windows"]] == [2, 4]
+    assert e["batches"] == "grouped by length"
     assert [x["step"] for x in e["evals"]] == [2, 4] and e["checkpoints_left"] == ["checkpoint-4"]
     # each step's real tokens: the non-pad tokens of its batch (2 GSM8K examples, at most 128 tokens each)
     assert all(40 < s["tokens"] <= s["computed_tokens"] <= 256 for s in e["steps"])
