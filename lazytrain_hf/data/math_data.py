@@ -457,6 +457,11 @@ def tokenize_for_sft(
         desc="Tokenizing for SFT",
     )
     dropped = len(ds) - len(tokenized)
+    eos = tokenizer.eos_token_id
+    cut = sum(1 for ids in tokenized["input_ids"] if len(ids) == max_length and ids[-1] != eos) if len(tokenized) else 0
+    if cut:
+        logger.warning("tokenize_for_sft: %d of %d examples were cut at max_length=%d tokens (their answers lose the "
+                       "end and the eos token); raise max_length to keep them whole", cut, len(tokenized), max_length)
     if len(tokenized) == 0:
         raise ValueError(
             f"tokenize_for_sft: all {len(ds)} examples were dropped because their prompt alone fills "
@@ -540,6 +545,11 @@ class PackedRowsCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
+        if any("position_ids" not in f or "labels" not in f for f in features):
+            raise ValueError("PackedRowsCollator batches the rows of pack_rows (input_ids, labels, position_ids), but "
+                             f"got examples with {sorted(features[0])}. Pack the data set with "
+                             "lazytrain_hf.data.pack_rows first, or batch examples with make_collator(tokenizer) "
+                             "(packing=False)")
         T = max(len(f["input_ids"]) for f in features)
         if self.pad_to_multiple_of:
             T = -(-T // self.pad_to_multiple_of) * self.pad_to_multiple_of

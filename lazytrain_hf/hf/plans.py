@@ -143,9 +143,9 @@ class RunPlans:
         elif cfg.policy == "milp":
             knobs = [f"{f}={getattr(cfg, f)!r}" for f, default in FIXED_ONLY.items() if getattr(cfg, f) != default]
             if knobs:
-                logger.warning("LazyTrain: %s set the fixed policy's schedule; policy 'milp' (the default) plans its "
-                               "own checkpoints and where they live, so they are unused. Set policy: fixed to use "
-                               "them", " and ".join(knobs))
+                logger.log(plan.plan_log_level(tr, logging.WARNING), "LazyTrain: %s set the fixed policy's "
+                           "schedule; policy 'milp' (the default) plans its own checkpoints and where they live, so "
+                           "they are unused. Set policy: fixed to use them", " and ".join(knobs))
             plans = self.bucket_plans = plan.plan_buckets_for_trainer(tr)
             ex.set_schedule(self._longest())
             steps = cfg.calibrate_steps if cfg.calibrate_steps is not None else (3 if ex.device.type == "cuda" else 0)

@@ -68,9 +68,14 @@ def is_flattening_collator(collator: Any) -> bool:
 
 
 def check_collator(config: Any, collator: Any) -> None:
-    """Refuse a `DataCollatorWithFlattening` for a model that cannot train on packed rows (at trainer build)."""
+    """Refuse a packing collator (`DataCollatorWithFlattening`, `lazytrain_hf.data.PackedRowsCollator`) for a model
+    that cannot train on packed rows (at trainer build)."""
+    from ..data.math_data import PackedRowsCollator
+
     if is_flattening_collator(collator):
         check_packing_model(config, "data_collator=DataCollatorWithFlattening")
+    elif isinstance(collator, PackedRowsCollator):
+        check_packing_model(config, "data_collator=PackedRowsCollator (rows of pack_rows)")
 
 
 def check_packed(config: Any, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:

@@ -376,3 +376,18 @@ def test_packed_rows_collator_pads_as_the_last_example(gsm8k_sample, qwen_tokeni
         assert batch["position_ids"][k, n:].tolist() == list(range(last + 1, last + 1 + T - n))
     with pytest.raises(ValueError, match="pick one"):
         make_collator(qwen_tokenizer, packing=True, padding_free=True)
+    unpacked = tokenize_for_sft(gsm8k_sample.select(range(2)), qwen_tokenizer, max_length=512)
+    with pytest.raises(ValueError, match=r"rows of pack_rows.*lazytrain_hf\.data\.pack_rows first"):
+        make_collator(qwen_tokenizer, packing=True)([unpacked[0], unpacked[1]])
+
+
+def test_examples_cut_at_max_length_are_counted(gsm8k_sample, qwen_tokenizer, caplog):
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf.data.math_data"):
+        whole = tokenize_for_sft(gsm8k_sample.select(range(8)), qwen_tokenizer, max_length=1024)
+    assert "were cut at max_length" not in caplog.text
+    lengths = sorted(len(x) for x in whole["input_ids"])
+    limit = lengths[4] - 1  # the longer examples (at least 4) no longer fit
+    prompt_fits = [n for n in lengths if n > limit]
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf.data.math_data"):
+        cut = tokenize_for_sft(gsm8k_sample.select(range(8)), qwen_tokenizer, max_length=limit)
+    assert f"{len(prompt_fits)} of {len(cut)} examples were cut at max_length={limit} tokens" in caplog.text

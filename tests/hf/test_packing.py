@@ -107,12 +107,14 @@ def test_a_packed_batch_of_a_linear_attention_model_is_refused_with_the_fix(tmp_
     assert rel_err(loss, ref_loss) < 1e-5
 
 
-def test_the_trainer_refuses_a_flattening_collator_for_a_linear_attention_model(tmp_path):
+@pytest.mark.parametrize("collator, name", [(DataCollatorWithFlattening(), "DataCollatorWithFlattening"),
+                                            (PackedRowsCollator(pad_token_id=0), "PackedRowsCollator")])
+def test_the_trainer_refuses_a_packing_collator_for_a_linear_attention_model(tmp_path, collator, name):
     model = load_model("qwen3.5-tiny", "float32", seed=1)
     args = LazyTrainingArguments(**_common(tmp_path, "lazy"), lazytrain_config=dict(EXACT))
-    with pytest.raises(ValueError, match=r"DataCollatorWithFlattening.*Gated DeltaNet.*Pad instead"):
+    with pytest.raises(ValueError, match=rf"{name}.*Gated DeltaNet.*Pad instead"):
         LazyTrainer(model=model, args=args, train_dataset=tiny_dataset(model.config.vocab_size),
-                    data_collator=DataCollatorWithFlattening())
+                    data_collator=collator)
 
 
 def test_prepare_batch_checks_the_boundaries_and_the_mask():
