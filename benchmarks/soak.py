@@ -107,7 +107,6 @@ class SoakRecorder(TrainerCallback):
         ex = self.trainer.executor
         self.steps.append({"step": state.global_step, "s": time.perf_counter() - self._t0, "tokens": self._tokens,
                            "computed_tokens": self._computed, "bucket": ex.schedule.solver.get("seq_len_bucket")})
-        self._nvme_peak = max(self._nvme_peak, _dir_bytes(self.nvme_dir)[0])
         if state.global_step % self.window == 0:
             pinned = ex.pinned_bytes
             self.windows.append({"step": state.global_step, "time_s": time.time(), "rss_gib": _rss() / GIB,
@@ -124,6 +123,12 @@ class SoakRecorder(TrainerCallback):
             self.evals.append({"step": state.global_step, "eval_loss": float(metrics["eval_loss"])})
 
 
+def _p95(values: list[float]) -> float:
+    """The 95th percentile of `values`, nearest rank."""
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, int(round(0.95 * (len(ranked) - 1))))]
+
+
 def summarize(steps: list[dict[str, Any]], windows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """The soak targets from the recorded steps and windows (those after `warmup` optimizer steps)."""
     after = [w for w in windows if w["step"] > warmup]
@@ -136,20 +141,18 @@ def summarize(steps: list[dict[str, Any]], windows: list[dict[str, Any]], warmup
         out["pinned_constant_met"] = abs(out["pinned_locked_change_gib"]) < 1 / 1024  # below one MiB
     buckets: dict[str, dict[str, Any]] = {}
     for b in sorted({s["bucket"] for s in steps if s["step"] > warmup}, key=lambda x: (x is None, x)):
-        per = [s["s"] / s["tokens"] for s in steps if s["step"] > warmup and s["bucket"] == b and s["tokens"]]
+        ours = [s for s in steps if s["step"] > warmup and s["bucket"] == b]
+        per = [s["s"] / s["tokens"] for s in ours if s["tokens"]]
         if len(per) < 2:
             continue
-        med = statistics.median(per)
-        p95 = sorted(per)[min(len(per) - 1, int(round(0.95 * (len(per) - 1))))]
+        med, p95 = statistics.median(per), _p95(per)
         buckets[str(b)] = {"steps": len(per), "median_ms_per_ktoken": med * 1e6, "p95_ms_per_ktoken": p95 * 1e6,
                            "p95_over_median": p95 / med}
         # diagnostic: per computed token (rows x padded length), the work the step's kernels did; the target stays
         # per real token
-        comp = sorted(s["s"] / s["computed_tokens"] for s in steps
-                      if s["step"] > warmup and s["bucket"] == b and s.get("computed_tokens"))
+        comp = [s["s"] / s["computed_tokens"] for s in ours if s.get("computed_tokens")]
         if len(comp) >= 2:
-            buckets[str(b)]["p95_over_median_computed"] = \
-                comp[min(len(comp) - 1, int(round(0.95 * (len(comp) - 1))))] / statistics.median(comp)
+            buckets[str(b)]["p95_over_median_computed"] = _p95(comp) / statistics.median(comp)
     out["buckets"] = buckets
     if buckets:
         out["p95_met"] = all(v["p95_over_median"] <= P95_RATIO_MAX for v in buckets.values())
@@ -227,8 +230,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary["nvme_clean_met"] = nvme_left[1] == 0
     ckpts = sorted(p.name for p in (work / "out").glob("checkpoint-*"))
     times = [s["s"] for s in steps if s["step"] > args.warmup]
-    tiers = sorted({lp.tier for lp in trainer.executor.schedule.layers if lp.checkpoint}) \
-        if getattr(trainer, "executor", None) is not None else []
+    ex = getattr(trainer, "executor", None)
+    schedule = ex.schedule if ex is not None else None
+    tiers = sorted({lp.tier for lp in schedule.layers if lp.checkpoint}) if schedule is not None else []
     r = row(system="lazytrain_milp", model=args.model, params=params, gpu_cap_gib=args.gpu_cap if cuda else None,
             batch_size=args.batch_size, seq_len=args.max_length, status=status, reason=reason,
             **(percentiles(times) if times else {"steps_timed": 0}),
@@ -236,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peak_gpu_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None,
             extra={"configuration": "product defaults", "lazytrain_config": cfg,
                    "batches": "random" if args.random_batches else "grouped by length",
-                   "schedule_policy": getattr(getattr(trainer, "executor", None), "schedule", None) and trainer.executor.schedule.policy, "wall_s": time.time() - t0,
+                   "schedule_policy": schedule.policy if schedule is not None else None, "wall_s": time.time() - t0,
                    "optimizer_steps": len(steps), "warmup_steps": args.warmup, "window_steps": args.window,
                    "eval_every": args.eval_every, "save_every": args.save_every, "checkpoints_left": ckpts,
                    "boundary_tiers": tiers, "summary": summary, "windows": windows, "evals": recorder.evals,
