@@ -106,16 +106,10 @@ class PackedExamples(torch.utils.data.Dataset):
         raw = load_math_dataset(str(gsm8k_dir(data_dir)), "train")
         rows = pack_rows(tokenize_for_sft(raw, tok, seq_len), seq_len)
         pad = tok.pad_token_id if tok.pad_token_id < vocab_size else 0
-        collate = PackedRowsCollator(pad)
         feats = [rows[i] for i in range(len(rows))]
         self.real_fraction = sum(len(f["input_ids"]) for f in feats) / (len(feats) * seq_len)
         feats = (feats * -(-num_rows // len(feats)))[:num_rows]
-        batch = collate([dict(f, input_ids=f["input_ids"] + [pad] * (seq_len - len(f["input_ids"])),
-                              labels=f["labels"] + [-100] * (seq_len - len(f["labels"])),
-                              position_ids=f["position_ids"] + list(range(f["position_ids"][-1] + 1,
-                                                                           f["position_ids"][-1] + 1 + seq_len
-                                                                           - len(f["position_ids"]))))
-                         for f in feats])
+        batch = PackedRowsCollator(pad, pad_to_multiple_of=seq_len)(feats)  # rows <= seq_len: each padded to it
         if int(batch["input_ids"].max()) >= vocab_size:  # tiny test shapes: fold the ids into their vocabulary
             batch["input_ids"] %= vocab_size
             batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"] % vocab_size, batch["labels"])

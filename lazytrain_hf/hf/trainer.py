@@ -80,10 +80,10 @@ class LazyTrainerMixin(TRLHooks):
         model = named.get("model")
         # another Trainer's arguments (TRL's SFTConfig, ...): converted to Lazy<class>, their TRL defaults that are
         # the executor's business taken over (hf/foreign_args.py)
-        # the plan lines (and the conversion's own) reach a script that configured no logging
+        # before the conversion, whose takeover lines (like the plan lines) must reach a script that configured no
+        # logging; the converted arguments keep the given ones' log levels
         log_setup.configure(named.get("args"))
         args = named["args"] = to_lazy_args(named.get("args"), lazytrain_config)
-        log_setup.configure(args)
         cfg = args.lazy_config
         self.lazy_config: LazyTrainConfig = cfg
         self.executor: StreamingExecutor | None = None
