@@ -131,7 +131,7 @@ SUITES["hybrid"] = dict(device="cuda", models=["qwen3.6-27b:layers=16"], caps=[8
 # The paper's dense range (3B to 14B) with the product's defaults, under 24 GiB and 80 GiB: LazyTrain MILP / fixed
 # and the stock Trainer (its out-of-memory rows recorded where it does not fit), each system's largest batch under
 # 24 GiB searched. At 1024 tokens per sequence, batch 32 is the 32k tokens per step the targets are stated at.
-# row_s: the measured 14B step (9.3 s at batch 32) x 11 steps plus building the random model.
+# row_s: a 14B step measured at batch 32 (9.3 s, full suite, 24 GiB) x 11 steps plus building the random model.
 SUITES["paper"] = dict(device="cuda", models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "qwen2.5-14b", "qwen3-14b"],
                        caps=[24, 80, None], seq_len=1024, steps=5, warmup=6,
                        systems=["lazytrain_milp", "lazytrain_fixed", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
