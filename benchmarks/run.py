@@ -101,12 +101,16 @@ SFT = SFT_SYSTEMS
 #: max_batch_against (system -> the system whose completed search's largest batch it probes first: the claim
 #: "largest >= the other's + 1" is decided by that one probe, the exact largest by the rest of the search),
 #: measure_max_batch (measure each completed search's largest batch as a row too). A system a cap's batch dict gives [] does not run at that cap.
+#: warm-up steps of the GPU suites running LazyTrain (not timed): the MILP calibrates on steps 3-5 (2 unused steps,
+#: then 3 measured: hf/plans.py); a switch to its re-plan is a trial measured on steps 7-9 (step 6 allocates the new
+#: plan's buffers) after which the run keeps it or goes back (hf/calibrate.py), so the timed steps, from step 11, run
+#: the plan the run keeps. On 1 calibration step the measured CPU update rate varied 3.0-4.4 G params/s across rows
+#: of one configuration (the 7b-*-20261130.json results).
+LT_WARMUP = 10
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=32, steps=2, warmup=1,
                   batch={None: {s: [2] for s in ORDER}}, timeout={s: 120 for s in ORDER}),
-    # warmup 6: LazyTrain rows calibrate on warmup - 3 = 3 steps (benchmarks/systems.py); on 1 step the measured CPU
-    # update rate varied 3.0-4.4 G params/s across rows of one configuration (the 7b-*-20261130.json results)
-    "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=6,
+    "7b": dict(device="cuda", models=["qwen2.5-7b"], caps=[24, 80], seq_len=1024, steps=5, warmup=LT_WARMUP,
                batch={24: {**{s: [8, 16, 32, 64] for s in LT}, **{s: [1, 8] for s in STOCK},
                            **{s: [8] for s in OFFLOAD}},
                       80: {**{s: [64, 128] for s in LT}, "stock_trainer": [8, 16], "stock_trainer_bnb8": [8, 16, 32],
@@ -115,32 +119,30 @@ SUITES: dict[str, dict[str, Any]] = {
                         "zero_offload": 480}),
 }
 # The Qwen3.5 / 3.6 hybrid family (3 linear-attention : 1 full-attention layers) at 16 of qwen3.6-27b's 64 layers
-# (8.6 B parameters, 2.5 B of them embedding + head): LazyTrain with the product's defaults. warmup 6: by default
-# the MILP calibrates after 3 measured steps that follow 2 unused ones (hf/callback.py), so the re-plan lands after
-# step 5 and step 6 (the one after it waits on no update) is not timed either: the 5 timed steps run one plan.
+# (8.6 B parameters, 2.5 B of them embedding + head): LazyTrain with the product's defaults.
 # At 24 GiB the MILP is measured at B=8 and B=32, and both policies' largest batches are searched to adjacent sizes
 # from the planner's largest (max_batch_guess: `planned_max_batch`; analytic, H200 figures: fixed 73, MILP 94), probes
 # of 1 warm-up + 1 timed step (~2 min each at these batches): the claim is the MILP's largest >= the fixed policy's + 1,
 # so the fixed policy's search probes the MILP's largest first.
-# row_s[24]: B=32 ran 11 steps of ~8.5 s plus setup.
+# row_s[24]: B=32 ran 15 steps of ~8.5 s plus setup.
 SUITES["hybrid"] = dict(device="cuda", models=["qwen3.6-27b:layers=16"], caps=[80, 24], seq_len=1024, steps=5,
-                        warmup=6, systems=list(LT), lazytrain=PRODUCT_DEFAULTS, max_batch_caps=[24],
+                        warmup=LT_WARMUP, systems=list(LT), lazytrain=PRODUCT_DEFAULTS, max_batch_caps=[24],
                         max_batch_guess=True, max_batch_against={"lazytrain_fixed": "lazytrain_milp"},
                         batch={80: {s: [72] for s in LT}, 24: {"lazytrain_milp": [8, 32], "lazytrain_fixed": [8]}},
                         timeout={s: 480 for s in LT}, row_s={80: 270, 24: 170})
 # The paper's dense range (3B to 14B) with the product's defaults, under 24 GiB and 80 GiB: LazyTrain MILP / fixed
 # and the stock Trainer (its out-of-memory rows recorded where it does not fit), each system's largest batch under
 # 24 GiB searched. At 1024 tokens per sequence, batch 32 is the 32k tokens per step the targets are stated at.
-# row_s: a 14B step measured at batch 32 (9.3 s, full suite, 24 GiB) x 11 steps plus building the random model.
+# row_s: a 14B step measured at batch 32 (9.3 s, full suite, 24 GiB) x 15 steps plus building the random model.
 SUITES["paper"] = dict(device="cuda", models=["qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "qwen2.5-14b", "qwen3-14b"],
-                       caps=[24, 80, None], seq_len=1024, steps=5, warmup=6,
+                       caps=[24, 80, None], seq_len=1024, steps=5, warmup=LT_WARMUP,
                        systems=["lazytrain_milp", "lazytrain_fixed", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
                        max_batch_caps=[24], max_batch_guess=True,
                        batch={24: {**{s: [8, 16, 32] for s in LT}, "stock_trainer": [8, 16, 32]},
                               80: {**{s: [32, 64] for s in LT}, "stock_trainer": [8, 16, 32]},
                               # the stock Trainer on the whole GPU: the 24 GiB MILP rows' pair at 32k tokens a step
                               None: {**{s: [] for s in LT}, "stock_trainer": [32]}},
-                       timeout={**{s: 540 for s in LT}, "stock_trainer": 300}, row_s={24: 150, 80: 240, None: 150})
+                       timeout={**{s: 540 for s in LT}, "stock_trainer": 300}, row_s={24: 200, 80: 240, None: 150})
 # LoRA r 16 on every linear layer at 32k tokens per optimizer step, both bases in one file: a Qwen2.5-32B shape in
 # bf16 and a Llama-3-70B shape in nf4 (model_systems: which systems run on which base).
 # bf16 base: LazyTrain under 24 GiB (B 32: one micro-batch per step, the base streamed once per step; the plan splits
@@ -151,12 +153,9 @@ SUITES["paper"] = dict(device="cuda", models=["qwen2.5-3b", "qwen2.5-7b", "qwen3
 # weights and state; the embedding and LM head fp32 after prepare_model_for_kbit_training, 8.4 GB): B 16 x 2
 # micro-batches, since at B 32 the fp32 boundaries fill 111 of the 113 GiB host budget. Its row built the base in 30 s
 # and ran 8 steps in 384 s (qlora-20261203.json), so it needs the whole of one --budget-s 570 call (row_s 500) and
-# --steps 3 there; a row killed at the deadline records nothing.
-# warmup 5: the MILP calibrates on steps 3-5 (2 unused steps, then 3 measured: hf/plans.py) and re-plans after step 5,
-# so the timed steps run one plan; adapters update on the GPU, so the step after the re-plan waits on no CPU update
-# (the hybrid suite's sixth warm-up step is not needed).
+# --steps 2 there (12 steps); a row killed at the deadline records nothing.
 SUITES["lora"] = dict(device="cuda", models=["qwen2.5-32b", "llama3-70b"], caps=[24, None], seq_len=1024, steps=5,
-                      warmup=5, systems=[*LORA, *QLORA], model_systems={"qwen2.5-32b": LORA, "llama3-70b": QLORA},
+                      warmup=LT_WARMUP, systems=[*LORA, *QLORA], model_systems={"qwen2.5-32b": LORA, "llama3-70b": QLORA},
                       lazytrain=PRODUCT_DEFAULTS, tokens_per_step=32768, lora=LORA_DEFAULTS, quantization=QLORA_QUANT,
                       batch={24: {"lazytrain_lora": [32], "stock_trainer_lora": [1], "fsdp2_cpu_offload_lora": [8],
                                   "lazytrain_qlora": [16]},
@@ -177,9 +176,9 @@ SUITES["qlora-smoke"] = dict(device="cpu", models=["llama-tiny"], caps=[None], s
                              quantization=QLORA_QUANT, batch={None: {"lazytrain_qlora": [2]}},
                              timeout={"lazytrain_qlora": 240})
 # TRL's SFTTrainer through LazyTrainerMixin (lazytrain_sft: an SFTConfig, TRL's loss and collator) vs LazyTrainer
-# (lazytrain_milp) on the same token rows, both with the product's defaults, at the 7b suite's shape and warm-up
-# (calibration on steps 4-6, the timed steps on one plan); sft-smoke is its CPU shape (tests)
-SUITES["sft"] = dict(device="cuda", models=["qwen2.5-7b"], caps=[24], seq_len=1024, steps=5, warmup=6,
+# (lazytrain_milp) on the same token rows, both with the product's defaults, at the 7b suite's shape and warm-up;
+# sft-smoke is its CPU shape (tests)
+SUITES["sft"] = dict(device="cuda", models=["qwen2.5-7b"], caps=[24], seq_len=1024, steps=5, warmup=LT_WARMUP,
                      systems=["lazytrain_milp", *SFT], lazytrain=PRODUCT_DEFAULTS,
                      batch={24: {s: [32] for s in ("lazytrain_milp", *SFT)}},
                      timeout={s: 480 for s in ("lazytrain_milp", *SFT)}, row_s={24: 240})
@@ -190,7 +189,8 @@ SUITES["sft-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq
 # The 7B recipe's data as it trains it (data.packing: GSM8K examples packed into 1024-token rows, positions restarting
 # per example, loss on the answers; 32 rows a step, ~32k real tokens): LazyTrain MILP under 24 GiB with the product's
 # defaults beside the uncapped stock Trainer on the same rows; extra.real_tokens_per_s counts the non-pad tokens.
-SUITES["recipe"] = dict(device="cuda", models=["qwen2.5-7b"], caps=[24, None], seq_len=1024, steps=5, warmup=6,
+SUITES["recipe"] = dict(device="cuda", models=["qwen2.5-7b"], caps=[24, None], seq_len=1024, steps=5,
+                        warmup=LT_WARMUP,
                         systems=["lazytrain_milp", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
                         data="packed_examples",
                         batch={24: {"lazytrain_milp": [32], "stock_trainer": []},

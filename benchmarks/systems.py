@@ -484,7 +484,9 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
         acc = int(getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1) or 1)
         row.update(predicted_step_s=acc * (start["step_ms"] or 0) / 1e3 or None, solve_ms=start["solve_ms"],
                    mip_gap=start["mip_gap"])
-        if cal is not None and cal.done and cal.predicted_before_ms is not None:  # re-planned: the running plan's
+        if cal is not None and cal.reverted:  # re-planned, then back to the first plan: it valued at those figures
+            calibrated = acc * cal.switched_from_ms / 1e3
+        elif cal is not None and cal.done and cal.predicted_before_ms is not None:  # re-planned: the running plan's
             calibrated = acc * (sched.predicted.get("step_ms") or 0) / 1e3 or None
         elif cal is not None and cal.done and cal.kept_running_ms is not None:
             calibrated = acc * cal.kept_running_ms / 1e3
@@ -499,7 +501,9 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
         extra["calibration"] = {"k": cal.k, "compute_scale": cal.scale, "cpu_optim_params_per_s": cal.cpu_rate,
                                 "measured_cpu_rates": cal.cpu_rates, "step_ms": cal.step_ms,
                                 "predicted_step_s_before": cal.predicted_before_ms and cal.predicted_before_ms / 1e3,
-                                "kept_running_ms": cal.kept_running_ms, "replanned_ms": cal.replanned_ms}
+                                "kept_running_ms": cal.kept_running_ms, "replanned_ms": cal.replanned_ms,
+                                "trial": {"switched_from_ms": cal.switched_from_ms, "switched_to_ms": cal.switched_to_ms,
+                                          "step_ms": cal.trial, "ratio": cal.trial_ratio, "reverted": cal.reverted}}
     extra["gpu_updated_layers"] = sum(lp.optimizer_device == "gpu" for lp in sched.layers)
     extra["keep_grads"] = sched.keep_grads  # the plan kept their gradients on the GPU (kept_grad_gib at the end)
     extra["kept_grad_gib"] = ex.stats.extra.get("kept_grad_bytes", 0.0) / GIB

@@ -17,6 +17,12 @@ it) two costs are replaced by measured ones and the plan is solved again with th
 delta is how much the running plan's predicted step grows when its CPU updates run at the measured rate (0 when
 no layer updates on the CPU), so the compute scale k takes only what the measured rate does not explain; compute =
 the layers' forward, backward and re-forward and the head (the optimizer kernels keep their probed rates).
+
+A switch to the re-planned plan is a trial: its next `steps` steps (after one that settles its memory) are measured
+against its own prediction, and when that puts it no faster than the replaced plan valued at the same figures, the
+run switches back (`trial_verdict`). The cost model cannot see everything a new plan changes: on an H200 the 7B
+recipe's re-plan ran 4.36 s a step with 2 allocator retries a step, against 4.02-4.16 s for the plan it replaced
+(benchmarks/results/recipe-20261203.json).
 """
 
 from __future__ import annotations
@@ -66,12 +72,21 @@ class Calibration:
     #: set when the re-plan was not clearly faster and the running plan stayed: both valued at the measured figures
     kept_running_ms: float | None = None
     replanned_ms: float | None = None
+    #: after a switch: the replaced plan and the new one valued at the measured figures (ms, longest bucket), the
+    #: new plan's (measured, predicted) ms per trial step, the median measured / predicted, and whether the run
+    #: switched back (None: no trial decided)
+    switched_from_ms: float | None = None
+    switched_to_ms: float | None = None
+    trial: list[tuple[float, float]] = field(default_factory=list)
+    trial_ratio: float | None = None
+    reverted: bool | None = None
     _predicted_ms: float = 0.0
     _compute_ms: float = 0.0
     _rate: float | None = None
     _bucket: Any = None
     _seen: int = 0
     _dropped: bool = False
+    _trial_seen: int = 0
 
     def add_microbatch(self, predicted: dict[str, Any], bucket: Any = None) -> None:
         """Account one micro-batch run under a schedule whose `predicted` dict is given (ms; `bucket`: which plan,
@@ -108,6 +123,10 @@ class Calibration:
         self._rate = None
         self._seen += 1
         dropped, self._dropped = self._dropped, False
+        if self.on_trial and not dropped and p > 0:
+            self._trial_seen += 1
+            if self._trial_seen > 1:  # the first step under the new plan allocates its buffers
+                self.trial.append((measured_s * 1e3, p))
         if dropped or self.done or self.steps <= 0 or self._seen <= self.skip or p <= 0 or c <= 0:
             return False
         self.step_ms.append((measured_s * 1e3, p, c))
@@ -118,6 +137,31 @@ class Calibration:
             return False
         self.done = True
         return True
+
+    def start_trial(self, running_ms: float, replanned_ms: float) -> None:
+        """The run switched to the re-planned plan (predicted `replanned_ms`) from one predicted `running_ms` at the
+        same measured figures: measure it (`trial_verdict`)."""
+        self.switched_from_ms, self.switched_to_ms = running_ms, replanned_ms
+        self.trial, self._trial_seen, self.trial_ratio, self.reverted = [], 0, None, None
+
+    def cancel_trial(self) -> None:
+        """Another re-plan (for memory) replaced the plan on trial: no verdict."""
+        self.switched_from_ms = self.switched_to_ms = None
+        self.trial = []
+
+    @property
+    def on_trial(self) -> bool:
+        return self.done and self.switched_from_ms is not None and self.reverted is None
+
+    def trial_verdict(self) -> bool | None:
+        """None while the plan on trial has fewer than `steps` measured steps (or none is on trial); then, once,
+        True to keep it, False when its measured steps (median measured / predicted x its predicted step) are no
+        faster than the replaced plan's predicted step at the same figures: switch back."""
+        if not self.on_trial or len(self.trial) < max(self.steps, 1):
+            return None
+        self.trial_ratio = statistics.median(m / p for m, p in self.trial)
+        self.reverted = self.trial_ratio * self.switched_to_ms >= self.switched_from_ms
+        return not self.reverted
 
     def compute_factors(self, delta_ms: float | dict[Any, float] = 0.0) -> list[float]:
         """k_i per used step, with the predictions raised by `delta_ms` (the measured CPU rate's effect): one value,

@@ -14,6 +14,8 @@ import logging
 import statistics
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..config import GIB, PlanningConfig
 from ..planning.buckets import BucketSchedules
 from ..planning.milp import InfeasiblePlanError
@@ -64,6 +66,7 @@ class RunPlans:
         self.gpu_reduction_bytes = 0
         self.step_peak_reset = False
         self.step_predicted_peak = 0
+        self._before_trial: BucketSchedules | None = None  # the plans a calibration switch replaced, while on trial
         self._request: PlanRequest | None = None
         self._request_shape: tuple[Any, ...] | None = None
 
@@ -264,13 +267,17 @@ class RunPlans:
                            budget / GIB, type(e).__name__, _first_line(e))
             return
         self.switch(plans)  # outside the guard: a failed deferred update raised here must end the run
+        self._end_trial()
         log_replan(miss, plans, "the measured peak exceeded the plan's GPU budget")
 
     def step_timed(self, step_time_s: float) -> None:
         """The optimizer step's wall time (s), for the calibration: once enough steps were measured, the plans are
         solved again with the measured costs and switched to when clearly faster (`recalibrated_plans`)."""
         cal = self.calibration
-        if cal is None or not cal.end_step(step_time_s):
+        if cal is None:
+            return
+        if not cal.end_step(step_time_s):
+            self._judge_trial()
             return
         try:
             plans = self.recalibrated_plans()
@@ -279,13 +286,42 @@ class RunPlans:
             logger.warning("LazyTrain calibration: re-planning failed (%s: %s); keeping the current plan",
                            type(e).__name__, _first_line(e))
         if plans is not None:  # outside the guard: a failed deferred update raised here must end the run
+            self._before_trial = self.bucket_plans
             self.switch(plans)
+
+    def _judge_trial(self) -> None:
+        """After the calibration's switch has run its trial steps: keep the new plans, or switch back to the
+        replaced ones when they were no faster (Calibration.trial_verdict)."""
+        cal = self.calibration
+        keep = cal.trial_verdict()
+        if keep is None:
+            return
+        old, self._before_trial = self._before_trial, None
+        if keep or old is None:
+            logger.info("LazyTrain calibration: the re-planned plan ran %.2fx its prediction (%.1f ms against the "
+                        "replaced plan's %.1f ms): keeping it", cal.trial_ratio, cal.trial_ratio * cal.switched_to_ms,
+                        cal.switched_from_ms)
+            return
+        logger.warning("LazyTrain calibration: the re-planned plan ran %.2fx its prediction, %.1f ms a step against "
+                       "the replaced plan's %.1f ms: switching back to the plan planned at train begin",
+                       cal.trial_ratio, cal.trial_ratio * cal.switched_to_ms, cal.switched_from_ms)
+        self.switch(old)
 
     # ---- re-planning ------------------------------------------------------------------------------------
     def switch(self, plans: BucketSchedules) -> None:
-        """Run `plans` from the next micro-batch on (the longest bucket's now)."""
-        self.trainer.executor.set_schedule(plans.schedules[plans.buckets[-1]])
+        """Run `plans` from the next micro-batch on (the longest bucket's now). On CUDA the caching allocator's free
+        blocks go back first: cut to the replaced plan's sizes they fragment the new plan's memory."""
+        ex = self.trainer.executor
+        ex.set_schedule(plans.schedules[plans.buckets[-1]])
         self.bucket_plans = plans
+        if ex.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _end_trial(self) -> None:
+        """A re-plan for memory replaced the plans: a calibration switch on trial is not judged."""
+        self._before_trial = None
+        if self.calibration is not None:
+            self.calibration.cancel_trial()
 
     def replan_for_memory(self, miss: MemoryMiss) -> BucketSchedules:
         """Every bucket plan solved again with the GPU budget reduced by `miss`'s overshoot (cumulative), keeping
@@ -317,6 +353,7 @@ class RunPlans:
         self.step_predicted_peak = 0
         plans = self.replan_for_memory(miss)
         self.switch(plans)
+        self._end_trial()
         if self.calibration is not None:
             self.calibration.drop_step()
         return plans
@@ -367,6 +404,7 @@ class RunPlans:
             return None
         cal.scale, cal.cpu_rate = scale, rate
         cal.predicted_before_ms = old.predicted.get("step_ms")
+        cal.start_trial(running_ms, new_ms)
         logger.info("LazyTrain calibration: GPU compute ran %.2fx the prediction, CPU optimizer %s (planned %s); "
                     "re-planned: predicted step %.1f ms (was %.1f ms)", k,
                     "-" if rate is None else f"{rate / 1e9:.2f} G params/s",

@@ -85,6 +85,37 @@ def test_small_misses_do_not_replan_and_zero_steps_is_off():
         assert off.end_step(s) is False
 
 
+def test_a_switched_plan_is_kept_only_when_its_measured_steps_beat_the_replaced_plan():
+    """After a switch (start_trial: replaced plan 1000 ms, new plan 900 ms at the measured figures), the first step
+    under the new plan is not used; after `steps` more, the new plan stays when median(measured / predicted) x 900
+    is under 1000 ms, else the verdict is to switch back. One verdict per run; a memory re-plan cancels it."""
+    def run(measured: list[float]) -> Calibration:
+        cal = Calibration(steps=2, skip=0)
+        for _ in range(2):
+            cal.add_microbatch(PRED)
+            cal.end_step(1.0)
+        assert cal.done and cal.trial_verdict() is None  # nothing on trial yet
+        cal.start_trial(1000.0, 900.0)
+        pred = {**PRED, "step_ms": 900.0}
+        for s in measured:
+            assert cal.trial_verdict() is None
+            cal.add_microbatch(pred)
+            cal.end_step(s)
+        return cal
+
+    kept = run([5.0, 0.95, 0.99])  # first step (5 s) not used; ratios 1.056, 1.1: 1.078 x 900 = 970 ms
+    assert kept.trial == [(950.0, 900.0), (990.0, 900.0)]
+    assert kept.trial_verdict() is True and kept.trial_ratio == pytest.approx(1.0778, abs=1e-4)
+    assert kept.reverted is False and kept.trial_verdict() is None  # decided once
+    back = run([0.5, 1.05, 1.10])  # 1.19 x 900 = 1075 ms: slower than the replaced plan
+    assert back.trial_verdict() is False and back.reverted is True
+    cancelled = run([1.0])
+    cancelled.cancel_trial()
+    cancelled.add_microbatch(PRED)
+    cancelled.end_step(2.0)
+    assert cancelled.trial_verdict() is None and cancelled.reverted is None
+
+
 def test_cpu_optim_rate_moves_only_the_cpu_updates():
     cm = analytic_cost_model(resolve_config("qwen3-tiny"), 2, 64, gpu_bytes=GIB, host_bytes=4 * GIB)
     slow = cm.with_cpu_optim_rate(cm.cpu_optim_params_per_s / 100)

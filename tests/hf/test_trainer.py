@@ -160,6 +160,29 @@ def test_milp_plan_is_recalibrated_from_measured_steps_and_still_equals_stock(tm
         assert rel_err(p.detach(), stock_params[name].detach()) < 1e-5, name
 
 
+@pytest.mark.parametrize("slower", [True, False])
+def test_a_recalibrated_plan_that_runs_slower_is_switched_back(tmp_path, monkeypatch, slower):
+    """The calibration's switch is a trial (Calibration.trial_verdict): when the new plans' measured steps put them
+    no faster than the replaced plans (here: the replaced plan valued at 1 ms, so any measured step is slower), the
+    run goes back to the plans of train begin; otherwise (valued at 1e9 ms) it keeps the new ones. Either way the
+    training equals the stock Trainer."""
+    from lazytrain_hf.hf.calibrate import Calibration
+
+    original = Calibration.start_trial
+    monkeypatch.setattr(Calibration, "start_trial",
+                        lambda self, running_ms, new_ms: original(self, 1.0 if slower else 1e9, new_ms))
+    stock, lazy = _train_pair(tmp_path, "qwen3-tiny", lazy_cfg={**EXACT, "policy": "milp", "calibrate_steps": 1},
+                              max_steps=6)
+    cal, plans = lazy.calibration, lazy.plans.bucket_plans
+    assert cal.done and cal.scale is not None and len(cal.trial) == 1  # switched at step 3, one trial step (5)
+    assert cal.reverted is slower
+    scales = [s.solver["compute_scale"] for s in plans.schedules.values()]
+    assert scales == [1.0 if slower else pytest.approx(cal.scale)] * len(scales)  # train begin's plans, or re-planned
+    assert lazy.executor.schedule in plans.schedules.values()
+    for a, b in zip(_logs(lazy, "loss"), _logs(stock, "loss"), strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+
+
 def test_a_replan_not_clearly_faster_keeps_the_running_plan(tmp_path, monkeypatch):
     """When the re-plan does not beat the running plan, both valued at the measured figures, by more than
     SWITCH_GAIN (Calibration.worth_switching), the running plans stay (compute scale 1) and both predictions are
