@@ -313,6 +313,10 @@ class MemoryConfig(_Group):
         'Directory on a fast local disk for the "nvme" activation tier; required when that tier is used.'))
     nvme_budget: int | str | None = field(default=None, metadata=_help(
         "Bytes the plan may write to nvme_dir.", size="'200GiB'"))
+    expandable_segments: bool | None = field(default=None, metadata=_help(
+        "CUDA: the caching allocator's expandable segments for this process (PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True), so that blocks freed by one layer pass are reused at any size by the next "
+        "instead of fragmenting the budget. None: on, unless PYTORCH_CUDA_ALLOC_CONF is set (then as it says)."))
 
 
 @_records_given
@@ -458,7 +462,7 @@ _FLAT_ORDER = (
     "loss_chunk_tokens", "schedule_path", "plan_buckets", "solver_time_limit_s", "profile_layers", "calibrate_steps",
     "solver_mip_rel_gap", "state_dtype", "master_weights", "block_size", "min_8bit_size", "fp32_state_modules",
     "resident_placement", "compile_linear_attention", "interrupt_grace_period", "dp_host_weights",
-    "resident_state_dtype")
+    "resident_state_dtype", "expandable_segments")
 assert sorted(_FLAT_ORDER) == sorted(FLAT_KEYS), "every field has one flat key, in _FLAT_ORDER"
 
 

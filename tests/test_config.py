@@ -35,7 +35,7 @@ CHANGED = {"policy": "milp", "device": "cpu", "checkpoint_every": 2, "activation
            "calibrate_steps": 0, "solver_mip_rel_gap": 0.05, "state_dtype": "fp32", "master_weights": "kahan",
            "block_size": 128, "min_8bit_size": 16, "fp32_state_modules": ["q_proj"], "resident_placement": "host",
            "compile_linear_attention": True, "interrupt_grace_period": 90.0, "dp_host_weights": "per_rank",
-           "resident_state_dtype": "8bit"}
+           "resident_state_dtype": "8bit", "expandable_segments": False}
 
 
 @pytest.fixture(autouse=True)

@@ -91,8 +91,9 @@ class LazyTrainCallback(TrainerCallback):
         logger.warning(
             "LazyTrain: in step %d the CUDA caching allocator reached the GPU memory cap and freed its cache to "
             "retry %d allocation(s); each retry synchronizes the GPU and slows the step (fragmentation: memory is "
-            "reserved but not in blocks of the needed size). Fix: start the run with "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True%s.", step, retries, margin)
+            "reserved but not in blocks of the needed size). Fix: keep the allocator's expandable segments on "
+            "(lazytrain_config.expandable_segments, on unless PYTORCH_CUDA_ALLOC_CONF says otherwise)%s.",
+            step, retries, margin)
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.trainer.executor.flush_updates()

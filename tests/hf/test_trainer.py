@@ -527,3 +527,19 @@ def test_compute_metrics_gets_the_stock_models_logits(tmp_path):
     (ls, ys), (ll, yl) = seen["stock"], seen["lazy"]
     assert ls.shape == ll.shape == (len(ds), ls.shape[1], model.config.vocab_size)
     assert np.array_equal(ys, yl) and np.abs(ls - ll).max() <= 1e-5 * np.abs(ls).max()
+
+
+def test_expandable_segments_default_on_unless_the_allocator_conf_says_otherwise(monkeypatch):
+    """memory.expandable_segments: None turns them on unless PYTORCH_CUDA_ALLOC_CONF is set (which then decides and
+    is not overridden); True / False are applied as given."""
+    from lazytrain_hf.hf.trainer import use_expandable_segments
+
+    applied = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert use_expandable_segments(None) is True and applied == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert use_expandable_segments(None) is False and len(applied) == 1  # the user's allocator settings stand
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert use_expandable_segments(None) is True and len(applied) == 1
+    assert use_expandable_segments(False) is False and applied[-1] == "expandable_segments:False"
