@@ -193,10 +193,10 @@ SUITES["recipe"] = dict(device="cuda", models=["qwen2.5-7b"], caps=[24, None], s
                         warmup=LT_WARMUP,
                         systems=["lazytrain_milp", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
                         data="packed_examples", tokens_per_step=32768,
-                        # the stock Trainer: 16 rows x 2 micro-batches (B=32 needs 105 GiB: an H200 only; an 80 GiB
-                        # H100 runs out of memory, recipe-20261205.json)
+                        # the stock Trainer: 8 rows x 4 micro-batches, its largest on an 80 GiB H100 (B=32 needs 105
+                        # GiB, B=16 runs out of memory there too: recipe-20261205.json, recipe-pair-20261205.json)
                         batch={24: {"lazytrain_milp": [32], "stock_trainer": []},
-                               None: {"lazytrain_milp": [], "stock_trainer": [16]}},
+                               None: {"lazytrain_milp": [], "stock_trainer": [8]}},
                         timeout={"lazytrain_milp": 480, "stock_trainer": 300}, row_s={24: 240, None: 150})
 SUITES["recipe-smoke"] = dict(device="cpu", models=["qwen3-tiny"], caps=[None], seq_len=256, steps=1, warmup=1,
                               systems=["lazytrain_milp", "stock_trainer"], lazytrain=PRODUCT_DEFAULTS,
