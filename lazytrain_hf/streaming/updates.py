@@ -80,12 +80,19 @@ class LayerUpdater:
         optimizer.set_deferred([p for ps in layer_params for p in ps], self._start)
 
     def set_device_layers(self, layers: set[int]) -> None:
-        """Layers whose updates run on the GPU at their next load (pending ones are applied first when the set
-        changes; an unchanged set keeps the overlap)."""
-        if set(layers) == self.device_layers:
+        """Layers whose updates run on the GPU at their next load, for the steps that start from now on. Pending
+        updates stay where their step put them: the CPU worker's layers were fixed when the step started
+        (`_start`), and a layer leaving the set keeps its snapshot for its next load (or `wait_all` applies it on the
+        CPU). So a switch between two bucket plans keeps the overlap; waiting for every update there exposed the
+        whole CPU update at each switch (a 3B soak's first step after a switch ran 1.2-1.45x its bucket's median:
+        benchmarks/results/soak-20261205.json). With prepared moments (`set_prepare`) the pending updates are
+        applied first: the prepared layers follow the set."""
+        layers = set(layers)
+        if layers == self.device_layers:
             return
-        self.wait_all()
-        self.device_layers = set(layers)
+        if self.prepare_budget:
+            self.wait_all()
+        self.device_layers = layers
 
     def set_prepare(self, budget_bytes: int, threads: int | None = None) -> None:
         """Prepare the next step's CPU-updated layers' moments after each step's updates (layer 0 first, as long
@@ -132,13 +139,16 @@ class LayerUpdater:
         self.wait_s = self.stall_ms = 0.0
         if self.on_step is not None:
             self.on_step()
+        todo = []  # this step's CPU-updated layers, fixed now: the device set may change before the worker reads it
         for i in sorted(self.owned):
             if i in self.device_layers:
                 self.device_pending[i] = snapshot
             else:
+                todo.append(i)
                 self._done[i].clear()
                 self.host_writes[i] += 1  # counted before the worker writes
-        self._thread = threading.Thread(target=self._run, args=(snapshot,), name="lazytrain-updates", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(snapshot, todo), name="lazytrain-updates",
+                                        daemon=True)
         self._thread.start()
 
     def take_device(self, layer: int) -> dict[str, Any] | None:
@@ -149,9 +159,8 @@ class LayerUpdater:
     def device_done(self, layer: int) -> None:
         self.device_pending.pop(layer, None)
 
-    def _run(self, snapshot: dict[str, Any]) -> None:
+    def _run(self, snapshot: dict[str, Any], todo: list[int]) -> None:
         t0, n = time.perf_counter(), 0
-        todo = [i for i in range(len(self.layer_params)) if i not in self.device_layers and i in self.owned]
         prepared, self._prepared = self._prepared, set()
         prep_s, prep_n = 0.0, 0
         try:

@@ -96,16 +96,33 @@ def test_device_layers_wait_for_their_load_then_fall_back_to_the_cpu():
     assert up.device_pending == {}
 
 
-def test_changing_device_layers_applies_pending_updates_first():
+def test_changing_device_layers_keeps_pending_updates_where_their_step_put_them():
+    """A new device set applies from the next step: layer 0 (GPU-updated when its step started) keeps its snapshot
+    for its next load, layer 1's CPU update runs in the worker while the training thread goes on (no wait), and the
+    next step updates layer 0 on the CPU and defers layer 1 to its load. With prepared moments the set change
+    waits for every update first (the prepared layers follow the set)."""
     params, opt, up = _updater(n=2)
     up.set_device_layers({0})
-    opt.on_step({})
+    opt.gate[1] = threading.Event()  # layer 1's CPU update blocks until released
+    snap = {"s": 1}
+    opt.on_step(snap)
     up.set_device_layers({0})  # unchanged: stays pending
-    assert up.take_device(0) is not None
+    up.set_device_layers({1})  # returns while layer 1's update is still running
+    assert up.cpu_pending(1) and up.take_device(0) is snap and up.device_layers == {1}
+    opt.gate[1].set()
+    up.wait(1)
+    up.device_done(0)  # the executor ran it at the layer's load
+    opt.on_step({"s": 2})
+    up.wait_all()
+    # layer 0's first update ran on the "GPU" (device_done); wait_all applied layer 1's deferred one on the CPU
+    assert [(c[0], c[1]["s"]) for c in opt.calls] == [(1, 1), (0, 2), (1, 2)] and up.take_device(1) is None
+    params, opt, up = _updater(n=2)
+    opt.prepare_states = lambda params, threads=None, stop=None: 0  # (the fake prepares nothing)
+    up.set_device_layers({0})
+    up.set_prepare(1 << 20)
+    opt.on_step({})
     up.set_device_layers({1})
-    assert up.take_device(0) is None
-    assert sorted(c[0] for c in opt.calls) == [0, 1]
-    assert up.device_layers == {1}
+    assert up.take_device(0) is None and sorted(c[0] for c in opt.calls) == [0, 1]
 
 
 def test_owned_layers_only_and_on_step_first():
