@@ -9,10 +9,14 @@ switches between them), LazyTrainer with the product's defaults (the MILP policy
 intervals (`save_total_limit` 1: the disk holds the last one and the one being written), until `--budget-s` runs
 out. Every `--window` optimizer steps it records the process's RSS, the pinned bytes (planned and locked) and the
 NVMe tier's peak bytes on disk (sampled every 0.25 s); every step, its time, real (non-pad) and computed (rows x
-padded length) tokens and the sequence-length bucket its plan was for. The summary holds the targets: RSS growth
-between the first window after warm-up and the last < 1%, pinned bytes constant, p95 step time per real token <=
-1.2x its median within each bucket (steps after warm-up; per computed token as a diagnostic), and no NVMe file left
-when training returns. Results: shared/RESULTS_FORMAT.md.
+padded length) tokens, the sequence-length bucket its plan was for, its padded length and the running plan's
+prediction for that length (`predicted_s`: the bucket plan's predicted step scaled by the analytic cost model's
+ratio between the batch's length and the bucket's). The summary holds the targets: RSS growth between the first
+window after warm-up and the last < 1%, pinned bytes constant, p95 step time per real token <= 1.2x its median
+within each bucket (steps after warm-up), and no NVMe file left when training returns; as diagnostics per computed
+token, and measured / predicted (`p95_over_median_vs_plan`: within a bucket the per-step costs that do not scale
+with tokens, the update of every parameter and the weight streaming, make a short batch's tokens dearer; measured /
+predicted takes that out and leaves drift and stalls). Results: shared/RESULTS_FORMAT.md.
 """
 
 from __future__ import annotations
@@ -67,17 +71,45 @@ class SoakRecorder(TrainerCallback):
         self.steps: list[dict[str, Any]] = []
         self.windows: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
-        self._tokens = self._computed = 0
+        self._tokens = self._computed = self._length = 0
+        self._predicted: dict[tuple[int, int], float] = {}  # (id(plan), padded length) -> predicted step (s)
         self._t0 = 0.0
         self._nvme_peak = 0
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
 
-    def add_tokens(self, real: int, computed: int) -> None:
-        """A micro-batch of this optimizer step trained `real` non-pad tokens of `computed` (rows x padded length;
-        called from `training_step`)."""
+    def add_tokens(self, real: int, computed: int, length: int = 0) -> None:
+        """A micro-batch of this optimizer step trained `real` non-pad tokens of `computed` (rows x padded length
+        `length`; called from `training_step`)."""
         self._tokens += real
         self._computed += computed
+        self._length = max(self._length, length)
+
+    def _predicted_s(self, length: int) -> float | None:
+        """The running plan's step for a batch padded to `length` (s): its predicted step x the analytic cost
+        model's step at `length` / at the plan's bucket (no layer is timed: `layer_costs` would profile a new
+        length on the GPU mid-run). None without a MILP / fixed plan or a length."""
+        ex = self.trainer.executor
+        sched = ex.schedule
+        bucket, planned = sched.solver.get("seq_len_bucket"), sched.predicted.get("step_ms")
+        if not length or not bucket or not planned or self.trainer.plans is None:
+            return None
+        key = (id(sched), length)
+        if key not in self._predicted:
+            from lazytrain_hf.hf import peft_support, plan
+            from lazytrain_hf.planning.estimate import evaluate
+            from lazytrain_hf.profiling import analytic_cost_model
+
+            req = self.trainer.plans.request
+            resident, rows = plan.running_choices(self.trainer)
+
+            def step_ms(T: int) -> float:
+                cm = analytic_cost_model(req.model, req.batch_size, T, req.hardware,
+                                         **req.cost_model_kwargs(rows, resident), **peft_support.frozen_costs(ex))
+                return evaluate(cm.for_schedule(sched), sched).step_ms
+
+            self._predicted[key] = planned / 1e3 * step_ms(length) / step_ms(int(bucket))
+        return self._predicted[key]
 
     def _sample_nvme(self) -> None:
         # the tier's files live from a boundary's write in forward to its read in backward: sampled during steps,
@@ -99,14 +131,16 @@ class SoakRecorder(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._sync()
-        self._tokens = self._computed = 0
+        self._tokens = self._computed = self._length = 0
         self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self._sync()
+        took = time.perf_counter() - self._t0
         ex = self.trainer.executor
-        self.steps.append({"step": state.global_step, "s": time.perf_counter() - self._t0, "tokens": self._tokens,
-                           "computed_tokens": self._computed, "bucket": ex.schedule.solver.get("seq_len_bucket")})
+        self.steps.append({"step": state.global_step, "s": took, "tokens": self._tokens,
+                           "computed_tokens": self._computed, "bucket": ex.schedule.solver.get("seq_len_bucket"),
+                           "length": self._length, "predicted_s": self._predicted_s(self._length)})
         if state.global_step % self.window == 0:
             pinned = ex.pinned_bytes
             self.windows.append({"step": state.global_step, "time_s": time.time(), "rss_gib": _rss() / GIB,
@@ -153,6 +187,10 @@ def summarize(steps: list[dict[str, Any]], windows: list[dict[str, Any]], warmup
         comp = [s["s"] / s["computed_tokens"] for s in ours if s.get("computed_tokens")]
         if len(comp) >= 2:
             buckets[str(b)]["p95_over_median_computed"] = _p95(comp) / statistics.median(comp)
+        vs_plan = [s["s"] / s["predicted_s"] for s in ours if s.get("predicted_s")]
+        if len(vs_plan) >= 2:
+            buckets[str(b)].update(median_vs_plan=statistics.median(vs_plan),
+                                   p95_over_median_vs_plan=_p95(vs_plan) / statistics.median(vs_plan))
     out["buckets"] = buckets
     if buckets:
         out["p95_met"] = all(v["p95_over_median"] <= P95_RATIO_MAX for v in buckets.values())
@@ -213,7 +251,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step = trainer.training_step
 
     def counted_step(model: Any, inputs: dict[str, Any], *a: Any, **k: Any) -> Any:  # real tokens per micro-batch
-        recorder.add_tokens(int(inputs["attention_mask"].sum()), inputs["input_ids"].numel())
+        recorder.add_tokens(int(inputs["attention_mask"].sum()), inputs["input_ids"].numel(),
+                            int(inputs["input_ids"].shape[-1]))
         return step(model, inputs, *a, **k)
 
     trainer.training_step = counted_step
@@ -296,7 +335,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"soak {r['model']}: {r['status']} {r['extra']['optimizer_steps']} steps, windows {s['windows_after_warmup']}"
           f", RSS growth {s.get('rss_growth', float('nan')):+.2%}, pinned change "
           f"{s.get('pinned_locked_change_gib', float('nan')):+.4f} GiB, p95/median per bucket "
-          f"{ {b: round(v['p95_over_median'], 3) for b, v in s['buckets'].items()} }, NVMe files left "
+          f"{ {b: round(v['p95_over_median'], 3) for b, v in s['buckets'].items()} } (measured / planned "
+          f"{ {b: round(v['p95_over_median_vs_plan'], 3) for b, v in s['buckets'].items() if 'p95_over_median_vs_plan' in v} }"
+          f"), NVMe files left "
           f"{s['nvme_files_left']}, tiers {r['extra']['boundary_tiers']}", flush=True)
     return r
 
