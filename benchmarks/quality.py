@@ -10,7 +10,7 @@ Rows (system = configuration): `fp32_reference` (fp32 weights, Trainer + adamw_t
 weights with bf16=True: `default` (the product's defaults at the file's commit), `fp32_master` (master_weights
 fp32), `kahan_8bit_resident` (master_weights kahan, resident_state_dtype 8bit), `kahan` (kahan, fp32 resident
 states), `bf16_no_master` (master_weights none: updates rounded to bf16, the failure this check must be able to
-see). Each row's extra holds the training loss every --log-every steps, the mean of the last 50 steps' losses, the
+see), `stochastic` (master_weights stochastic: no master copy, bf16 written with stochastic rounding). Each row's extra holds the training loss every --log-every steps, the mean of the last 50 steps' losses, the
 held-out loss (GSM8K test rows) at the start and the end, and the final parameters' distance from the reference's
 (every configuration starts from the bf16 rounding of one init, so the distance is the optimizer's). lr 1e-5,
 weight decay 0.01, clip 1.0, constant schedule, as the paper's runs.
@@ -43,6 +43,7 @@ CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any] | None, str]] = {
                             "lazytrain_hybrid8"),
     "kahan": (torch.bfloat16, {"master_weights": "kahan"}, "lazytrain_hybrid8"),
     "bf16_no_master": (torch.bfloat16, {"master_weights": "none"}, "lazytrain_hybrid8"),
+    "stochastic": (torch.bfloat16, {"master_weights": "stochastic"}, "lazytrain_hybrid8"),
 }
 
 

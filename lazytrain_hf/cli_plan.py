@@ -85,10 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "H200 figures; default: this machine's cached probe if any, else the H200 figures")
     parser.add_argument("--max-batch", type=int, default=1024,
                         help="upper end of the largest-feasible-batch search (0 skips it)")
-    parser.add_argument("--master-weights", choices=("fp32", "kahan", "none"), default="kahan",
+    parser.add_argument("--master-weights", choices=("fp32", "kahan", "stochastic", "none"), default="kahan",
                         help="the optimizer's master weights (lazytrain_config.master_weights; 'auto' plans as kahan "
-                             "for bf16 weights): fp32 4 bytes per trained parameter in host memory, kahan 2, none 0 "
-                             "(default kahan)")
+                             "for bf16 weights): fp32 4 bytes per trained parameter in host memory, kahan 2, "
+                             "stochastic and none 0 (default kahan)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=LazyTrainConfig.loss_chunk_tokens,
                         help="tokens per chunk of the LM head's loss (lazytrain_config.loss_chunk_tokens; default "
                              f"{LazyTrainConfig.loss_chunk_tokens}): the head's logits workspace, and an input of "

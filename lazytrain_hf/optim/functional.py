@@ -10,7 +10,8 @@ choices and the kernels' self-checks) and every kernel implements the same contr
 - the step uses the fp32 m and v of this step; 8-bit states are requantized afterwards (per-block absmax of the
   new values), as bitsandbytes does;
 - the parameter is written from the fp32 result: into the fp32 master and then rounded into the parameter, or
-  with a bf16 Kahan compensation buffer (``p + kahan`` is the represented value), or rounded directly.
+  with a bf16 Kahan compensation buffer (``p + kahan`` is the represented value), or rounded directly (to
+  nearest, or stochastically where ``AdamWHyper.sr_seed`` is set: `stochastic_round_bf16`, torch kernel only).
 
 Kernels (`KERNELS`):
 
@@ -116,6 +117,9 @@ class AdamWHyper:
     weight_decay: float
     step: int
     clip_coef: float = 1.0
+    #: a bf16 parameter without master copy is written with stochastic rounding from random bits of this seed and
+    #: each element's index (`stochastic_round_bf16`); None: round to nearest
+    sr_seed: int | None = None
 
     @property
     def decay(self) -> float:
@@ -204,6 +208,10 @@ def adamw_step(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWH
     """
     if grad.numel() != param.numel():
         raise ValueError(f"grad has {grad.numel()} elements but its parameter has {param.numel()}")
+    if hyper.sr_seed is not None:  # the fused kernels round to nearest
+        if kernel not in (None, "torch"):
+            raise ValueError(f"stochastic rounding (AdamWHyper.sr_seed) runs on the torch kernel, not {kernel!r}")
+        kernel = "torch"
     kernel = kernel or select_kernel(param, grad, state, block_size)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)}, but got {kernel!r}")
@@ -224,19 +232,22 @@ def _adamw_step_now(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: A
     if kernel == "triton":  # fused one pass too
         triton_adamw_step(param, grad, state, hyper, books, block_size=block_size)
         return
-    step = adamw_step_torch if kernel == "torch" else adamw_step_bnb_cuda
-    for p, g, st in _slices(param, grad, state, block_size):
-        step(p, g, st, hyper, books, block_size=block_size)
+    for offset, p, g, st in _slices(param, grad, state, block_size):
+        if kernel == "torch":
+            adamw_step_torch(p, g, st, hyper, books, block_size=block_size, offset=offset)
+        else:
+            adamw_step_bnb_cuda(p, g, st, hyper, books, block_size=block_size)
 
 
 def _slices(param: Tensor, grad: Tensor, state: dict[str, Any], block_size: int):
-    """(param, grad, state) over slices of `CHUNK_ELEMENTS` (rounded down to whole blocks) of flat views; the
-    whole tensors when small or not contiguous. Per-block absmax slices follow their elements."""
+    """(offset, param, grad, state) over slices of `CHUNK_ELEMENTS` (rounded down to whole blocks) of flat views,
+    offset = the slice's first element; the whole tensors (offset 0) when small or not contiguous. Per-block absmax
+    slices follow their elements."""
     n = param.numel()
     chunk = CHUNK_ELEMENTS - CHUNK_ELEMENTS % block_size
     tensors = [param, grad] + [v for v in state.values() if isinstance(v, Tensor)]
     if n <= chunk or chunk <= 0 or not all(t.is_contiguous() for t in tensors):
-        yield param, grad, state
+        yield 0, param, grad, state
         return
     flat_p, flat_g = param.view(-1), grad.reshape(-1)
     for a in range(0, n, chunk):
@@ -249,16 +260,58 @@ def _slices(param: Tensor, grad: Tensor, state: dict[str, Any], block_size: int)
                 sub[k] = v[a // block_size:-(-b // block_size)]
             else:
                 sub[k] = v.view(-1)[a:b]
-        yield flat_p[a:b], flat_g[a:b], sub
+        yield a, flat_p[a:b], flat_g[a:b], sub
 
 
-def _write_back(param: Tensor, work: Tensor, state: dict[str, Any]) -> None:
-    """Store the fp32 result ``work`` (param-shaped) into the parameter (and the Kahan buffer)."""
+_M32 = 0xFFFFFFFF
+
+
+def random_bits16(seed: int, offset: int, n: int, device: torch.device | str = "cpu") -> Tensor:
+    """16 random bits (int64 in [0, 65536)) for elements `offset` .. `offset + n - 1` of an update seeded `seed`:
+    murmur3's 32-bit finalizer of ``index * 0x9E3779B1 + seed`` (mod 2^32). A function of (seed, index) alone, so
+    any split of a tensor into slices, and any device, gives each element the same bits."""
+    h = (torch.arange(offset, offset + n, dtype=torch.int64, device=device) * 0x9E3779B1 + seed) & _M32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    h ^= h >> 16
+    return h & 0xFFFF
+
+
+def stochastic_round_bf16(x: Tensor, seed: int, offset: int = 0) -> Tensor:
+    """fp32 `x` rounded to bf16 stochastically: up (in magnitude) with probability equal to the dropped 16 bits'
+    fraction of a bf16 ulp, so that the rounded value's expectation is `x` (unbiased, where round to nearest drops
+    every update smaller than half an ulp). Non-finite values round to nearest. The bits: `random_bits16`."""
+    flat = x.reshape(-1)
+    bits = flat.view(torch.int32).to(torch.int64) & _M32
+    up = (bits + random_bits16(seed, offset, flat.numel(), x.device)) & 0xFFFF0000
+    up = torch.where(up >= 1 << 31, up - (1 << 32), up).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isfinite(flat), up, flat).to(torch.bfloat16).view(x.shape)
+
+
+def update_seed(param_index: int, step: int) -> int:
+    """The `AdamWHyper.sr_seed` of update `step` of the optimizer's parameter number `param_index`: every update of
+    every parameter draws other bits, and a resumed run the same ones."""
+    h = (param_index * 0x632BE5AB + step * 0x9E3779B1 + 0x2545F491) & _M32
+    h ^= h >> 15
+    h = (h * 0x2C1B3C6D) & _M32
+    return h ^ (h >> 12)
+
+
+def _write_back(param: Tensor, work: Tensor, state: dict[str, Any], hyper: AdamWHyper | None = None,
+                offset: int = 0) -> None:
+    """Store the fp32 result ``work`` (param-shaped) into the parameter (and the Kahan buffer); stochastically
+    rounded where ``hyper.sr_seed`` is set and the parameter is bf16 without a master or Kahan buffer (`offset`:
+    the index of ``param``'s first element in the whole tensor)."""
     kahan = state.get("kahan")
     if kahan is not None:
         new = work.to(param.dtype)
         kahan.copy_(work - new.float())   # rounding residual, rounded to the buffer's dtype
         param.copy_(new)
+    elif (hyper is not None and hyper.sr_seed is not None and param.dtype == torch.bfloat16
+          and state.get("master") is None):
+        param.copy_(stochastic_round_bf16(work, hyper.sr_seed, offset))
     elif work is not param:
         param.copy_(work)                 # from the master (or a temporary): round to nearest
 
@@ -277,8 +330,9 @@ def _work_tensor(param: Tensor, state: dict[str, Any]) -> Tensor:
 
 @torch.no_grad()
 def adamw_step_torch(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: AdamWHyper, books: Codebooks,
-                     *, block_size: int) -> None:
-    """Pure-torch reference update (any device). Several passes and fp32 temporaries of N elements."""
+                     *, block_size: int, offset: int = 0) -> None:
+    """Pure-torch reference update (any device). Several passes and fp32 temporaries of N elements. `offset`: the
+    index of ``param``'s first element in the whole tensor (a slice of it: the stochastic rounding's bits)."""
     g = grad.reshape(param.shape).float()
     if hyper.clip_coef != 1.0:
         g = g * hyper.clip_coef                        # a temporary: the caller's gradient stays as it was
@@ -297,7 +351,7 @@ def adamw_step_torch(param: Tensor, grad: Tensor, state: dict[str, Any], hyper: 
     v.mul_(hyper.beta2).addcmul_(g, g, value=1 - hyper.beta2)
     denom = (v.sqrt() / hyper.bc2_sqrt).add_(hyper.eps)
     work.addcdiv_(m, denom, value=-hyper.step_size)
-    _write_back(param, work, state)
+    _write_back(param, work, state, hyper, offset)
     if eight_bit:
         quantize_blockwise(m, books.qmap1, block_size, mids=books.mids1, out=s1, absmax_out=state["absmax1"])
         quantize_blockwise(v, books.qmap2, block_size, mids=books.mids2, nonzero_floor=True, out=s2,

@@ -39,7 +39,7 @@ codes stay uint8, absmax and master fp32, Kahan buffers in the parameter dtype."
 
 _STATE_KEYS = frozenset(STATE_TENSOR_KEYS) | {"step"}
 _STATE_DTYPES = ("8bit", "fp32")
-_MASTER_CHOICES = ("auto", "fp32", "kahan", "none")
+_MASTER_CHOICES = ("auto", "fp32", "kahan", "stochastic", "none")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_ (and so the HF Trainer): coef = max_norm / (norm + 1e-6)
 
@@ -77,7 +77,10 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
       weights of size 1e-2) accumulate: ``"fp32"`` keeps an fp32 copy (+4 bytes/param), ``"kahan"`` a
       compensation buffer in the param dtype (+2 bytes/param, about fp32 accuracy), ``"none"`` rounds each
       update into the param (small updates vanish), ``"auto"`` = kahan for bf16 params, fp32 for fp16 ones
-      (fp16's narrow range would flush small compensations to zero), none for fp32. Kahan is the default for bf16
+      (fp16's narrow range would flush small compensations to zero), none for fp32; ``"stochastic"``: no master
+      copy (0 bytes), bf16 params written with stochastic rounding (`functional.stochastic_round_bf16`: unbiased,
+      bits from the parameter's index and step, so a resumed run draws the same), on the pure-torch update only
+      (several times slower than the fused kernels; fp16 params get fp32 masters). Kahan is the default for bf16
       because it trained as fp32 masters do (same losses to 4 digits over 300 GSM8K steps at lr 1e-5:
       benchmarks/results/quality-cpu-20261203.json) with 2 bytes less host memory and PCIe per parameter.
     - **Fused clipping**: `clip_grad_norm` only records the coefficient ``min(1, max_norm / (norm + 1e-6))``
@@ -104,7 +107,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             use the pure-torch path there).
         min_8bit_size (int, defaults to 4096): tensors with fewer elements keep fp32 states.
         state_dtype (str, defaults to "8bit"): "8bit" or "fp32".
-        master_weights (str, defaults to "auto"): "auto", "fp32", "kahan" or "none" (see above).
+        master_weights (str, defaults to "auto"): "auto", "fp32", "kahan", "stochastic" or "none" (see above).
         fp32_state_params (iterable of Tensor, defaults to None): parameters that always keep fp32 states.
 
     Raises:
@@ -188,6 +191,15 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             raise ValueError("Invalid Hybrid8bitOptimizer param group:\n  - " + "\n  - ".join(problems))
         super().add_param_group(param_group)
         self._group_index = {}
+
+    def _param_number(self, p: Tensor) -> int:
+        """``p``'s position among all parameters of all groups, in order: the stochastic rounding's seed (the same
+        in a run resumed on the same model)."""
+        numbers = getattr(self, "_numbers", None)
+        if numbers is None or id(p) not in numbers:
+            numbers = self._numbers = {id(q): i for i, q in enumerate(q for g in self.param_groups
+                                                                      for q in g["params"])}
+        return numbers[id(p)]
 
     def _group_of(self, p: Tensor) -> dict[str, Any]:
         idx = self._group_index.get(id(p))
@@ -403,9 +415,12 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             if g.device != target.device:
                 g = g.to(target.device)
             beta1, beta2 = hp["betas"]
+            step = int(state["step"]) + 1
+            stochastic = _resolve_master(group["master_weights"], p.dtype) == "stochastic"
             hyper = F.AdamWHyper(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2),
                                  eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
-                                 step=int(state["step"]) + 1, clip_coef=clip_coef)
+                                 step=step, clip_coef=clip_coef,
+                                 sr_seed=F.update_seed(self._param_number(p), step) if stochastic else None)
             key = id(p)
             with self._prep_lock:  # the update below rewrites the states: their prepared copy goes stale
                 bufs = self._prep_bufs.get(key) if key in self._prep_ready else None
@@ -507,7 +522,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         else:
             out = {"state1": (shape, torch.float32), "state2": (shape, torch.float32)}
         mode = _resolve_master(group["master_weights"], p.dtype)
-        if mode != "none":
+        if mode not in ("none", "stochastic"):
             out[mode if mode == "kahan" else "master"] = (shape, p.dtype if mode == "kahan" else torch.float32)
         return out
 
@@ -725,12 +740,15 @@ def _collapse(problems: list[str], shown: int = 5) -> list[str]:
 
 
 def _resolve_master(choice: str, dtype: torch.dtype) -> str:
-    """``"fp32"``, ``"kahan"`` or ``"none"`` for a parameter of ``dtype`` under the ``master_weights`` option
-    `choice` (fp32 params never need one; "auto": kahan for bf16, fp32 for fp16)."""
+    """``"fp32"``, ``"kahan"``, ``"stochastic"`` or ``"none"`` for a parameter of ``dtype`` under the
+    ``master_weights`` option `choice` (fp32 params never need one; "auto": kahan for bf16, fp32 for fp16;
+    "stochastic": bf16 only, fp32 for fp16)."""
     if dtype not in _LOW_PRECISION or choice == "none":
         return "none"
     if choice == "auto":
         return "kahan" if dtype == torch.bfloat16 else "fp32"
+    if choice == "stochastic" and dtype != torch.bfloat16:
+        return "fp32"
     return choice
 
 

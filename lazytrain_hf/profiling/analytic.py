@@ -271,7 +271,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
             `hardware.gpu_tflops` for each kind of work.
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy (sets the head's logits workspace).
         state_dtype: optimizer moments, "8bit" (2 bytes/param + fp32 absmax per block) or "fp32" (8 bytes/param).
-        master_weights: "fp32" (4 bytes/param), "kahan" (2 bytes/param compensation) or "none".
+        master_weights: "fp32" (4 bytes/param), "kahan" (2 bytes/param compensation), "stochastic" or "none" (0).
         block_size: quantization block (elements per fp32 absmax).
         gpu_reserve_bytes: GPU bytes held back for allocator fragmentation.
         rows_per_pass: the executor runs each layer over the micro-batch in chunks of this many sequences
@@ -318,8 +318,8 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
         problems.append(f"batch_size and seq_len must be >= 1, but got {batch_size} and {seq_len}")
     if state_dtype not in ("8bit", "fp32"):
         problems.append(f"state_dtype must be '8bit' or 'fp32', but got {state_dtype!r}")
-    if master_weights not in ("fp32", "kahan", "none"):
-        problems.append(f"master_weights must be 'fp32', 'kahan' or 'none', but got {master_weights!r}")
+    if master_weights not in ("fp32", "kahan", "stochastic", "none"):
+        problems.append(f"master_weights must be 'fp32', 'kahan', 'stochastic' or 'none', but got {master_weights!r}")
     if resident_states not in ("8bit", "fp32"):
         problems.append(f"resident_states must be '8bit' or 'fp32', but got {resident_states!r}")
     if resident not in RESIDENT_PLACEMENTS:
@@ -353,7 +353,7 @@ def analytic_cost_model(config_or_shape: Any, batch_size: int, seq_len: int,
     n = batch_size * seq_len
     peak = hardware.gpu_tflops * 1e12 / 1e3  # FLOPs per ms
     state_b = 2 + 2 * FP32 / block_size if state_dtype == "8bit" else 2 * FP32  # moments, bytes/param
-    master_b = {"fp32": FP32, "kahan": BF16, "none": 0}[master_weights]
+    master_b = {"fp32": FP32, "kahan": BF16, "stochastic": 0, "none": 0}[master_weights]
     n_pass = min(batch_size, rows_per_pass or batch_size) * seq_len  # tokens of one pass through a layer
     fwd_ms, bwd_ms, saved, fwd_work, bwd_work, retained = [], [], [], [], [], []
     for i in range(L):
