@@ -239,7 +239,12 @@ class StreamingExecutor:
         self._ops = plan_ops(schedule)
         self._segment_end = dict(schedule.segments())  # segment start -> end
         if self.updater is not None:
-            self.updater.set_device_layers(self._device_layers())
+            # the new plan's memory holds kept gradients and GPU-side updates of its own GPU-updated layers only:
+            # the old plan's others go to the host now (pending CPU updates keep overlapping: set_device_layers)
+            device = self._device_layers()
+            self.grads.materialize_except(device if schedule.keep_grads else set())
+            self.updater.apply_on_cpu([i for i in self.updater.device_pending if i not in device])
+            self.updater.set_device_layers(device)
         self._set_kept_layers()
 
     def set_resident(self, placement: str) -> None:

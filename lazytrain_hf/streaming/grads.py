@@ -132,6 +132,12 @@ class GradSink:
             done = self._record()
         done.synchronize()
 
+    def materialize_except(self, keep: set[int]) -> None:
+        """Materialize every kept gradient of a layer not in `keep` (a new plan budgets kept gradients only for its
+        own GPU-updated layers)."""
+        for layer in sorted(i for i in self._kept if i not in keep):
+            self.materialize(layer)
+
     def materialize_all(self) -> None:
         for layer in sorted(self._kept):
             self.materialize(layer)

@@ -82,11 +82,12 @@ class LayerUpdater:
     def set_device_layers(self, layers: set[int]) -> None:
         """Layers whose updates run on the GPU at their next load, for the steps that start from now on. Pending
         updates stay where their step put them: the CPU worker's layers were fixed when the step started
-        (`_start`), and a layer leaving the set keeps its snapshot for its next load (or `wait_all` applies it on the
-        CPU). So a switch between two bucket plans keeps the overlap; waiting for every update there exposed the
-        whole CPU update at each switch (a 3B soak's first step after a switch ran 1.2-1.45x its bucket's median:
-        benchmarks/results/soak-20261205.json). With prepared moments (`set_prepare`) the pending updates are
-        applied first: the prepared layers follow the set."""
+        (`_start`), and a GPU-deferred update stays pending for its layer's next load (the executor applies those of
+        layers leaving the set on the CPU first: `StreamingExecutor.set_schedule`). So a switch between two bucket
+        plans keeps the overlap; waiting for every update there exposed the whole CPU update at each switch (a 3B
+        soak's first step after a switch ran 1.2-1.45x its bucket's median: benchmarks/results/soak-20261205.json).
+        With prepared moments (`set_prepare`) the pending updates are applied first: the prepared layers follow the
+        set."""
         layers = set(layers)
         if layers == self.device_layers:
             return
@@ -215,10 +216,16 @@ class LayerUpdater:
             if self._error is not None:  # from the preparation, after every update landed
                 err, self._error = self._error, None
                 raise RuntimeError("preparing optimizer states for the next step failed") from err
-        for i in sorted(self.device_pending):  # not streamed in since: update on the CPU
-            self.host_writes[i] += 1
-            self.optimizer.step_deferred(self.layer_params[i], self.device_pending[i])
-            del self.device_pending[i]
+        self.apply_on_cpu(list(self.device_pending))  # not streamed in since: update on the CPU
+
+    def apply_on_cpu(self, layers: list[int]) -> None:
+        """Run the pending GPU-deferred updates of `layers` now, on the CPU, in this thread (their host gradients
+        must hold the gradient: a kept device gradient is materialized first, streaming/grads.py)."""
+        for i in sorted(layers):
+            if i in self.device_pending:
+                self.host_writes[i] += 1
+                self.optimizer.step_deferred(self.layer_params[i], self.device_pending[i])
+                del self.device_pending[i]
 
     def detach(self) -> None:
         self.wait_all()

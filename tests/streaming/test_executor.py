@@ -569,7 +569,7 @@ def test_slot_reuse_at_the_step_boundary_equals_reloading(depth):
         h2d[reuse] = []
         for step in range(6):
             if step == 4:
-                ex.set_schedule(plans[2])  # layer 1's pending update still runs at its load, on the reused slot
+                ex.set_schedule(plans[2])  # layer 1 leaves the GPU set: its pending update runs on the host now
             ex.zero_grad()
             for mb in range(2 if step in (1, 3) else 1):
                 ids, mask, labels = random_batch(model.config.vocab_size, seed=50 + 2 * step + mb)
@@ -586,15 +586,15 @@ def test_slot_reuse_at_the_step_boundary_equals_reloading(depth):
     for name, w in weights[False].items():
         assert torch.equal(weights[True][name], w), name
     # the last backward leaves layers depth..0 in the slots; a step reuses the GPU-updated ones among them, a
-    # second micro-batch all of them; nothing after the flush or the evaluation; a schedule change keeps the
-    # layers whose update was deferred to the GPU (layer 1 leaves that set with its update pending)
+    # second micro-batch all of them; nothing after the flush or the evaluation; after a schedule change the
+    # layers that stay GPU-updated (layer 1 leaves the set, so its update runs on the host and it reloads)
     tail = set(range(depth + 1))
     gpu_tail = sum(layer_bytes[i] for i in tail & {0, 1})
     want = [0,                                       # step 0: first pass
             gpu_tail, sum(layer_bytes[i] for i in tail),  # step 1: after a step; 2nd micro-batch
             gpu_tail,                                # step 2
             0, sum(layer_bytes[i] for i in tail),    # step 3: after the flush + evaluation; 2nd micro-batch
-            gpu_tail,                                # step 4: schedule change
+            sum(layer_bytes[i] for i in tail & {0}),  # step 4: schedule change
             sum(layer_bytes[i] for i in tail & {0, 2})]  # step 5
     saved = [a - b for a, b in zip(h2d[False], h2d[True], strict=True)]
     assert saved == want, saved
