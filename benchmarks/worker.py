@@ -216,7 +216,9 @@ def _measure(spec: dict[str, Any], system: str, B: int, trainer: Any, timer: Ste
             n_t = len(c) - warm
             extra["alloc_per_step"] = dict(zip(("retries", "cuda_malloc", "cuda_free"),
                                                ((c[-1][i] - base_c[i]) / n_t for i in range(3)), strict=True))
-        extra["cuda_alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        # the allocator's settings as in effect (LazyTrainer sets expandable segments itself), else the environment's
+        get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        extra["cuda_alloc_conf"] = get() if get is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if system != "zero_offload" and timer.optim_s[warm:]:
         fields["optimizer_ms"] = statistics.median(timer.optim_s[warm:]) * 1e3
     elif system == "zero_offload":

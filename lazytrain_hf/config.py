@@ -200,9 +200,10 @@ def _check_field(obj: Any, f: dataclasses.Field, key: str, problems: list[str]) 
             setattr(obj, f.name, value)
         if value not in meta["choices"]:
             problems.append(f"{key} must be one of {list(meta['choices'])}, but got {value!r}")
-    elif f.type == "bool":  # a YAML / --set "maybe" or "false" string would read as true
-        if not isinstance(value, bool):
-            problems.append(f"{key} must be true or false, but got {value!r}")
+    elif f.type in ("bool", "bool | None"):  # a YAML / --set "maybe" or "false" string would read as true
+        if not isinstance(value, bool) and not (value is None and f.type == "bool | None"):
+            either = "true or false" + (" (or null: the default)" if f.type == "bool | None" else "")
+            problems.append(f"{key} must be {either}, but got {value!r}")
     elif "size" in meta:
         try:
             value = parse_bytes(value)
@@ -284,7 +285,8 @@ class PlanningConfig(_Group):
     solver_time_limit_s: float = field(default=10.0, metadata=_help("HiGHS time limit per solve, in seconds."))
     calibrate_steps: int | None = field(default=None, metadata=_help(
         'Policy "milp": after this many measured optimizer steps, compare the measured step time and CPU update '
-        "rate with the plan's and, when they are off, plan once more with the measured figures (hf/calibrate.py). "
+        "rate with the plan's and, when they are off, plan once more with the measured figures (hf/calibrate.py); a "
+        "switch to that plan is measured over as many steps again and undone when it ran no faster. "
         "None: 3 on CUDA, off elsewhere; 0: off (the plan stays the first one).", range=(0, 1000)))
 
     def _check(self, name: Callable[[str], str], problems: list[str]) -> None:
@@ -314,9 +316,11 @@ class MemoryConfig(_Group):
     nvme_budget: int | str | None = field(default=None, metadata=_help(
         "Bytes the plan may write to nvme_dir.", size="'200GiB'"))
     expandable_segments: bool | None = field(default=None, metadata=_help(
-        "CUDA: the caching allocator's expandable segments for this process (PYTORCH_CUDA_ALLOC_CONF="
-        "expandable_segments:True), so that blocks freed by one layer pass are reused at any size by the next "
-        "instead of fragmenting the budget. None: on, unless PYTORCH_CUDA_ALLOC_CONF is set (then as it says)."))
+        "CUDA: the caching allocator's expandable segments for this process from the trainer's start (as "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), so that blocks freed by one layer pass are reused at any "
+        "size by the next instead of fragmenting the budget; the user's other allocator settings are kept. None: on, "
+        "unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF is set (then as it says). Policy \"none\" leaves the "
+        "allocator as it is."))
 
 
 @_records_given

@@ -125,7 +125,7 @@ def _field_var(group: str, f: dataclasses.Field) -> EnvVar:
     hint = str(f.type)
     if f.name in _CHOICES:
         parse, accepted = _choice(*_CHOICES[f.name])
-    elif hint == "bool":
+    elif hint in ("bool", "bool | None"):
         def parse(text: str) -> bool:
             if text.lower() in ("1", "true", "yes", "on"):
                 return True

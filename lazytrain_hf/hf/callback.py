@@ -85,15 +85,16 @@ class LazyTrainCallback(TrainerCallback):
             return
         self._warned_retries = True
         cfg = self.trainer.lazy_config
-        margin = (f", or raise lazytrain_config.gpu_memory_margin (now {cfg.gpu_memory_margin:.2f}) so that the MILP "
-                  "plan leaves more room" if cfg.policy == "milp" and not cfg.schedule_path else
-                  ", or lower lazytrain_config.gpu_memory_budget and plan again (policy \"milp\")")
+        room = (f"raise lazytrain_config.gpu_memory_margin (now {cfg.gpu_memory_margin:.2f}) so that the MILP plan "
+                "leaves more room" if cfg.policy == "milp" and not cfg.schedule_path else
+                'lower lazytrain_config.gpu_memory_budget and plan again (policy "milp")')
+        fix = room if getattr(self.trainer, "expandable_segments", False) else (
+            "turn the allocator's expandable segments on (lazytrain_config.expandable_segments=True, or "
+            f"expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF), or {room}")
         logger.warning(
             "LazyTrain: in step %d the CUDA caching allocator reached the GPU memory cap and freed its cache to "
             "retry %d allocation(s); each retry synchronizes the GPU and slows the step (fragmentation: memory is "
-            "reserved but not in blocks of the needed size). Fix: keep the allocator's expandable segments on "
-            "(lazytrain_config.expandable_segments, on unless PYTORCH_CUDA_ALLOC_CONF says otherwise)%s.",
-            step, retries, margin)
+            "reserved but not in blocks of the needed size). Fix: %s.", step, retries, fix)
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.trainer.executor.flush_updates()

@@ -303,7 +303,7 @@ class RunPlans:
                         cal.switched_from_ms)
             return
         logger.warning("LazyTrain calibration: the re-planned plan ran %.2fx its prediction, %.1f ms a step against "
-                       "the replaced plan's %.1f ms: switching back to the plan planned at train begin",
+                       "the replaced plan's %.1f ms: switching back to the replaced plan",
                        cal.trial_ratio, cal.trial_ratio * cal.switched_to_ms, cal.switched_from_ms)
         self.switch(old)
 

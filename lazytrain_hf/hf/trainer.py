@@ -132,8 +132,9 @@ class LazyTrainerMixin(TRLHooks):
         device = self.args.device if cfg.device == "auto" else torch.device(cfg.device)
         if device.type == self.args.device.type and device.index is None:
             device = self.args.device  # "cuda" means this rank's GPU (cuda:LOCAL_RANK under accelerate / torchrun)
-        if device.type == "cuda":
-            use_expandable_segments(cfg.expandable_segments)
+        #: whether the CUDA allocator's expandable segments are on (None: not a CUDA run)
+        self.expandable_segments = use_expandable_segments(cfg.expandable_segments) if device.type == "cuda" \
+            else None
         if device.type == "cuda" and cfg.cap_gpu_memory and cfg.gpu_memory_budget:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_budget / total), device)
@@ -587,17 +588,21 @@ class LazyTrainerMixin(TRLHooks):
 
 def use_expandable_segments(setting: bool | None) -> bool:
     """Turn the CUDA caching allocator's expandable segments on or off for this process (`memory.
-    expandable_segments`; None: on unless PYTORCH_CUDA_ALLOC_CONF is set, which then decides). Segments allocated
-    before keep their kind. Returns whether they are on from now. The streamed layers free and allocate activations
-    of changing sizes under a capped budget: with fixed segments the 7B recipe's plan at 24 GiB retried allocations
-    twice a step with 62 cudaMalloc calls (benchmarks/results/recipe-20261205.json)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    expandable_segments`; None: on unless the user's allocator settings, PYTORCH_ALLOC_CONF or else
+    PYTORCH_CUDA_ALLOC_CONF as torch reads them, are set: those then decide). The user's other allocator settings
+    are applied with it (torch resets the ones a new settings string omits). Segments allocated before keep their
+    kind. Returns whether they are on from now. The streamed layers free and allocate activations of changing sizes
+    under a capped budget: with fixed segments the 7B recipe's plan at 24 GiB retried allocations twice a step with
+    62 cudaMalloc calls (benchmarks/results/recipe-20261205.json)."""
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    entries = [e.strip() for e in conf.split(",") if e.strip()]
+    said = [e for e in entries if e.replace(" ", "").lower().startswith("expandable_segments:")]
     if setting is None:
-        if conf:
-            return "expandable_segments:true" in conf.replace(" ", "").lower()
+        if entries:
+            return bool(said) and said[-1].replace(" ", "").lower() == "expandable_segments:true"
         setting = True
     apply = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    apply(f"expandable_segments:{setting}")
+    apply(",".join([*(e for e in entries if e not in said), f"expandable_segments:{setting}"]))
     return setting
 
 

@@ -51,6 +51,13 @@ def test_allocator_retries_warn_once_after_the_warm_up(caplog):
     msg = caplog.records[0].getMessage()
     assert "step 8" in msg and "2 allocation" in msg
     assert "lazytrain_config.expandable_segments" in msg and "gpu_memory_margin (now 0.12)" in msg
+    # segments already expandable (the CUDA default): only the plan's room is a fix
+    caplog.clear()
+    trainer.expandable_segments = True
+    with caplog.at_level(logging.WARNING, logger="lazytrain_hf.hf.callback"):
+        LazyTrainCallback(trainer)._warn_alloc_retries(8, None)
+    msg = caplog.records[0].getMessage()
+    assert "expandable" not in msg and "gpu_memory_margin (now 0.12)" in msg
 
 
 def test_allocator_retries_warn_without_calibration_and_name_a_fix_that_applies(caplog):

@@ -530,16 +530,27 @@ def test_compute_metrics_gets_the_stock_models_logits(tmp_path):
 
 
 def test_expandable_segments_default_on_unless_the_allocator_conf_says_otherwise(monkeypatch):
-    """memory.expandable_segments: None turns them on unless PYTORCH_CUDA_ALLOC_CONF is set (which then decides and
-    is not overridden); True / False are applied as given."""
+    """memory.expandable_segments: None turns them on unless the user's allocator settings are set
+    (PYTORCH_ALLOC_CONF, read first as torch does, else PYTORCH_CUDA_ALLOC_CONF), which then decide; True / False
+    are applied with the user's other settings kept (torch resets those a settings string omits); the value is a
+    bool or null."""
+    from lazytrain_hf.config import LazyTrainConfig
     from lazytrain_hf.hf.trainer import use_expandable_segments
 
     applied = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
     assert use_expandable_segments(None) is True and applied == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert use_expandable_segments(None) is False and len(applied) == 1  # the user's allocator settings stand
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6, expandable_segments:True")
     assert use_expandable_segments(None) is True and len(applied) == 1
-    assert use_expandable_segments(False) is False and applied[-1] == "expandable_segments:False"
+    assert use_expandable_segments(False) is False
+    assert applied[-1] == "garbage_collection_threshold:0.6,expandable_segments:False"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # torch reads this one first
+    assert use_expandable_segments(None) is False and len(applied) == 2
+    for bad in ("yes", 1, "false"):
+        with pytest.raises(ValueError, match="expandable_segments must be true or false"):
+            LazyTrainConfig(expandable_segments=bad)
+    assert LazyTrainConfig(expandable_segments=None).expandable_segments is None
