@@ -484,12 +484,12 @@ def lazytrain_metrics(trainer: Any, plan_at_start: dict[str, Any] | None = None)
         acc = int(getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1) or 1)
         row.update(predicted_step_s=acc * (start["step_ms"] or 0) / 1e3 or None, solve_ms=start["solve_ms"],
                    mip_gap=start["mip_gap"])
-        if cal is not None and cal.reverted:  # re-planned, then back to the first plan: it valued at those figures
-            calibrated = acc * cal.switched_from_ms / 1e3
+        if cal is not None and cal.reverted:  # re-planned, then back: the replaced plan at those figures (a step)
+            calibrated = cal.switched_from_ms / 1e3
         elif cal is not None and cal.done and cal.predicted_before_ms is not None:  # re-planned: the running plan's
             calibrated = acc * (sched.predicted.get("step_ms") or 0) / 1e3 or None
-        elif cal is not None and cal.done and cal.kept_running_ms is not None:
-            calibrated = acc * cal.kept_running_ms / 1e3
+        elif cal is not None and cal.done and cal.kept_running_ms is not None:  # (ms per optimizer step)
+            calibrated = cal.kept_running_ms / 1e3
     extra = {"predicted_step_s_calibrated": calibrated, "schedule_policy": sched.policy,
              "predicted_micro_batch_s": (start["step_ms"] or 0) / 1e3 or None if sched.policy in ("milp", "fixed")
              else None, "checkpoints": sum(lp.checkpoint for lp in sched.layers),

@@ -70,9 +70,11 @@ class Calibration:
     cpu_rate: float | None = None
     predicted_before_ms: float | None = None
     #: set when the re-plan was not clearly faster and the running plan stayed: both valued at the measured figures
+    #: (ms per optimizer step)
     kept_running_ms: float | None = None
     replanned_ms: float | None = None
-    #: after a switch: the replaced plan and the new one valued at the measured figures (ms, longest bucket), the
+    #: after a switch: the replaced plan and the new one valued at the measured figures (ms per optimizer step, the
+    #: longest bucket's plans), the
     #: new plan's (measured, predicted) ms per trial step, the median measured / predicted, and whether the run
     #: switched back (None: no trial decided)
     switched_from_ms: float | None = None

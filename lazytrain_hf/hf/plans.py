@@ -45,6 +45,12 @@ def times_are_this_runs(executor: Any) -> bool:
     return executor.device.type == "cuda"
 
 
+def optimizer_step_ms(step_ms: float, once_ms: float, micro_batches: int) -> float:
+    """A plan's predicted optimizer step (ms) from its `step_ms` (one micro-batch plus the optimizer terms, `once_ms`:
+    GPU-side updates and exposed CPU update, which run once a step) over `micro_batches` micro-batches."""
+    return micro_batches * (step_ms - once_ms) + once_ms
+
+
 class RunPlans:
     """The plans of one LazyTrainer run.
 
@@ -393,18 +399,24 @@ class RunPlans:
         new = plans.schedules[plans.buckets[-1]]
         # the running plan valued with the same calibrated costs: switch only for a clear gain (SWITCH_GAIN)
         cm = plan.cost_model_for_trainer(tr, plans.buckets[-1], scale, rate)[0]
-        running_ms = evaluate(cm.for_schedule(old), old).step_ms
+        running = evaluate(cm.for_schedule(old), old)
+        running_ms = running.step_ms
         new_ms = float(new.predicted.get("step_ms", float("nan")))
-        if not cal.worth_switching(running_ms, new_ms):
+        # compared per optimizer step: a plan's step is one micro-batch plus the optimizer terms, once a step
+        ga = max(1, int(tr.args.gradient_accumulation_steps or 1))
+        running_step = optimizer_step_ms(running_ms, running.gpu_optim_ms + running.exposed_optimizer_ms, ga)
+        new_step = optimizer_step_ms(new_ms, float(new.predicted.get("gpu_optim_ms") or 0.0)
+                                     + float(new.predicted.get("exposed_optimizer_ms") or 0.0), ga)
+        if not cal.worth_switching(running_step, new_step):
             logger.info("LazyTrain calibration: GPU compute ran %.2fx the prediction, CPU optimizer %s; the re-plan "
-                        "predicts %.1f ms against the running plan's %.1f ms at these figures (not %.0f%% better): "
-                        "keeping the running plan", k, "-" if rate is None else f"{rate / 1e9:.2f} G params/s",
-                        new_ms, running_ms, 100 * SWITCH_GAIN)
-            cal.kept_running_ms, cal.replanned_ms = running_ms, new_ms
+                        "predicts %.1f ms a step against the running plan's %.1f ms at these figures (not %.0f%% "
+                        "better): keeping the running plan", k, "-" if rate is None else f"{rate / 1e9:.2f} G params/s",
+                        new_step, running_step, 100 * SWITCH_GAIN)
+            cal.kept_running_ms, cal.replanned_ms = running_step, new_step
             return None
         cal.scale, cal.cpu_rate = scale, rate
         cal.predicted_before_ms = old.predicted.get("step_ms")
-        cal.start_trial(running_ms, new_ms)
+        cal.start_trial(running_step, new_step)
         logger.info("LazyTrain calibration: GPU compute ran %.2fx the prediction, CPU optimizer %s (planned %s); "
                     "re-planned: predicted step %.1f ms (was %.1f ms)", k,
                     "-" if rate is None else f"{rate / 1e9:.2f} G params/s",

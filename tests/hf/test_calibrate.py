@@ -141,3 +141,25 @@ def test_scaled_compute_moves_only_gpu_compute():
     assert evaluate(s, sched).compute_ms == pytest.approx(2 * evaluate(cm, sched).compute_ms)
     with pytest.raises(ValueError, match="must be > 0"):
         cm.scaled_compute(0.0)
+
+
+def test_the_trial_compares_whole_optimizer_steps_under_accumulation():
+    """4 micro-batches a step: the replaced plan predicts 1500 ms (1000 ms micro-batch + 500 ms optimizer terms,
+    4500 ms a step), the new one 1400 ms (1100 + 300: 4700 ms a step). Valued per optimizer step
+    (plans.optimizer_step_ms, what recalibrated_plans passes), the new plan running as predicted is slower and the
+    trial switches back; per micro-batch it would have been kept."""
+    from lazytrain_hf.hf.plans import optimizer_step_ms
+
+    ga, new = 4, {"step_ms": 1400.0, "compute_ms": 1100.0, "exposed_optimizer_ms": 300.0}
+    assert optimizer_step_ms(1500.0, 500.0, ga) == 4500.0 and optimizer_step_ms(1400.0, 300.0, ga) == 4700.0
+    cal = Calibration(steps=2, skip=0)
+    for _ in range(2):
+        for _ in range(ga):
+            cal.add_microbatch({"step_ms": 1500.0, "compute_ms": 1000.0, "exposed_optimizer_ms": 500.0})
+        cal.end_step(4.5)
+    cal.start_trial(optimizer_step_ms(1500.0, 500.0, ga), optimizer_step_ms(1400.0, 300.0, ga))
+    for _ in range(3):
+        for _ in range(ga):
+            cal.add_microbatch(new)
+        cal.end_step(4.7)
+    assert cal.trial == [(4700.0, 4700.0)] * 2 and cal.trial_verdict() is False
