@@ -47,7 +47,8 @@ class LazyTrainCallback(TrainerCallback):
         tr = self.trainer
         tr.meter.start()
         dev = tr.executor.device
-        reset = dev.type == "cuda" and state.global_step < CHECK_STEPS  # the checked steps' own peaks
+        # the checked steps' own peaks: the first ones, and a calibration switch's trial (its new plan's memory)
+        reset = dev.type == "cuda" and (state.global_step < CHECK_STEPS or tr.plans.on_trial)
         if reset:
             self._run_peak = max(self._run_peak, torch.cuda.max_memory_allocated(dev))
             torch.cuda.reset_peak_memory_stats(dev)

@@ -313,6 +313,11 @@ class RunPlans:
                        cal.trial_ratio, cal.trial_ratio * cal.switched_to_ms, cal.switched_from_ms)
         self.switch(old)
 
+    @property
+    def on_trial(self) -> bool:
+        """A calibration switch's new plans are being measured (their steps' peaks are checked too)."""
+        return self.calibration is not None and self.calibration.on_trial
+
     # ---- re-planning ------------------------------------------------------------------------------------
     def switch(self, plans: BucketSchedules) -> None:
         """Run `plans` from the next micro-batch on (the longest bucket's now). On CUDA the caching allocator's free
