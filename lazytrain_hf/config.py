@@ -350,7 +350,7 @@ class OptimizerConfig(_Group):
     master_weights: str = field(default="auto", metadata=_help(
         '"fp32" master copy, "kahan" (compensated bf16), "stochastic" (no copy: bf16 parameters written with '
         "stochastic rounding; experimental, for quality comparisons: only the pure-torch update runs it, on a CPU "
-        '~50x slower than the fused kernel the plan prices) or "none" (update rounded to the parameter dtype); "auto": kahan for bf16 '
+        '~75x slower than the fused kernel the plan prices) or "none" (update rounded to the parameter dtype); "auto": kahan for bf16 '
         "parameters, fp32 for fp16 ones, none for fp32 ones.", choices=("auto", "fp32", "kahan", "stochastic", "none")))
     block_size: int = field(default=256, metadata=_help(
         "Quantization block size (elements per absmax, a power of two), as bitsandbytes.", range=(64, 1 << 16)))
