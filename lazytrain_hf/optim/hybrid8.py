@@ -80,9 +80,10 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
       (fp16's narrow range would flush small compensations to zero), none for fp32; ``"stochastic"``: no master
       copy (0 bytes), bf16 params written with stochastic rounding (`functional.stochastic_round_bf16`: unbiased,
       bits from the parameter's index and step, so a resumed run draws the same), on the pure-torch update only
-      (on a CPU ~75x slower than the fused kernel: for quality comparisons; fp16 params get fp32 masters). Kahan is the default for bf16
-      because it trained as fp32 masters do (same losses to 4 digits over 300 GSM8K steps at lr 1e-5:
-      benchmarks/results/quality-cpu-20261203.json) with 2 bytes less host memory and PCIe per parameter.
+      (on a CPU ~75x slower than the fused kernel: for quality comparisons; fp16 params get fp32 masters).
+      Kahan is the default for bf16 because it trained as fp32 masters do (same losses to 4 digits over 300 GSM8K
+      steps at lr 1e-5: benchmarks/results/quality-cpu-20261203.json) with 2 bytes less host memory and PCIe per
+      parameter.
     - **Fused clipping**: `clip_grad_norm` only records the coefficient ``min(1, max_norm / (norm + 1e-6))``
       (HF Trainer / torch semantics, pre-clip norm returned); the next update multiplies gradients by it inside
       the kernel. Gradients are never rescaled in a separate pass and never modified. ``grad_scale=S`` (fp16 loss
