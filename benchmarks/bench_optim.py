@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--params", type=int, default=8 * 2**20, help="parameters per row (default 8 Mi)")
     ap.add_argument("--tensors", type=int, default=1, help="split the parameters into this many tensors")
     ap.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="hybrid8 / bnb param dtype")
-    ap.add_argument("--master-weights", choices=["auto", "fp32", "kahan", "none"], default="auto",
+    ap.add_argument("--master-weights", choices=["auto", "fp32", "kahan", "stochastic", "none"], default="auto",
                     help="hybrid8 master weights (auto: kahan for bf16 params, the optimizer's default)")
     ap.add_argument("--grad-dtype", choices=sorted(_DTYPES), default="fp32", help="hybrid8 host gradient dtype")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per row (at least 5 reported)")

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         nvme=bool(args.nvme_dir), gpu_memory_margin=args.gpu_memory_margin, gpu_available=hardware.gpu_memory_bytes,
         host_total=hardware.host_memory_bytes, nvme_available=free_disk, policy=args.policy,
         fixed={k: getattr(args, k) for k in _FIXED_DEFAULTS}, rows_per_pass=args.rows_per_pass,
-        resident=args.resident, gpu_optimizer=args.gpu_optimizer,
+        resident=args.resident, gpu_optimizer=args.gpu_optimizer and args.master_weights != "stochastic",
         gradient_accumulation_steps=args.gradient_accumulation_steps, time_limit_s=args.time_limit,
         mip_rel_gap=args.mip_gap, name=args.model, frozen=_frozen_layout(frozen),
         **{**_OPTIMIZER_LAYOUT, "master_weights": args.master_weights, "loss_chunk_tokens": args.loss_chunk_tokens})

@@ -193,7 +193,8 @@ def request_for_trainer(trainer: Any) -> PlanRequest:
                                   "prefetch_depth": cfg.prefetch_depth},
         rows_per_pass=cfg.max_rows_per_pass, resident=cfg.resident_placement, gpu_optimizer=_gpu_optimizer(trainer),
         keep_gpu_grads=cfg.keep_gpu_grads, gradient_accumulation_steps=trainer.args.gradient_accumulation_steps,
-        loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype, master_weights=cfg.master_weights,
+        loss_chunk_tokens=cfg.loss_chunk_tokens, state_dtype=cfg.state_dtype,
+        master_weights=master_weights_priced(cfg.master_weights, trainer.model),
         block_size=cfg.block_size, time_limit_s=cfg.solver_time_limit_s, mip_rel_gap=cfg.solver_mip_rel_gap,
         max_buckets=cfg.plan_buckets if cfg.policy == "milp" else 1,
         frozen=peft_support.frozen_layout(trainer.executor), resident_states=resident_states(trainer),
@@ -284,9 +285,24 @@ def _kept_grads(trainer: Any) -> bool:
 
 def _gpu_optimizer(trainer: Any) -> bool:
     """GPU-side layer updates run only with the overlapped (deferred) optimizer (streaming/executor.py); on a CPU
-    device they would only move the update from the worker thread into the forward's critical path."""
+    device they would only move the update from the worker thread into the forward's critical path. Not with
+    master_weights "stochastic": its unfused torch update holds ~49 bytes of temporaries per element where the plan
+    prices the fused kernel's 18."""
     cfg = trainer.lazy_config
-    return cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda"
+    return cfg.gpu_layer_updates and cfg.overlap_optimizer and trainer.executor.device.type == "cuda" and \
+        cfg.master_weights != "stochastic"
+
+
+def master_weights_priced(choice: str, model: Any) -> str:
+    """The master-weight mode the plan prices for `choice` on `model`'s trained weights: "auto" as kahan (bf16) or
+    fp32 (fp16), "stochastic" as fp32 where the weights are not bf16 (the optimizer keeps fp32 masters there)."""
+    params = getattr(model, "parameters", None)  # (a stand-in model without parameters: none known)
+    dtypes = {p.dtype for p in params() if p.requires_grad} if callable(params) else set()
+    if choice == "stochastic" and dtypes and dtypes != {torch.bfloat16}:
+        return "fp32"
+    if choice == "auto":
+        return "fp32" if torch.float16 in dtypes else "kahan"
+    return choice
 
 
 def plan_for_trainer(trainer: Any, seq_len: int | None = None, prefetch_depths: tuple[int, ...] = (1, 2, 3),

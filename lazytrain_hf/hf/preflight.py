@@ -83,7 +83,7 @@ def fixed_host_bytes(trainer: Any) -> int:
     one is configured)."""
     from ..profiling.analytic import analytic_cost_model
     from .peft_support import model_frozen_costs
-    from .plan import run_shape
+    from .plan import master_weights_priced, run_shape
 
     cfg = trainer.lazy_config
     B, T = run_shape(trainer)
@@ -92,7 +92,8 @@ def fixed_host_bytes(trainer: Any) -> int:
         resident = "gpu"
     cm = analytic_cost_model(trainer.model.config, B, T, gpu_bytes=1, host_bytes=1,
                              state_dtype=cfg.state_dtype,
-                             master_weights="fp32" if cfg.master_weights == "auto" else cfg.master_weights,
+                             master_weights="fp32" if cfg.master_weights == "auto" else
+                             master_weights_priced(cfg.master_weights, trainer.model),
                              block_size=cfg.block_size, resident=resident, host_weight_ranks=shared_weight_ranks(cfg),
                              **model_frozen_costs(trainer.model))
     return int(cm.host_fixed_bytes)

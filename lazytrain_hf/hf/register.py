@@ -103,7 +103,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     """transformers optimizer handler: (optimizer class, kwargs) from the Trainer's OptimizerContext.
 
     `optim_args` keys understood: block_size, min_8bit_size, state_dtype (8bit|fp32), master_weights
-    (auto|fp32|kahan|none), fp32_state_modules (parameter-name substrings separated by "|", e.g. q_proj|k_proj:
+    (auto|fp32|kahan|stochastic|none), fp32_state_modules (parameter-name substrings separated by "|", e.g. q_proj|k_proj:
     those parameters keep fp32 states). Embedding and lm_head parameters keep fp32 states (LazyTrainer drops them
     from the list with lazytrain_config.resident_state_dtype='8bit').
     """

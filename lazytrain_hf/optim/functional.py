@@ -268,26 +268,36 @@ _M32 = 0xFFFFFFFF
 
 def random_bits16(seed: int, offset: int, n: int, device: torch.device | str = "cpu") -> Tensor:
     """16 random bits (int64 in [0, 65536)) for elements `offset` .. `offset + n - 1` of an update seeded `seed`:
-    murmur3's 32-bit finalizer of ``index * 0x9E3779B1 + seed`` (mod 2^32). A function of (seed, index) alone, so
-    any split of a tensor into slices, and any device, gives each element the same bits."""
-    h = (torch.arange(offset, offset + n, dtype=torch.int64, device=device) * 0x9E3779B1 + seed) & _M32
-    h ^= h >> 16
+    murmur3's 32-bit finalizer applied to the index, xor the seed, and applied again (mod 2^32): the seed enters
+    non-linearly, so two updates draw unrelated bits rather than shifted windows of one sequence. A function of
+    (seed, index) alone, so any split of a tensor into slices, and any device, gives each element the same bits."""
+    h = _fmix32(torch.arange(offset, offset + n, dtype=torch.int64, device=device) & _M32)
+    return _fmix32(h ^ (seed & _M32)) & 0xFFFF
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values."""
+    h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _M32
-    h ^= h >> 13
+    h = h ^ (h >> 13)
     h = (h * 0xC2B2AE35) & _M32
-    h ^= h >> 16
-    return h & 0xFFFF
+    return h ^ (h >> 16)
 
 
 def stochastic_round_bf16(x: Tensor, seed: int, offset: int = 0) -> Tensor:
     """fp32 `x` rounded to bf16 stochastically: up (in magnitude) with probability equal to the dropped 16 bits'
     fraction of a bf16 ulp, so that the rounded value's expectation is `x` (unbiased, where round to nearest drops
-    every update smaller than half an ulp). Non-finite values round to nearest. The bits: `random_bits16`."""
+    every update smaller than half an ulp). Non-finite values round to nearest; a finite value does not round to
+    infinity (past the largest bf16 number it stays there, as round to nearest keeps it). The bits:
+    `random_bits16`."""
     flat = x.reshape(-1)
     bits = flat.view(torch.int32).to(torch.int64) & _M32
     up = (bits + random_bits16(seed, offset, flat.numel(), x.device)) & 0xFFFF0000
     up = torch.where(up >= 1 << 31, up - (1 << 32), up).to(torch.int32).view(torch.float32)
-    return torch.where(torch.isfinite(flat), up, flat).to(torch.bfloat16).view(x.shape)
+    finite = torch.isfinite(flat)
+    big = torch.finfo(torch.bfloat16).max
+    up = torch.where(finite & torch.isinf(up), torch.copysign(torch.full_like(up, big), flat), up)
+    return torch.where(finite, up, flat).to(torch.bfloat16).view(x.shape)
 
 
 def update_seed(param_index: int, step: int) -> int:
@@ -442,6 +452,7 @@ def adamw_step_bnb_cuda(param: Tensor, grad: Tensor, state: dict[str, Any], hype
         # Note [v floor] (quant.py): bitsandbytes rounds v to the nearest code, possibly 0. A v that was exactly
         # 0 also gets code 1 here; harmless, since then m == 0 as well.
         s2.clamp_(min=1)
+    assert hyper.sr_seed is None, "stochastic rounding runs the torch kernel (adamw_step)"
     _write_back(param, work, state)
 
 

@@ -173,6 +173,10 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         self._prep_writes: dict[int, int] = {}
         self._prep_lock = threading.Lock()
         super().__init__(params, defaults)
+        if any(g["master_weights"] == "stochastic" for g in self.param_groups):
+            logger.warning("Hybrid8bitOptimizer: master_weights='stochastic' runs the pure-torch update (on a CPU "
+                           "~75x slower than the fused kernel): for quality comparisons; the default 'auto' (Kahan "
+                           "for bf16) is the fast path")
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -191,7 +195,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         if problems:
             raise ValueError("Invalid Hybrid8bitOptimizer param group:\n  - " + "\n  - ".join(problems))
         super().add_param_group(param_group)
-        self._group_index = {}
+        self._group_index, self._numbers = {}, None
 
     def _param_number(self, p: Tensor) -> int:
         """``p``'s position among all parameters of all groups, in order: the stochastic rounding's seed (the same
@@ -461,8 +465,9 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
             if stop is not None and stop():
                 break
             state = self.state.get(p)
-            if not state or not F.can_prepare_cpp(p, state):
-                continue
+            if not state or not F.can_prepare_cpp(p, state) or \
+                    _resolve_master(self._group_of(p)["master_weights"], p.dtype) == "stochastic":
+                continue  # (stochastic rounding runs the torch update, which reads no prepared moments)
             bufs = self._prep_bufs.get(id(p))
             if bufs is None:
                 n = p.numel()
@@ -671,7 +676,7 @@ class Hybrid8bitOptimizer(torch.optim.Optimizer):
         with self._prep_lock:
             self._prep_ready.clear()
         self.__setstate__({"state": new_state, "param_groups": new_groups})
-        self._group_index = {}
+        self._group_index, self._numbers = {}, None
         self._pending = None
         self.last_step_skipped = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

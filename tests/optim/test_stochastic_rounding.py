@@ -104,3 +104,44 @@ def test_stochastic_runs_on_the_torch_kernel_and_fp16_keeps_fp32_masters():
     h.grad = torch.ones(8, dtype=torch.float16)
     opt.step()
     assert opt.state[h]["master"].dtype == torch.float32
+
+
+def test_finite_values_do_not_round_to_infinity():
+    """Past the largest bf16 number (below fp32's rounding point to bf16 infinity) round to nearest stays finite:
+    so does stochastic rounding, whatever the bits."""
+    big = torch.finfo(torch.bfloat16).max
+    x = torch.tensor([big * (1 + 2**-9), -big * (1 + 2**-9)]).repeat(5000)
+    assert torch.isfinite(x.to(torch.bfloat16)).all()
+    r = F.stochastic_round_bf16(x, seed=11)
+    assert torch.isfinite(r).all() and set(r.float().abs().unique().tolist()) == {big}
+
+
+def test_prepared_moments_skip_stochastic_parameters_and_fp16_is_priced_as_its_fp32_masters():
+    """prepare_states dequantizes nothing for a stochastic parameter (its torch update reads no prepared moments);
+    the plan prices what the optimizer allocates: nothing for bf16 weights, fp32 masters for fp16 ones."""
+    from lazytrain_hf.hf.plan import master_weights_priced
+
+    p = torch.nn.Parameter(torch.zeros(1 << 16, dtype=torch.bfloat16))
+    opt = Hybrid8bitOptimizer([p], master_weights="stochastic")
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.prepare_states([p]) == 0 and not opt._prep_bufs
+    bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    fp16 = torch.nn.Linear(4, 4).to(torch.float16)
+    assert master_weights_priced("stochastic", bf16) == "stochastic"
+    assert master_weights_priced("stochastic", fp16) == "fp32" == master_weights_priced("auto", fp16)
+    assert master_weights_priced("auto", bf16) == "kahan"
+
+
+def test_stochastic_updates_are_planned_on_the_cpu():
+    """Its unfused torch update's temporaries (~49 bytes per element) are not what the plan prices for a GPU-side
+    update (the fused kernel's): the planner plans every update of a stochastic run on the CPU."""
+    from types import SimpleNamespace
+
+    from lazytrain_hf.hf.plan import _gpu_optimizer
+
+    def trainer(master: str) -> SimpleNamespace:
+        cfg = SimpleNamespace(gpu_layer_updates=True, overlap_optimizer=True, master_weights=master)
+        return SimpleNamespace(lazy_config=cfg, executor=SimpleNamespace(device=torch.device("cuda")))
+
+    assert _gpu_optimizer(trainer("auto")) and not _gpu_optimizer(trainer("stochastic"))
