@@ -138,9 +138,33 @@ def check_supported(config) -> None:
             "Use a supported architecture, or set lazytrain_config.policy='none' to train with the plain HF path.")
 
 
+#: registry shapes with at least this many parameters are built on the meta device and filled from a bank of
+#: N(0, 0.02) values (`quantized.fill_random_`: memory-bound copies) instead of transformers' per-module init, which
+#: takes minutes for a 7B on the CPU (the benchmarks' builder: ~13 s for the 7B recipe's shape, benchmarks/NOTES.md)
+FAST_BUILD_PARAMS = 1_000_000_000
+
+
+def _filled_from_bank(skeleton: Any, dtype: Any, seed: int) -> Any:
+    """`skeleton` (a meta-device model) on the CPU with every matrix tiled from `quantized.random_bank(dtype, seed)`,
+    norms 1, other vectors 0, rotary tables rebuilt and tied weights tied."""
+    import torch
+
+    from .quantized import fill_random_, random_bank, rebuild_rotary
+
+    model = skeleton.to_empty(device="cpu")
+    bank = random_bank(dtype, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            fill_random_(name, p, bank)
+    rebuild_rotary(model)
+    model.tie_weights()
+    return model
+
+
 def load_model(name_or_path: str, dtype: str = "bfloat16", seed: int = 0, quantization: dict[str, Any] | None = None,
                quantize_on: Any = None, **overrides: Any):
-    """Load (Hub id / local path) or build from config with random weights (registry name), on the CPU.
+    """Load (Hub id / local path) or build from config with random weights (registry name), on the CPU: seeded
+    transformers init below `FAST_BUILD_PARAMS` parameters, a tiled bank of random values at and above it.
 
     Args:
         name_or_path: registry name (see `ARCHITECTURES`), Hub id, or local directory.
@@ -173,8 +197,13 @@ def load_model(name_or_path: str, dtype: str = "bfloat16", seed: int = 0, quanti
                                                     local_files_only=kind == "cache", **overrides)
     if name_or_path in ARCHITECTURES:
         config = resolve_config(name_or_path, **overrides)
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        if sum(p.numel() for p in skeleton.parameters()) >= FAST_BUILD_PARAMS:
+            model = _filled_from_bank(skeleton, torch_dtype, seed)
+        else:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
         from .sources import locate_model
 

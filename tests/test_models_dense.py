@@ -42,3 +42,32 @@ def test_dense_parameter_counts_match_the_model_cards(name):
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) / 1e9
     card, rounding = CARD_PARAMS_B[name]  # rounding: one unit of the last digit shown
     assert abs(n - card) < rounding, (name, n)  # one decoder layer is > 0.07 B in each
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen2-tiny-tied"])
+def test_large_registry_shapes_build_from_the_random_bank(monkeypatch, name):
+    """At FAST_BUILD_PARAMS parameters and above a registry shape is built on the meta device and filled from the
+    random bank (tiled N(0, 0.02) matrices, norms 1, other vectors 0), its rotary tables rebuilt and tied weights
+    tied: the same module tree and buffers as the seeded build, a finite loss."""
+    import torch
+
+    from lazytrain_hf import models
+    from lazytrain_hf.quantized import random_bank
+
+    seeded = models.load_model(name, "float32", seed=3)
+    monkeypatch.setattr(models, "FAST_BUILD_PARAMS", 0)
+    fast = models.load_model(name, "float32", seed=3)
+    bank = random_bank(torch.float32, 3)
+    assert [n for n, _ in fast.named_parameters()] == [n for n, _ in seeded.named_parameters()]
+    for n, p in fast.named_parameters():
+        if p.dim() >= 2:
+            k = min(p.numel(), bank.numel())
+            assert torch.equal(p.detach().reshape(-1)[:k], bank[:k]), n
+        else:
+            assert torch.all(p == (1.0 if "norm" in n else 0.0)), n
+    for (n, b), (_, ref) in zip(fast.named_buffers(), seeded.named_buffers(), strict=True):
+        assert torch.equal(b, ref), n  # rotary tables built, not left uninitialized
+    tied = getattr(fast.config, "tie_word_embeddings", False)
+    assert (fast.lm_head.weight is fast.get_input_embeddings().weight) == tied
+    ids = torch.randint(0, fast.config.vocab_size, (2, 16))
+    assert torch.isfinite(fast(input_ids=ids, labels=ids).loss)
