@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from lazytrain_hf import envvars, quantized
-from lazytrain_hf.quantized import fill_random_, random_bank, rebuild_rotary
 
 GIB = 1024**3
 ROW_KEYS = ("system", "model", "params", "gpu_cap_gib", "batch_size", "seq_len", "status", "reason",
@@ -187,20 +186,13 @@ def fast_random_model(name: str, dtype: torch.dtype = torch.bfloat16):
     per-module init)."""
     from transformers import AutoModelForCausalLM
 
-    from lazytrain_hf.models import resolve_config
+    from lazytrain_hf.models import filled_from_bank, resolve_config
 
     base, overrides = model_overrides(name)
     config = resolve_config(base, **overrides)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    bank = random_bank(dtype)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            fill_random_(n, p, bank)
-        rebuild_rotary(model)
-    model.tie_weights()
-    return model
+    return filled_from_bank(model, dtype)
 
 
 def logical_numel(p: torch.Tensor) -> int:

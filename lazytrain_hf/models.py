@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "resolve_config", "load_model", "check_supported"]
+__all__ = ["ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "resolve_config", "load_model", "filled_from_bank",
+           "check_supported"]
 
 #: model_type values whose decoder layers the streaming executor runs (tested on Qwen2, Qwen3, Qwen3.5 text).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_5_text", "llama")
@@ -144,7 +145,7 @@ def check_supported(config) -> None:
 FAST_BUILD_PARAMS = 1_000_000_000
 
 
-def _filled_from_bank(skeleton: Any, dtype: Any, seed: int) -> Any:
+def filled_from_bank(skeleton: Any, dtype: Any, seed: int = 0) -> Any:
     """`skeleton` (a meta-device model) on the CPU with every matrix tiled from `quantized.random_bank(dtype, seed)`,
     norms 1, other vectors 0, rotary tables rebuilt and tied weights tied."""
     import torch
@@ -200,7 +201,7 @@ def load_model(name_or_path: str, dtype: str = "bfloat16", seed: int = 0, quanti
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         if sum(p.numel() for p in skeleton.parameters()) >= FAST_BUILD_PARAMS:
-            model = _filled_from_bank(skeleton, torch_dtype, seed)
+            model = filled_from_bank(skeleton, torch_dtype, seed)
         else:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
