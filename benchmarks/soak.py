@@ -96,16 +96,13 @@ class SoakRecorder(TrainerCallback):
             return None
         key = (id(sched), length)
         if key not in self._predicted:
-            from lazytrain_hf.hf import peft_support, plan
+            from lazytrain_hf.hf import plan
             from lazytrain_hf.planning.estimate import evaluate
-            from lazytrain_hf.profiling import analytic_cost_model
 
-            req = self.trainer.plans.request
             resident, rows = plan.running_choices(self.trainer)
 
             def step_ms(T: int) -> float:
-                cm = analytic_cost_model(req.model, req.batch_size, T, req.hardware,
-                                         **req.cost_model_kwargs(rows, resident), **peft_support.frozen_costs(ex))
+                cm = plan.analytic_cost_model_for_trainer(self.trainer, T, resident, rows)
                 return evaluate(cm.for_schedule(sched), sched).step_ms
 
             self._predicted[key] = planned / 1e3 * step_ms(length) / step_ms(int(bucket))

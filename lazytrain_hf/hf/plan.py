@@ -245,6 +245,14 @@ def running_choices(trainer: Any) -> tuple[str, int | None]:
     return ex.resident.placement, ex.schedule.rows_per_pass or trainer.lazy_config.max_rows_per_pass
 
 
+def analytic_cost_model_for_trainer(trainer: Any, seq_len: int, resident: str, rows: int | None) -> Any:
+    """The analytic cost model of this trainer's plan request at `seq_len` tokens per sequence, for the embedding /
+    LM head `resident` and `rows` per pass (no layer timed: `cost_model_for_trainer` adds the measured layers)."""
+    request = trainer.plans.request
+    return analytic_cost_model(request.model, request.batch_size, seq_len, request.hardware,
+                               **request.cost_model_kwargs(rows, resident), **peft_support.frozen_costs(trainer.executor))
+
+
 def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.0,
                            cpu_optim_params_per_s: float | None = None, resident: str | None = None,
                            rows: int | None = None) -> tuple[Any, str, dict[str, Any]]:
@@ -254,8 +262,7 @@ def _cost_model_and_inputs(trainer: Any, seq_len: int, compute_scale: float = 1.
     running = running_choices(trainer)
     resident, rows = resident or running[0], rows or running[1]
     B = request.batch_size
-    cm = analytic_cost_model(request.model, B, seq_len, request.hardware, **request.cost_model_kwargs(rows, resident),
-                             **peft_support.frozen_costs(trainer.executor))
+    cm = analytic_cost_model_for_trainer(trainer, seq_len, resident, rows)
     ex = trainer.executor
     # frozen layers (adapters, a 4-bit base) are measured as they run: the model's own layer, not a fresh bf16 one
     own = getattr(ex, "store", None) is not None and any(ex.frozen)

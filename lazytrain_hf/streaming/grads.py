@@ -139,8 +139,7 @@ class GradSink:
             self.materialize(layer)
 
     def materialize_all(self) -> None:
-        for layer in sorted(self._kept):
-            self.materialize(layer)
+        self.materialize_except(set())
 
     def drop_stale(self, pending: set[int]) -> None:
         """A new window: forget the kept gradients no pending update will read (`pending`: layers whose deferred
